@@ -1,0 +1,20 @@
+"""Pure update-rule ops in the FLA layout [B, T, H, D]. See `linear_attention` for the contract."""
+
+from lineattn.ops.api import (
+    BACKENDS,
+    chunk_delta_rule,
+    chunk_gated_delta_rule,
+    chunk_gla,
+    chunk_kda,
+    chunk_simple_gla,
+    linear_attention,
+    select_backend,
+)
+from lineattn.ops.gates import safe_gate, softplus_gate
+from lineattn.ops.rules import GATES, RULES, WRITE_MODES, Rule, resolve_rule
+
+__all__ = [
+    "BACKENDS", "GATES", "RULES", "WRITE_MODES", "Rule", "chunk_delta_rule", "chunk_gated_delta_rule", "chunk_gla",
+    "chunk_kda", "chunk_simple_gla", "linear_attention", "resolve_rule", "safe_gate", "select_backend",
+    "softplus_gate",
+]

@@ -1,0 +1,205 @@
+"""Public op API: FLA-compatible names, `[B, T, H, D]` layout, explicit keyword arguments.
+
+    o, final_state = linear_attention("kda", q, k, v, g, beta, initial_state=h0, output_final_state=True)
+
+Outputs have q's dtype; states are fp32 `[N, H, K, V]` (N = B, or the number of sequences with `cu_seqlens`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from lineattn.ops import varlen
+from lineattn.ops.chunk import SUB_CHUNK, chunk
+from lineattn.ops.recurrent import recurrent
+from lineattn.ops.rules import Rule, resolve_rule
+from lineattn.ops.scan import scan
+
+BACKENDS = ("auto", "recurrent", "chunk", "scan")
+_NORMALIZER_EPS = 1e-6
+
+
+def _shape_error(name, expected, x):
+    got = "None" if x is None else f"{x.dtype} {tuple(x.shape)}"
+    return ValueError(f"{name} must be {expected}, got {got}")
+
+
+def _check_float(name, x, expected):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise _shape_error(name, f"a floating-point array {expected}", x)
+
+
+def _validate(rule: Rule, q, k, v, g, beta, initial_state, cu_seqlens, backend, chunk_size):
+    if q is None or q.ndim != 4:
+        raise _shape_error("q", "[B, T, H, K]", q)
+    B, T, H, K = q.shape
+    for name, x, expected in (("q", q, "[B, T, H, K]"), ("k", k, f"[{B}, {T}, {H}, {K}] like q"), ("v", v, f"[{B}, {T}, {H}, V]")):
+        if x is None or x.ndim != 4 or x.shape[:3] != (B, T, H) or (name == "k" and x.shape != q.shape):
+            raise _shape_error(name, expected, x)
+        _check_float(name, x, expected)
+    if T == 0:
+        raise _shape_error("q", "[B, T, H, K] with T >= 1", q)
+    V = v.shape[-1]
+    expected_g = {
+        "none": None,
+        "fixed": ((H,), f"[H] = [{H}] (one log decay per head)"),
+        "head": ((B, T, H), f"[B, T, H] = [{B}, {T}, {H}]"),
+        "channel": ((B, T, H, K), f"[B, T, H, K] = [{B}, {T}, {H}, {K}]"),
+        "element": ((B, T, H, K, V), f"[B, T, H, K, V] = [{B}, {T}, {H}, {K}, {V}]"),
+    }[rule.gate]
+    if expected_g is None:
+        if g is not None:
+            raise _shape_error("g", f"None for a rule with gate='none'", g)
+    elif g is None or tuple(g.shape) != expected_g[0]:
+        raise _shape_error("g", f"{expected_g[1]} for gate={rule.gate!r}", g)
+    else:
+        _check_float("g", g, expected_g[1])
+    if rule.write == "delta":
+        if beta is None or tuple(beta.shape) != (B, T, H):
+            raise _shape_error("beta", f"[B, T, H] = [{B}, {T}, {H}] for the delta write", beta)
+        _check_float("beta", beta, "[B, T, H]")
+    elif beta is not None:
+        raise _shape_error("beta", "None for the additive write", beta)
+
+    num_seqs = B
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"cu_seqlens needs packed inputs with B == 1, got B = {B}")
+        cu = varlen.concrete_cu_seqlens(cu_seqlens, T)
+        num_seqs = len(cu) - 1
+    state_V = V + 1 if rule.normalize else V
+    if initial_state is not None:
+        expected = f"[N, H, K, V] = [{num_seqs}, {H}, {K}, {state_V}]"
+        if tuple(initial_state.shape) != (num_seqs, H, K, state_V):
+            raise _shape_error("initial_state", expected, initial_state)
+        _check_float("initial_state", initial_state, expected)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "chunk" and not rule.has_chunk_form:
+        raise ValueError(f"backend='chunk': {rule} has no chunk form (per-element gate); use 'scan' or 'recurrent'")
+    if backend == "scan" and not rule.has_scan_form:
+        raise ValueError(f"backend='scan': {rule} has no scan form; use 'recurrent'")
+    if not (isinstance(chunk_size, int) and chunk_size > 0 and chunk_size % SUB_CHUNK == 0):
+        raise ValueError(f"chunk_size must be a positive multiple of {SUB_CHUNK}, got {chunk_size!r}")
+
+
+def select_backend(rule: Rule, backend: str) -> str:
+    """`auto` picks the fastest backend tested for the rule; otherwise the named one."""
+    if backend != "auto":
+        return backend
+    if rule.has_chunk_form:
+        return "chunk"
+    return "scan" if rule.has_scan_form else "recurrent"
+
+
+def linear_attention(
+    rule: str | Rule | tuple[str, str],
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array | None = None,
+    beta: jax.Array | None = None,
+    *,
+    scale: float | None = None,
+    initial_state: jax.Array | None = None,
+    output_final_state: bool = False,
+    cu_seqlens=None,
+    backend: str = "auto",
+    chunk_size: int = 64,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Any update rule, by name (see `lineattn.ops.rules.RULES`), `Rule`, or `(write, gate)` pair.
+
+    Args:
+      q, k: [B, T, H, K]. v: [B, T, H, V].
+      g: log decay (<= 0): None (gate 'none'), [H] ('fixed'), [B, T, H] ('head'), [B, T, H, K] ('channel'),
+        [B, T, H, K, V] ('element').
+      beta: [B, T, H] write strength for delta rules; None for additive rules.
+      scale: query scale, default K ** -0.5.
+      initial_state: [N, H, K, V] (V + 1 for the normalised rule), N = B or the number of sequences.
+      output_final_state: return the final state [N, H, K, V] (fp32); otherwise None.
+      cu_seqlens: int [N + 1] sequence boundaries of packed inputs (B == 1); must be concrete (NumPy, list).
+        Each sequence starts from its own initial state and returns its own final state.
+      backend: "auto" | "recurrent" | "chunk" | "scan".
+      chunk_size: tokens per chunk for the chunk and scan backends (a multiple of 16).
+
+    Returns:
+      (o [B, T, H, V] in q's dtype, final_state or None).
+    """
+    rule = resolve_rule(rule)
+    _validate(rule, q, k, v, g, beta, initial_state, cu_seqlens, backend, chunk_size)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    out_dtype = q.dtype
+    if scale is None:
+        scale = K**-0.5
+    f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
+    q, k, v, g, beta = map(f32, (q, k, v, g, beta))
+    if rule.gate == "fixed":
+        g = jnp.broadcast_to(g, (B, T, H))
+    if rule.normalize:
+        q, k = jax.nn.elu(q) + 1.0, jax.nn.elu(k) + 1.0
+        v = jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1)  # the normaliser z rides as a value column
+
+    layout = None
+    if cu_seqlens is not None:
+        layout = varlen.PackedLayout(varlen.concrete_cu_seqlens(cu_seqlens, T))
+        q, k, v, g, beta = map(layout.pad, (q, k, v, g, beta))
+    if initial_state is None:
+        initial_state = jnp.zeros((q.shape[0], H, K, v.shape[-1]), jnp.float32)
+
+    name = select_backend(rule, backend)
+    fn = {"recurrent": recurrent, "chunk": functools.partial(chunk, chunk_size=chunk_size),
+          "scan": functools.partial(scan, chunk_size=chunk_size)}[name]
+    o, final_state = fn(q, k, v, g, beta, scale=scale, initial_state=f32(initial_state))
+
+    if layout is not None:
+        o = layout.unpad(o)
+    if rule.normalize:
+        o = o[..., :V] / (o[..., V:] + _NORMALIZER_EPS)
+    return o.astype(out_dtype), (final_state if output_final_state else None)
+
+
+# FLA's names and positional signatures. Keyword arguments and returns as `linear_attention`.
+
+
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+              backend="auto", chunk_size=64):
+    """KDA (delta write, per-channel gate): g [B, T, H, K] log decay, beta [B, T, H]."""
+    return linear_attention("kda", q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                            output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=backend,
+                            chunk_size=chunk_size)
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+                           cu_seqlens=None, backend="auto", chunk_size=64):
+    """Gated DeltaNet (delta write, per-head gate): g [B, T, H] log decay, beta [B, T, H]."""
+    return linear_attention("gdn", q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                            output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=backend,
+                            chunk_size=chunk_size)
+
+
+def chunk_delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                     backend="auto", chunk_size=64):
+    """DeltaNet (delta write, no gate): beta [B, T, H]."""
+    return linear_attention("deltanet", q, k, v, None, beta, scale=scale, initial_state=initial_state,
+                            output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=backend,
+                            chunk_size=chunk_size)
+
+
+def chunk_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+              backend="auto", chunk_size=64):
+    """GLA (additive write, per-channel gate): g [B, T, H, K] log decay."""
+    return linear_attention("gla", q, k, v, g, None, scale=scale, initial_state=initial_state,
+                            output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=backend,
+                            chunk_size=chunk_size)
+
+
+def chunk_simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                     backend="auto", chunk_size=64):
+    """Simple GLA (additive write, per-head gate): g [B, T, H] log decay."""
+    return linear_attention("simple_gla", q, k, v, g, None, scale=scale, initial_state=initial_state,
+                            output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=backend,
+                            chunk_size=chunk_size)
