@@ -1,0 +1,68 @@
+"""Shared helpers: random inputs for any rule, the relative error metric, and the oracle comparison."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lineattn import ops
+
+# Gradient arguments of the op, in order, and which of them a rule takes.
+GRAD_ARGS = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+def rel_err(actual, expected) -> float:
+    """Relative max error: max |actual - expected| / max |expected|."""
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.max(np.abs(actual - expected)) / max(np.max(np.abs(expected)), 1e-30))
+
+
+def make_inputs(rule, *, B=2, T=150, H=2, K=32, V=24, seed=0, g_low=-5.0, g_high=0.0, num_seqs=None):
+    """Random fp32 inputs for `rule`: L2-normalised q, k; beta in (0, 1); log gates uniform in (g_low, g_high)."""
+    rule = ops.resolve_rule(rule)
+    rng = np.random.default_rng(seed)
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    V_state = V + 1 if rule.normalize else V
+    x = {
+        "q": f32(unit(rng.standard_normal((B, T, H, K)))),
+        "k": f32(unit(rng.standard_normal((B, T, H, K)))),
+        "v": f32(rng.standard_normal((B, T, H, V))),
+        "initial_state": f32(0.5 * rng.standard_normal((num_seqs or B, H, K, V_state))),
+    }
+    if rule.normalize:  # keep the normaliser's column positive, as a real state's is
+        x["initial_state"] = x["initial_state"].at[..., -1].set(jnp.abs(x["initial_state"][..., -1]))
+    gate_shape = {"none": None, "fixed": (H,), "head": (B, T, H), "channel": (B, T, H, K),
+                  "element": (B, T, H, K, V)}[rule.gate]
+    x["g"] = None if gate_shape is None else f32(rng.uniform(g_low, g_high, gate_shape))
+    x["beta"] = f32(rng.uniform(0.0, 1.0, (B, T, H))) if rule.write == "delta" else None
+    return x
+
+
+def loss_and_grads(rule, inputs, *, backend, cu_seqlens=None, seed=1, **kwargs):
+    """o, final state and the gradients of sum(o * do) + sum(ht * dht) w.r.t. every input the rule takes."""
+    names = [n for n in GRAD_ARGS if inputs[n] is not None]
+
+    def run(*args):
+        x = dict(inputs, **dict(zip(names, args)))
+        init = x.pop("initial_state")
+        return ops.linear_attention(rule, x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=init,
+                                    output_final_state=True, cu_seqlens=cu_seqlens, backend=backend, **kwargs)
+
+    args = [inputs[n] for n in names]
+    o, ht = run(*args)
+    rng = np.random.default_rng(seed)
+    do = jnp.asarray(rng.standard_normal(o.shape), jnp.float32)
+    dht = jnp.asarray(rng.standard_normal(ht.shape), jnp.float32)
+    loss = lambda *a: (lambda o_ht: jnp.sum(o_ht[0] * do) + jnp.sum(o_ht[1] * dht))(run(*a))
+    grads = jax.jit(jax.grad(loss, argnums=tuple(range(len(args)))))(*args)
+    return o, ht, dict(zip(["d" + n for n in names], grads))
+
+
+def assert_close(actual: dict, expected: dict, tol: float, context: str = ""):
+    errors = {name: rel_err(actual[name], expected[name]) for name in expected}
+    for name, value in expected.items():
+        assert np.all(np.isfinite(np.asarray(actual[name]))), f"{context}: {name} has non-finite values"
+    bad = {name: err for name, err in errors.items() if not err <= tol}
+    assert not bad, f"{context}: relative max error above {tol}: {bad} (all: {errors})"
