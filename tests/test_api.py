@@ -105,7 +105,7 @@ BAD_INPUTS = {
     "cu_seqlens end": (dict(extra=dict(cu_seqlens=np.array([0, 5, 10]))), "end at T = 12"),
     "initial_state per sequence": (dict(extra=dict(cu_seqlens=np.array([0, 5, 12]))), r"initial_state must be \[N, H, K, V\] = \[2,"),
     "unknown backend": (dict(extra=dict(backend="cuda")), "backend must be one of"),
-    "chunk_size": (dict(extra=dict(chunk_size=24)), "chunk_size must be a positive multiple of 16"),
+    "chunk_size": (dict(extra=dict(chunk_size=48)), r"chunk_size must be 16 \* 2\^m"),
 }
 
 

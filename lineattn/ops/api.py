@@ -82,8 +82,9 @@ def _validate(rule: Rule, q, k, v, g, beta, initial_state, cu_seqlens, backend, 
         raise ValueError(f"backend='chunk': {rule} has no chunk form (per-element gate); use 'scan' or 'recurrent'")
     if backend == "scan" and not rule.has_scan_form:
         raise ValueError(f"backend='scan': {rule} has no scan form; use 'recurrent'")
-    if not (isinstance(chunk_size, int) and chunk_size > 0 and chunk_size % SUB_CHUNK == 0):
-        raise ValueError(f"chunk_size must be a positive multiple of {SUB_CHUNK}, got {chunk_size!r}")
+    blocks = chunk_size // SUB_CHUNK if isinstance(chunk_size, int) else 0
+    if not (blocks > 0 and chunk_size % SUB_CHUNK == 0 and blocks & (blocks - 1) == 0):
+        raise ValueError(f"chunk_size must be {SUB_CHUNK} * 2^m (16, 32, 64, 128, ...), got {chunk_size!r}")
 
 
 def select_backend(rule: Rule, backend: str) -> str:
@@ -123,7 +124,7 @@ def linear_attention(
       cu_seqlens: int [N + 1] sequence boundaries of packed inputs (B == 1); must be concrete (NumPy, list).
         Each sequence starts from its own initial state and returns its own final state.
       backend: "auto" | "recurrent" | "chunk" | "scan".
-      chunk_size: tokens per chunk for the chunk and scan backends (a multiple of 16).
+      chunk_size: tokens per chunk for the chunk and scan backends (16 * 2^m; default 64).
 
     Returns:
       (o [B, T, H, V] in q's dtype, final_state or None).
