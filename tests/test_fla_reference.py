@@ -6,6 +6,7 @@ result; tolerance 5e-3 relative max error (relative to the reference's max |valu
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import jax
@@ -16,7 +17,9 @@ import pytest
 from conftest import rel_err
 from lineattn import ops
 
-REF = Path(__file__).resolve().parents[2] / "shared" / "fla_reference" / "ref_kda_T200.npz"
+# ../shared beside the checkout; LINEATTN_SHARED points elsewhere (the GPU machine gets a carried copy).
+SHARED = Path(os.environ.get("LINEATTN_SHARED", Path(__file__).resolve().parents[2] / "shared"))
+REF = SHARED / "fla_reference" / "ref_kda_T200.npz"
 
 
 @pytest.mark.parametrize("backend", ["chunk", "scan", "recurrent"])
