@@ -52,7 +52,7 @@ def _validate(rule: Rule, q, k, v, g, beta, initial_state, cu_seqlens, backend, 
     }[rule.gate]
     if expected_g is None:
         if g is not None:
-            raise _shape_error("g", f"None for a rule with gate='none'", g)
+            raise _shape_error("g", "None for a rule with gate='none'", g)
     elif g is None or tuple(g.shape) != expected_g[0]:
         raise _shape_error("g", f"{expected_g[1]} for gate={rule.gate!r}", g)
     else:
