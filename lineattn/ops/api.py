@@ -33,6 +33,7 @@ def _check_float(name, x, expected):
 
 
 def _validate(rule: Rule, q, k, v, g, beta, initial_state, cu_seqlens, backend, chunk_size):
+    """Raises a ValueError naming the first bad argument; returns cu_seqlens as NumPy (or None)."""
     if q is None or q.ndim != 4:
         raise _shape_error("q", "[B, T, H, K]", q)
     B, T, H, K = q.shape
@@ -64,7 +65,7 @@ def _validate(rule: Rule, q, k, v, g, beta, initial_state, cu_seqlens, backend, 
     elif beta is not None:
         raise _shape_error("beta", "None for the additive write", beta)
 
-    num_seqs = B
+    num_seqs, cu = B, None
     if cu_seqlens is not None:
         if B != 1:
             raise ValueError(f"cu_seqlens needs packed inputs with B == 1, got B = {B}")
@@ -85,6 +86,7 @@ def _validate(rule: Rule, q, k, v, g, beta, initial_state, cu_seqlens, backend, 
     blocks = chunk_size // SUB_CHUNK if isinstance(chunk_size, int) else 0
     if not (blocks > 0 and chunk_size % SUB_CHUNK == 0 and blocks & (blocks - 1) == 0):
         raise ValueError(f"chunk_size must be {SUB_CHUNK} * 2^m (16, 32, 64, 128, ...), got {chunk_size!r}")
+    return cu
 
 
 def select_backend(rule: Rule, backend: str) -> str:
@@ -130,7 +132,7 @@ def linear_attention(
       (o [B, T, H, V] in q's dtype, final_state or None).
     """
     rule = resolve_rule(rule)
-    _validate(rule, q, k, v, g, beta, initial_state, cu_seqlens, backend, chunk_size)
+    cu = _validate(rule, q, k, v, g, beta, initial_state, cu_seqlens, backend, chunk_size)
     B, T, H, K = q.shape
     V = v.shape[-1]
     out_dtype = q.dtype
@@ -145,8 +147,8 @@ def linear_attention(
         v = jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1)  # the normaliser z rides as a value column
 
     layout = None
-    if cu_seqlens is not None:
-        layout = varlen.PackedLayout(varlen.concrete_cu_seqlens(cu_seqlens, T))
+    if cu is not None:
+        layout = varlen.PackedLayout(cu)
         q, k, v, g, beta = map(layout.pad, (q, k, v, g, beta))
     if initial_state is None:
         initial_state = jnp.zeros((q.shape[0], H, K, v.shape[-1]), jnp.float32)
