@@ -69,9 +69,7 @@ def test_norm_attention_is_masked_quadratic_attention_without_denominator(backen
 
 
 def _final_state(rule, g, k, v, backend):
-    B, T, H, K = k.shape
-    q = jnp.zeros_like(k)
-    _, ht = ops.linear_attention(rule, q, k, v, g, output_final_state=True, backend=backend)
+    _, ht = ops.linear_attention(rule, jnp.zeros_like(k), k, v, g, output_final_state=True, backend=backend)
     return ht
 
 
