@@ -14,11 +14,12 @@ import jax.numpy as jnp
 
 from lineattn.ops import varlen
 from lineattn.ops.chunk import SUB_CHUNK, chunk
+from lineattn.ops.pallas import api as pallas_api
 from lineattn.ops.recurrent import recurrent
 from lineattn.ops.rules import Rule, resolve_rule
 from lineattn.ops.scan import scan
 
-BACKENDS = ("auto", "recurrent", "chunk", "scan")
+BACKENDS = ("auto", "recurrent", "chunk", "scan", "pallas")
 _NORMALIZER_EPS = 1e-6
 
 
@@ -83,16 +84,23 @@ def _validate(rule: Rule, q, k, v, g, beta, initial_state, cu_seqlens, backend, 
         raise ValueError(f"backend='chunk': {rule} has no chunk form (per-element gate); use 'scan' or 'recurrent'")
     if backend == "scan" and not rule.has_scan_form:
         raise ValueError(f"backend='scan': {rule} has no scan form; use 'recurrent'")
+    if backend == "pallas":
+        reason = pallas_api.unsupported(rule, q.dtype, K, V, chunk_size)
+        if reason:
+            raise ValueError(f"backend='pallas': {reason}; use 'chunk'")
     blocks = chunk_size // SUB_CHUNK if isinstance(chunk_size, int) else 0
     if not (blocks > 0 and chunk_size % SUB_CHUNK == 0 and blocks & (blocks - 1) == 0):
         raise ValueError(f"chunk_size must be {SUB_CHUNK} * 2^m (16, 32, 64, 128, ...), got {chunk_size!r}")
     return cu
 
 
-def select_backend(rule: Rule, backend: str) -> str:
-    """`auto` picks the fastest backend tested for the rule; otherwise the named one."""
+def select_backend(rule: Rule, backend: str, *, dtype=None, K=None, V=None, chunk_size=64) -> str:
+    """`auto` picks the fastest backend tested for the rule (and, for the Pallas kernels, for the dtype, head
+    dims and device: see `lineattn.ops.pallas.api.auto_ok`); otherwise the named one."""
     if backend != "auto":
         return backend
+    if dtype is not None and pallas_api.auto_ok(rule, dtype, K, V, chunk_size):
+        return "pallas"
     if rule.has_chunk_form:
         return "chunk"
     return "scan" if rule.has_scan_form else "recurrent"
@@ -125,8 +133,9 @@ def linear_attention(
       output_final_state: return the final state [N, H, K, V] (fp32); otherwise None.
       cu_seqlens: int [N + 1] sequence boundaries of packed inputs (B == 1); must be concrete (NumPy, list).
         Each sequence starts from its own initial state and returns its own final state.
-      backend: "auto" | "recurrent" | "chunk" | "scan".
-      chunk_size: tokens per chunk for the chunk and scan backends (16 * 2^m; default 64).
+      backend: "auto" | "recurrent" | "chunk" | "scan" | "pallas".
+      chunk_size: tokens per chunk for the chunk, scan and pallas backends (16 * 2^m; pallas: 16, 32 or 64;
+        default 64).
 
     Returns:
       (o [B, T, H, V] in q's dtype, final_state or None).
@@ -138,8 +147,13 @@ def linear_attention(
     out_dtype = q.dtype
     if scale is None:
         scale = K**-0.5
+    name = select_backend(rule, backend, dtype=q.dtype, K=K, V=V, chunk_size=chunk_size)
     f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
-    q, k, v, g, beta = map(f32, (q, k, v, g, beta))
+    if name == "pallas":  # the kernels take q, k, v, beta in one dtype (bf16 or fp32) and an fp32 gate
+        q, k, v, beta = (None if x is None else jnp.asarray(x, out_dtype) for x in (q, k, v, beta))
+        g = f32(g)
+    else:
+        q, k, v, g, beta = map(f32, (q, k, v, g, beta))
     if rule.gate == "fixed":
         g = jnp.broadcast_to(g, (B, T, H))
     if rule.normalize:
@@ -153,9 +167,9 @@ def linear_attention(
     if initial_state is None:
         initial_state = jnp.zeros((q.shape[0], H, K, v.shape[-1]), jnp.float32)
 
-    name = select_backend(rule, backend)
     fn = {"recurrent": recurrent, "chunk": functools.partial(chunk, chunk_size=chunk_size),
-          "scan": functools.partial(scan, chunk_size=chunk_size)}[name]
+          "scan": functools.partial(scan, chunk_size=chunk_size),
+          "pallas": functools.partial(pallas_api.run, chunk_size=chunk_size)}[name]
     o, final_state = fn(q, k, v, g, beta, scale=scale, initial_state=f32(initial_state))
 
     if layout is not None:

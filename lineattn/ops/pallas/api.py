@@ -1,0 +1,49 @@
+"""What `backend="pallas"` accepts, what `backend="auto"` hands to it, and the call itself."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from lineattn.ops.pallas.common import is_pow2, on_gpu
+
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+GATES = ("none", "fixed", "head", "channel")  # a head gate is a channel gate equal across K
+
+# What the GPU tests (tests/test_pallas*.py run on the H200, plus benchmarks/bench_pallas_kda.py) cover: `auto`
+# picks the kernels only inside this set, on a GPU.
+AUTO_RULES = (("delta", "channel"), ("delta", "head"), ("delta", "none"), ("additive", "channel"))  # kda gdn deltanet gla
+AUTO_DIMS = (32, 64, 128)
+AUTO_CHUNKS = (32, 64)
+
+
+def unsupported(rule, dtype, K: int, V: int, chunk_size) -> str | None:
+    """Why the kernels cannot run this call, or None."""
+    if rule.gate not in GATES:
+        return f"gate {rule.gate!r} has no kernel (gates: {GATES})"
+    if rule.normalize:
+        return "the normalised rule (linear_attn) has no kernel"
+    if jnp.dtype(dtype) not in DTYPES:
+        return f"q must be bfloat16 or float32, got {jnp.dtype(dtype)}"
+    if not (is_pow2(K) and 16 <= K <= 256 and is_pow2(V) and 16 <= V <= 256):
+        return f"K and V must be powers of two in [16, 256], got K={K}, V={V}"
+    if chunk_size not in (16, 32, 64):
+        return f"chunk_size must be 16, 32 or 64, got {chunk_size}"
+    return None
+
+
+def auto_ok(rule, dtype, K, V, chunk_size) -> bool:
+    """`auto` takes the kernels only on a GPU, for rules, dtypes and head dims the GPU tests cover."""
+    return (on_gpu() and (rule.write, rule.gate) in AUTO_RULES and not rule.normalize and K in AUTO_DIMS and V in AUTO_DIMS
+            and chunk_size in AUTO_CHUNKS and unsupported(rule, dtype, K, V, chunk_size) is None)
+
+
+def run(q, k, v, g, beta, *, scale: float, initial_state, chunk_size: int = 64):
+    """Backend entry (`lineattn.ops.common` shapes; q, k, v, beta in one dtype, g fp32 or None)."""
+    from lineattn.ops.pallas.chunk import chunk_pallas
+
+    B, T, H, K = q.shape
+    if g is None:
+        g = jnp.zeros((B, T, H, K), jnp.float32)
+    elif g.ndim == 3:
+        g = jnp.broadcast_to(g[..., None], (B, T, H, K))
+    return chunk_pallas(q, k, v, g.astype(jnp.float32), beta, initial_state, float(scale), chunk_size)

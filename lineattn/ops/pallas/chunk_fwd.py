@@ -1,0 +1,206 @@
+"""Chunkwise delta-rule forward in two Pallas kernels (see ../shared/CHUNK_ALGORITHM.md for the algebra).
+
+Kernel 1, `intra`, one program per (batch, head, chunk), all in parallel. For a chunk of C tokens it works in
+16-row sub-blocks (loaded one by one from the refs: the Triton backend cannot slice a register tile):
+  - gate cumsum G inside the chunk, per sub-block with a running carry (the carry before block a is G at the end
+    of block a-1: the block's reference point);
+  - the gated Gram matrices M (queries x keys, j <= i) and A (keys x keys, j < i, times beta_i). Off-diagonal
+    sub-blocks (a > b) factor the decay through the reference point n of block a:
+    `(x_a e^(G_a - G_n)) (k_b e^(G_n - G_b))^T`, both exponents <= 0. Diagonal sub-blocks take `e^(G_i - G_j)`
+    pair by pair, one key column j at a time, masked before the exp: exact for any g <= 0 (also -1000);
+  - R = (I + A)^-1 by forward substitution inside each 16x16 diagonal block and block forward substitution
+    below it (the same numbers as merging 16 -> 32 -> 64);
+  - U = R Diag(b) V, W = R Diag(b) Kin, and writes Qin = scale q e^G, Kg = k e^(G_C - G), W, U, M and e^(G_C).
+Kernel 2, `state_pass`, one program per (batch, head, V tile): the sequential pass over chunks with the fp32
+state in registers, E = U - W S, O = Qin S + M E, S <- Diag(e^(G_C)) S + Kg^T E; writes O and the final state.
+
+Precision: bf16 inputs keep bf16 intermediates (Qin, Kg, W, U, M) and run kernel 2's products on bf16 tensor
+cores with fp32 accumulation; kernel 1's products take TF32. fp32 inputs run everything in exact fp32.
+Intermediate memory: (3 K + V + C) values per token and head in the input dtype, plus K fp32 per chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from lineattn.ops.pallas.common import SUB, compiler_params, dot, interpret_mode, is_pow2
+
+f32 = jnp.float32
+
+
+def _iota(shape, dim):
+    return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def _row(x, i, rows):
+    """Row i of a register tile x [s, D] (traced i) as a vector [D]."""
+    return jnp.sum(jnp.where(rows == i, x, 0.0), axis=0)
+
+
+def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
+                  qin_ref, kg_ref, w_ref, u_ref, m_ref, dend_ref, *, C, scale, prec, delta):
+    s, nb = SUB, C // SUB
+    K = k_ref.shape[-1]
+    rows_s1, cols_ss, rows_ss = _iota((s, 1), 0), _iota((s, s), 1), _iota((s, s), 0)
+    cols_1s = _iota((1, s), 1)
+    eye = (rows_ss == cols_ss).astype(f32)
+    load = lambda ref, a: ref[pl.ds(a * s, s), :].astype(f32)
+
+    q = [load(q_ref, a) * scale for a in range(nb)]
+    k = [load(k_ref, a) for a in range(nb)]
+    G, start = [], []
+    carry = jnp.zeros((K,), f32)
+    for a in range(nb):
+        g_a = load(g_ref, a)
+        start.append(carry)
+        G.append(jnp.cumsum(g_a, axis=0) + carry[None, :])
+        carry = carry + jnp.sum(g_a, axis=0)
+    G_end = carry
+
+    M, KK = {}, {}
+    for a in range(nb):
+        qa, ka, Ga = q[a], k[a], G[a]
+
+        def column(j, acc, qa=qa, ka=ka, Ga=Ga):
+            m_acc, kk_acc = acc
+            kj, Gj = _row(ka, j, rows_s1), _row(Ga, j, rows_s1)
+            decay = jnp.exp(jnp.where(rows_s1 >= j, Ga - Gj[None, :], -jnp.inf))  # masked before the exp
+            kd = decay * kj[None, :]
+            m_col = jnp.sum(qa * kd, axis=1)[:, None]
+            kk_col = jnp.sum(ka * kd, axis=1)[:, None]
+            m_acc = jnp.where(cols_ss == j, m_col, m_acc)
+            kk_acc = jnp.where((cols_ss == j) & (rows_ss > j), kk_col, kk_acc)
+            return m_acc, kk_acc
+
+        zero = jnp.zeros((s, s), f32)
+        M[a, a], KK[a, a] = jax.lax.fori_loop(0, s, column, (zero, zero))
+        if a:
+            row_decay = jnp.exp(Ga - start[a][None, :])
+            qa_r, ka_r = qa * row_decay, ka * row_decay
+            for b in range(a):
+                kb_l = k[b] * jnp.exp(start[a][None, :] - G[b])
+                M[a, b] = dot(qa_r, kb_l, prec, trans_b=True)
+                if delta:
+                    KK[a, b] = dot(ka_r, kb_l, prec, trans_b=True)
+
+    kin = [k[a] * jnp.exp(G[a]) for a in range(nb)]
+    for a in range(nb):
+        t = pl.ds(a * s, s)
+        qin_ref[t, :] = (q[a] * jnp.exp(G[a])).astype(qin_ref.dtype)
+        kg_ref[t, :] = (k[a] * jnp.exp(G_end[None, :] - G[a])).astype(kg_ref.dtype)
+        for b in range(nb):
+            m_ref[t, pl.ds(b * s, s)] = (M[a, b] if b <= a else jnp.zeros((s, s), f32)).astype(m_ref.dtype)
+    dend_ref[...] = jnp.exp(G_end)
+
+    if not delta:  # additive write: E = V, no solve
+        return
+    beta = [beta_ref[pl.ds(a * s, s)].astype(f32)[:, None] for a in range(nb)]
+    A = {ab: beta[ab[0]] * KK[ab] for ab in KK}
+    X = {}
+    for a in range(nb):
+        A_aa = A[a, a]
+
+        def substitute(i, Xa, A_aa=A_aa):
+            a_i = _row(A_aa, i, rows_ss)  # row i of the strictly lower block, indexed by column j
+            new = (cols_1s == i).astype(f32) - jnp.sum(a_i[:, None] * Xa, axis=0)[None, :]
+            return jnp.where(rows_ss == i, new, Xa)
+
+        X[a, a] = jax.lax.fori_loop(1, s, substitute, eye)
+        for b in range(a - 1, -1, -1):
+            acc = dot(A[a, b], X[b, b], prec)
+            for c in range(b + 1, a):
+                acc = acc + dot(A[a, c], X[c, b], prec)
+            X[a, b] = -dot(X[a, a], acc, prec)
+    bv = [beta[b] * load(v_ref, b) for b in range(nb)]
+    bk = [beta[b] * kin[b] for b in range(nb)]
+    for a in range(nb):
+        t = pl.ds(a * s, s)
+        u = sum(dot(X[a, b], bv[b], prec) for b in range(a + 1))
+        w = sum(dot(X[a, b], bk[b], prec) for b in range(a + 1))
+        u_ref[t, :] = u.astype(u_ref.dtype)
+        w_ref[t, :] = w.astype(w_ref.dtype)
+
+
+def _state_pass_kernel(qin_ref, kg_ref, w_ref, u_ref, m_ref, dend_ref, h0_ref, o_ref, ht_ref, *, C, N, prec, delta):
+    def body(n, S):
+        t = pl.ds(n * C, C)
+        U = u_ref[t, :].astype(f32)
+        E = U - dot(w_ref[t, :], S, prec) if delta else U
+        O = dot(qin_ref[t, :], S, prec) + dot(m_ref[t, :], E, prec)
+        o_ref[t, :] = O.astype(o_ref.dtype)
+        return S * dend_ref[:, pl.ds(n, 1)] + dot(kg_ref[t, :], E, prec, trans_a=True)
+
+    ht_ref[...] = jax.lax.fori_loop(0, N, body, h0_ref[...].astype(f32))
+
+
+def check_shapes(K: int, V: int, chunk_size: int):
+    if not (is_pow2(K) and 16 <= K <= 256 and is_pow2(V) and 16 <= V <= 256):
+        raise ValueError(f"the Pallas kernels need K and V powers of two in [16, 256], got K={K}, V={V}")
+    if chunk_size not in (16, 32, 64):
+        raise ValueError(f"the Pallas kernels take chunk_size 16, 32 or 64, got {chunk_size}")
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "interpret", "block_v"))
+def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpret: bool | None = None,
+            block_v: int | None = None):
+    """o [B, T, H, V] (q's dtype) and final state [B, H, K, V] fp32 of the delta rule with a per-channel gate.
+
+    q, k [B, T, H, K] and v [B, T, H, V] (bf16 or fp32, one dtype), g [B, T, H, K] log decay (fp32; zeros for
+    no gate), beta [B, T, H] or None (additive write), h0 [B, H, K, V] fp32.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    check_shapes(K, V, C)
+    interpret = interpret_mode(interpret)
+    delta = beta is not None
+    pad = -T % C
+    if pad:
+        pad_t = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        q, k, v, g = map(pad_t, (q, k, v, g))
+        beta = pad_t(beta) if delta else None
+    Tp, N = T + pad, (T + pad) // C
+    dt = q.dtype
+    exact = dt == jnp.float32
+    store = f32 if exact else dt
+    if not delta:
+        beta = jnp.zeros((B, Tp, H), dt)  # unused by the additive kernel
+
+    tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
+    chunk_out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
+    qin, kg, w, u, m, dend = pl.pallas_call(
+        functools.partial(_intra_kernel, C=C, scale=scale, prec="ieee" if exact else "tf32", delta=delta),
+        grid=(B, H, N),
+        in_specs=[tok(K), tok(K), tok(V), tok(K), pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))],
+        out_specs=[chunk_out(K), chunk_out(K), chunk_out(K), chunk_out(V), chunk_out(C),
+                   pl.BlockSpec((None, None, K, None), lambda b, h, n: (b, h, 0, n))],
+        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, K), store)] * 3
+        + [jax.ShapeDtypeStruct((B, H, Tp, V), store), jax.ShapeDtypeStruct((B, H, Tp, C), store),
+           jax.ShapeDtypeStruct((B, H, K, N), f32)],
+        compiler_params=compiler_params(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="lineattn_chunk_intra",
+    )(q, k, v, g, beta)
+    if not delta:
+        u = jnp.moveaxis(v, 2, 1).astype(store)
+
+    BV = block_v or min(V, 64)
+    whole = lambda D: pl.BlockSpec((None, None, Tp, D), lambda b, h, j: (b, h, 0, 0))
+    vtile = pl.BlockSpec((None, None, Tp, BV), lambda b, h, j: (b, h, 0, j))
+    state = pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j))
+    o, ht = pl.pallas_call(
+        functools.partial(_state_pass_kernel, C=C, N=N, prec="ieee" if exact else "bf16", delta=delta),
+        grid=(B, H, V // BV),
+        in_specs=[whole(K), whole(K), whole(K), vtile, whole(C),
+                  pl.BlockSpec((None, None, K, N), lambda b, h, j: (b, h, 0, 0)), state],
+        out_specs=[pl.BlockSpec((None, Tp, None, BV), lambda b, h, j: (b, 0, h, j)), state],
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), dt), jax.ShapeDtypeStruct((B, H, K, V), f32)],
+        compiler_params=compiler_params(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="lineattn_chunk_state_pass",
+    )(qin, kg, w, u, m, dend, h0.astype(f32))
+    return o[:, :T], ht
