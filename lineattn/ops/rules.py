@@ -36,9 +36,9 @@ class Rule:
       gate: forget-gate granularity, see the module docstring.
       normalize: vanilla linear attention (Katharopoulos et al.): feature map
         phi(x) = elu(x) + 1 on q and k, and the output divided by
-        phi(q)^T z_t with z_t = sum_s phi(k_s). Only for additive rules. The
-        normaliser z is carried as one extra value column of the state, so such a
-        rule's state is [K, V + 1].
+        phi(q)^T z_t with z_t = sum_s phi(k_s). Only for additive rules; with a
+        gate, z decays with the state. The normaliser z is carried as one extra
+        value column of the state, so such a rule's state is [K, V + 1].
     """
 
     write: WriteMode
@@ -50,8 +50,8 @@ class Rule:
             raise ValueError(f"rule write mode must be one of {WRITE_MODES}, got {self.write!r}")
         if self.gate not in GATES:
             raise ValueError(f"rule gate granularity must be one of {GATES}, got {self.gate!r}")
-        if self.normalize and (self.write, self.gate) != ("additive", "none"):
-            raise ValueError("normalize=True (vanilla linear attention) needs write='additive', gate='none'")
+        if self.normalize and self.write != "additive":
+            raise ValueError("normalize=True (vanilla linear attention) needs write='additive'")
 
     @property
     def has_chunk_form(self) -> bool:

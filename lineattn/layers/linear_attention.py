@@ -1,0 +1,165 @@
+"""The linear-attention mixer for every update rule (write mode x gate granularity), with decode state."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lineattn import ops
+from lineattn.layers.basic import dense, rms_norm
+from lineattn.layers.conv import ShortConv
+from lineattn.layers.segments import RESET_LOG_GATE, segment_starts
+
+GATE_FNS = ("safe", "softplus")
+
+
+class LinearState(NamedTuple):
+    """Decode state of one linear layer: conv [B, W - 1, C] pre-conv inputs (None without a conv) and the fp32
+    recurrent state [B, H, K, V] (V + 1 for vanilla linear attention's normaliser column)."""
+
+    conv: jax.Array | None
+    recurrent: jax.Array
+
+
+def _l2_normalize(x, eps=1e-6):
+    x32 = x.astype(jnp.float32)
+    return (x32 * jax.lax.rsqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
+def _init_A_log(key, num_heads):
+    """Per-head rate A ~ U(1, 16), stored as log A (Mamba2 / Gated DeltaNet / KDA)."""
+    return jnp.log(jax.random.uniform(key, (num_heads,), jnp.float32, 1.0, 16.0))
+
+
+def _init_dt_bias(key, shape):
+    """dt ~ log-uniform in [1e-3, 1e-1] (floored at 1e-4), stored through the inverse softplus."""
+    log_dt = jax.random.uniform(key, shape, jnp.float32, math.log(1e-3), math.log(1e-1))
+    dt = jnp.maximum(jnp.exp(log_dt), 1e-4)
+    return dt + jnp.log(-jnp.expm1(-dt))
+
+
+def _retnet_A_log(num_heads):
+    """RetNet's fixed decays gamma_h = 1 - 2^(-5 - h), stored as log(-log gamma) so that g = -exp(A_log)."""
+    gamma = 1.0 - 2.0 ** (-5.0 - jnp.arange(num_heads, dtype=jnp.float32))
+    return jnp.log(-jnp.log(gamma))
+
+
+def with_resets(rule: ops.Rule, g, resets_BT, num_heads: int):
+    """Adds RESET_LOG_GATE to the log gate where a segment starts, so the carried state is wiped there.
+
+    Rules without a data-dependent gate get a head gate (zero, or the fixed decay) to carry the reset.
+    """
+    B, T = resets_BT.shape
+    cut_BT = jnp.where(resets_BT, RESET_LOG_GATE, 0.0).astype(jnp.float32)
+    if rule.gate in ("none", "fixed"):
+        base = jnp.zeros((num_heads,), jnp.float32) if g is None else g
+        rule = ops.Rule(rule.write, "head", rule.normalize)
+        return rule, base + cut_BT[..., None]
+    return rule, g + cut_BT.reshape(B, T, *(1,) * (g.ndim - 2))
+
+
+class LinearAttention(nnx.Module):
+    """A linear-attention mixer: projections, short conv + SiLU, (L2-normalised q/k for delta rules), beta,
+    forget gate, the update rule from `lineattn.ops`, head-wise RMSNorm times a sigmoid output gate, projection.
+
+    Gates (log space, g <= 0), by granularity:
+      fixed    g_h = -exp(A_log_h), one learned constant per head (RetNet initialisation).
+      head     g = gate_fn(W x) with one value per head.
+      channel  g = gate_fn(W_up W_down x), low rank (width -> K -> H K), one value per key channel (KDA).
+      element  as channel, but W_up maps to H K V: one value per state element.
+    gate_fn is "safe" (lower_bound * sigmoid(exp(A_log) (x + dt_bias)), KDA) or "softplus"
+    (-exp(A_log) softplus(x + dt_bias), Mamba2 / Gated DeltaNet). A_log ~ log U(1, 16) and dt_bias is the inverse
+    softplus of dt ~ log-uniform [1e-3, 1e-1], as in the Mamba2 / GDN / KDA releases.
+    """
+
+    def __init__(self, width: int, num_heads: int, head_k_dim: int, head_v_dim: int, rule, *, conv_size: int = 4,
+                 gate_fn: str = "safe", lower_bound: float = -5.0, backend: str = "auto", rngs: nnx.Rngs,
+                 dtype=None, param_dtype=jnp.float32):
+        if gate_fn not in GATE_FNS:
+            raise ValueError(f"gate_fn must be one of {GATE_FNS}, got {gate_fn!r}")
+        if backend not in ops.BACKENDS:
+            raise ValueError(f"backend must be one of {ops.BACKENDS}, got {backend!r}")
+        self.rule = ops.resolve_rule(rule)
+        H, K, V = num_heads, head_k_dim, head_v_dim
+        self.num_heads, self.head_k_dim, self.head_v_dim = H, K, V
+        self.gate_fn, self.lower_bound, self.backend = gate_fn, lower_bound, backend
+        make = functools.partial(dense, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.q_proj, self.k_proj, self.v_proj = make(width, H * K), make(width, H * K), make(width, H * V)
+        self.conv = nnx.data(ShortConv(H * (2 * K + V), conv_size, rngs=rngs, param_dtype=param_dtype) if conv_size else None)
+        self.b_proj = nnx.data(make(width, H) if self.rule.write == "delta" else None)
+
+        gate = self.rule.gate
+        A_log = dt_bias = g_proj = g_up = None
+        if gate == "fixed":
+            A_log = nnx.Param(_retnet_A_log(H))
+        elif gate != "none":
+            per_head = {"head": (), "channel": (K,), "element": (K * V,)}[gate]
+            if gate == "head":
+                g_proj = make(width, H)
+            else:
+                g_proj, g_up = make(width, K), make(K, H * per_head[0])
+            A_log = nnx.Param(_init_A_log(rngs.params(), H))
+            dt_bias = nnx.Param(_init_dt_bias(rngs.params(), (H, *per_head)))
+        self.A_log, self.dt_bias = nnx.data(A_log), nnx.data(dt_bias)
+        self.g_proj, self.g_up = nnx.data(g_proj), nnx.data(g_up)
+        self.o_norm = rms_norm(V, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.o_gate_down, self.o_gate_up = make(width, V), make(V, H * V)
+        self.o_proj = make(H * V, width)
+
+    @property
+    def state_v_dim(self) -> int:
+        return self.head_v_dim + 1 if self.rule.normalize else self.head_v_dim
+
+    def init_state(self, batch: int, max_len: int | None = None, dtype=jnp.float32) -> LinearState:
+        conv = None if self.conv is None else self.conv.init_state(batch, dtype)
+        S = jnp.zeros((batch, self.num_heads, self.head_k_dim, self.state_v_dim), jnp.float32)
+        return LinearState(conv, S)
+
+    def log_gate(self, x_BTD):
+        """g in the layout `lineattn.ops` expects for the rule ([H], [B, T, H], [B, T, H, K] or [B, T, H, K, V])."""
+        gate, H = self.rule.gate, self.num_heads
+        if gate == "none":
+            return None
+        if gate == "fixed":
+            return -jnp.exp(self.A_log.value)
+        B, T, _ = x_BTD.shape
+        raw = self.g_proj(x_BTD) if gate == "head" else self.g_up(self.g_proj(x_BTD)).reshape(B, T, H, -1)
+        raw = raw.astype(jnp.float32)
+        if self.gate_fn == "safe":
+            g = ops.safe_gate(raw, self.A_log.value, self.dt_bias.value, self.lower_bound)
+        else:
+            g = ops.softplus_gate(raw, self.A_log.value, self.dt_bias.value)
+        return g.reshape(B, T, H, self.head_k_dim, self.head_v_dim) if gate == "element" else g
+
+    def __call__(self, x_BTD, *, segment_ids=None, state: LinearState | None = None, **unused_context):
+        """x [B, T, width] -> (y [B, T, width], new LinearState or None when `state` is None).
+
+        segment_ids [B, T] (0 = padding) resets the state where a segment starts and keeps the conv inside
+        segments. With `state`, x continues from it (prefill or decode step) and the new state is returned.
+        """
+        B, T, _ = x_BTD.shape
+        H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
+        qkv = jnp.concatenate([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], axis=-1)
+        conv_state = None
+        if self.conv is not None:
+            qkv, conv_state = self.conv(qkv, segment_ids=segment_ids, state=None if state is None else state.conv)
+        q, k, v = jnp.split(qkv, [H * K, 2 * H * K], axis=-1)
+        q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, V)
+        beta = None
+        if self.rule.write == "delta":
+            q, k = _l2_normalize(q), _l2_normalize(k)
+            beta = jax.nn.sigmoid(self.b_proj(x_BTD).astype(jnp.float32))
+        rule, g = self.rule, self.log_gate(x_BTD)
+        if segment_ids is not None:
+            rule, g = with_resets(rule, g, segment_starts(segment_ids), H)
+        backend = "recurrent" if state is not None and T == 1 else self.backend
+        o, S = ops.linear_attention(rule, q, k, v, g, beta, initial_state=None if state is None else state.recurrent,
+                                    output_final_state=state is not None, backend=backend)
+        o_gate = jax.nn.sigmoid(self.o_gate_up(self.o_gate_down(x_BTD))).reshape(B, T, H, V)
+        y = self.o_proj((self.o_norm(o) * o_gate).reshape(B, T, H * V))
+        return y, (None if state is None else LinearState(conv_state, S))

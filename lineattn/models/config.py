@@ -1,0 +1,132 @@
+"""The hybrid LM's configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from lineattn import ops
+
+ATTENTION_MIXERS = ("attention", "attention_rope", "attention_nope")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def mixer_names() -> tuple[str, ...]:
+    return ATTENTION_MIXERS + tuple(ops.RULES)
+
+
+def _as_mixer(entry):
+    """A layer-pattern entry: an attention name, a rule name, or a (write, gate) pair (list from YAML is fine)."""
+    if isinstance(entry, str):
+        if entry in ATTENTION_MIXERS or entry in ops.RULES:
+            return entry
+        raise ValueError(f"layer_pattern: unknown mixer {entry!r}; expected one of {mixer_names()} "
+                         "or a (write, gate) pair")
+    if isinstance(entry, (tuple, list)) and len(entry) == 2 and all(isinstance(e, str) for e in entry):
+        ops.Rule(*entry)  # raises a ValueError naming the bad write mode / gate
+        return tuple(entry)
+    raise ValueError(f"layer_pattern: entry {entry!r} must be a mixer name or a (write, gate) pair")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """A hybrid LM: `layer_pattern` repeats to fill `num_layers` (e.g. 3 KDA : 1 attention, Kimi Linear's ratio).
+
+    Attributes:
+      vocab_size, width, num_layers, num_heads: the usual.
+      layer_pattern: mixer names ("attention" follows `rope`; "attention_rope" / "attention_nope" force it; any
+        rule of `lineattn.ops.RULES`) or (write, gate) pairs.
+      head_dim: key dim of linear heads and head dim of attention (default width // num_heads).
+      head_v_dim: value dim of linear heads (default head_dim).
+      num_kv_heads: attention key/value heads, GQA (default num_heads).
+      mlp_ratio: SwiGLU hidden size = mlp_ratio * width rounded up to a multiple of 8.
+      conv_size: short-conv kernel of linear layers (0 disables it).
+      gate_fn, lower_bound: forget-gate parameterisation ("safe" = lower_bound * sigmoid(.), or "softplus").
+      rope, rope_theta: rotary embeddings for "attention" layers.
+      tie_embeddings: the output head reuses the embedding matrix.
+      dtype, param_dtype: compute and parameter dtypes.
+      backend: `lineattn.ops` backend of the linear layers ("auto" picks the fastest tested one).
+    """
+
+    vocab_size: int
+    width: int
+    num_layers: int
+    num_heads: int
+    layer_pattern: tuple = ("kda", "kda", "kda", "attention")
+    head_dim: int | None = None
+    head_v_dim: int | None = None
+    num_kv_heads: int | None = None
+    mlp_ratio: float = 8 / 3
+    conv_size: int = 4
+    gate_fn: str = "safe"
+    lower_bound: float = -5.0
+    rope: bool = True
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    backend: str = "auto"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "width", "num_layers", "num_heads"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.head_dim is None and self.width % self.num_heads:
+            raise ValueError(f"width ({self.width}) must be divisible by num_heads ({self.num_heads}), "
+                             "or set head_dim")
+        for name in ("head_dim", "head_v_dim", "num_kv_heads"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if self.num_heads % self.kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.kv_heads})")
+        pattern = self.layer_pattern
+        if isinstance(pattern, str) or not isinstance(pattern, (tuple, list)) or not pattern:
+            raise ValueError(f"layer_pattern must be a non-empty list of mixers, got {pattern!r}")
+        object.__setattr__(self, "layer_pattern", tuple(_as_mixer(e) for e in pattern))
+        if not self.mlp_ratio > 0:
+            raise ValueError(f"mlp_ratio must be positive, got {self.mlp_ratio!r}")
+        if not isinstance(self.conv_size, int) or self.conv_size < 0:
+            raise ValueError(f"conv_size must be an int >= 0, got {self.conv_size!r}")
+        if self.gate_fn not in ("safe", "softplus"):
+            raise ValueError(f"gate_fn must be 'safe' or 'softplus', got {self.gate_fn!r}")
+        if not self.lower_bound < 0:
+            raise ValueError(f"lower_bound must be negative, got {self.lower_bound!r}")
+        for name in ("dtype", "param_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"{name} must be one of {DTYPES}, got {getattr(self, name)!r}")
+        if self.backend not in ops.BACKENDS:
+            raise ValueError(f"backend must be one of {ops.BACKENDS}, got {self.backend!r}")
+        if self.has_rope and self.head_k_dim % 2:
+            raise ValueError(f"rotary attention needs an even head_dim, got {self.head_k_dim}")
+
+    @property
+    def head_k_dim(self) -> int:
+        return self.head_dim or self.width // self.num_heads
+
+    @property
+    def value_dim(self) -> int:
+        return self.head_v_dim or self.head_k_dim
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        return -(-int(round(self.mlp_ratio * self.width)) // 8) * 8
+
+    @property
+    def mixers(self) -> tuple:
+        """The mixer of every layer (the pattern repeated, truncated to num_layers)."""
+        return tuple(self.layer_pattern[i % len(self.layer_pattern)] for i in range(self.num_layers))
+
+    @property
+    def has_rope(self) -> bool:
+        return any(m == "attention_rope" or (m == "attention" and self.rope) for m in self.mixers)
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.dtype)

@@ -1,0 +1,100 @@
+"""The hybrid LM: embedding, pre-norm residual blocks (mixer + SwiGLU), final norm, tied or separate head."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lineattn.layers import Attention, LinearAttention, SwiGLU, rms_norm
+from lineattn.layers.segments import check_segment_ids, positions_in_segment
+from lineattn.models.config import ATTENTION_MIXERS, ModelConfig
+
+
+def _make_mixer(cfg: ModelConfig, mixer, rngs: nnx.Rngs):
+    kw = dict(rngs=rngs, dtype=cfg.compute_dtype, param_dtype=jnp.dtype(cfg.param_dtype))
+    if mixer in ATTENTION_MIXERS:
+        rope = mixer == "attention_rope" or (mixer == "attention" and cfg.rope)
+        return Attention(cfg.width, cfg.num_heads, cfg.kv_heads, cfg.head_k_dim, rope=rope, rope_theta=cfg.rope_theta,
+                         **kw)
+    return LinearAttention(cfg.width, cfg.num_heads, cfg.head_k_dim, cfg.value_dim, mixer, conv_size=cfg.conv_size,
+                           gate_fn=cfg.gate_fn, lower_bound=cfg.lower_bound, backend=cfg.backend, **kw)
+
+
+class Block(nnx.Module):
+    """x + mixer(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, mixer, *, rngs: nnx.Rngs):
+        kw = dict(rngs=rngs, dtype=cfg.compute_dtype, param_dtype=jnp.dtype(cfg.param_dtype))
+        self.mixer_norm, self.mlp_norm = rms_norm(cfg.width, **kw), rms_norm(cfg.width, **kw)
+        self.mixer = _make_mixer(cfg, mixer, rngs)
+        self.mlp = SwiGLU(cfg.width, cfg.mlp_hidden, **kw)
+
+    def __call__(self, x_BTD, *, positions, segment_ids, state=None, slot=None, start=None):
+        y, state = self.mixer(self.mixer_norm(x_BTD), positions=positions, segment_ids=segment_ids, state=state,
+                              slot=slot, start=start)
+        x_BTD = x_BTD + y
+        return x_BTD + self.mlp(self.mlp_norm(x_BTD)), state
+
+
+def _check_tokens(tokens, vocab_size):
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise ValueError(f"tokens must be an integer array [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
+    if not isinstance(tokens, jax.core.Tracer) and tokens.size:  # ids can only be checked when concrete
+        lo, hi = int(np.min(tokens)), int(np.max(tokens))
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"tokens must be ids in [0, {vocab_size}), got values in [{lo}, {hi}]")
+
+
+class HybridLM(nnx.Module):
+    """A decoder-only LM whose layers mix linear-attention rules and softmax attention (see `ModelConfig`).
+
+    `model(tokens [B, T], segment_ids=None) -> logits [B, T, vocab] (fp32)`. `segment_ids` [B, T] packs documents:
+    a token sees only earlier tokens with the same id (0 = padding). Out-of-range ids raise a ValueError when
+    the tokens are concrete; under jit they are not checked (the embedding lookup then yields NaN).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        dtype, param_dtype = cfg.compute_dtype, jnp.dtype(cfg.param_dtype)
+        self.embed = nnx.Embed(cfg.vocab_size, cfg.width, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                               embedding_init=nnx.initializers.normal(1.0))
+        self.blocks = nnx.List([Block(cfg, m, rngs=rngs) for m in cfg.mixers])
+        self.final_norm = rms_norm(cfg.width, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.lm_head = nnx.data(None if cfg.tie_embeddings else nnx.Linear(
+            cfg.width, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs))
+
+    def _logits(self, x_BTD):
+        x_BTD = self.final_norm(x_BTD)
+        logits = self.embed.attend(x_BTD) * self.cfg.width**-0.5 if self.lm_head is None else self.lm_head(x_BTD)
+        return logits.astype(jnp.float32)
+
+    def __call__(self, tokens_BT, *, segment_ids=None):
+        _check_tokens(tokens_BT, self.cfg.vocab_size)
+        check_segment_ids(segment_ids, tokens_BT.shape)
+        if segment_ids is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
+        else:
+            positions = positions_in_segment(segment_ids)
+        x = self.embed(tokens_BT)
+        for block in self.blocks:
+            x, _ = block(x, positions=positions, segment_ids=segment_ids)
+        return self._logits(x)
+
+    def forward_cached(self, tokens_BT, layer_states, *, slot, start, segment_ids=None):
+        """Runs tokens at cache slots [slot, slot + T) continuing from `layer_states` (one per block).
+
+        start [B]: each request's first slot (its RoPE position 0, and the first KV slot it may attend to).
+        Returns (logits [B, T, vocab] fp32, new layer states). Used by `lineattn.decode`.
+        """
+        _check_tokens(tokens_BT, self.cfg.vocab_size)
+        check_segment_ids(segment_ids, tokens_BT.shape)
+        T = tokens_BT.shape[1]
+        positions = (slot + jnp.arange(T, dtype=jnp.int32))[None, :] - start[:, None]
+        x = self.embed(tokens_BT)
+        new_states = []
+        for block, state in zip(self.blocks, layer_states, strict=True):
+            x, state = block(x, positions=positions, segment_ids=segment_ids, state=state, slot=slot, start=start)
+            new_states.append(state)
+        return self._logits(x), tuple(new_states)
