@@ -1,0 +1,90 @@
+"""Decode step kernel: a few new tokens for each of B requests, updating the fp32 state in place.
+
+One program per (request, head, V tile) reads its `[K, BV]` slice of the state once, applies each token in turn
+(gate, delta or additive write, read-out) in fp32 registers, and writes the slice back into the same buffer
+(`input_output_aliases`; under `jax.jit` with the state donated no copy is made). With `output_states=True` it
+also writes the state after every token, `[B, T, H, K, V]` (for speculative decoding: roll back to any token).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from lineattn.ops.pallas.common import compiler_params, interpret_mode, is_pow2
+
+f32 = jnp.float32
+
+
+def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *states_ref, T, scale, delta):
+    S = s_ref[...].astype(f32)
+    for t in range(T):  # T is small (1 token, or a few draft tokens)
+        q_t = q_ref[t, :].astype(f32)[:, None]
+        k_t = k_ref[t, :].astype(f32)[:, None]
+        v_t = v_ref[t, :].astype(f32)[None, :]
+        S = S * jnp.exp(g_ref[t, :].astype(f32))[:, None]
+        if delta:
+            residual = v_t - jnp.sum(S * k_t, axis=0, keepdims=True)
+            S = S + k_t * (beta_ref[pl.ds(t, 1)].astype(f32)[:, None] * residual)
+        else:
+            S = S + k_t * v_t
+        o_ref[pl.ds(t, 1), :] = (scale * jnp.sum(S * q_t, axis=0, keepdims=True)).astype(o_ref.dtype)
+        if states_ref:
+            states_ref[0][t, :, :] = S
+    s_out_ref[...] = S
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "output_states", "interpret", "block_v", "num_warps"))
+def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_states: bool = False,
+                interpret: bool | None = None, block_v: int = 32, num_warps: int = 4):
+    """T new tokens per request through the recurrence, from `state`.
+
+    Args:
+      q, k: [B, T, H, K]; v: [B, T, H, V]; g: log decay [B, T, H, K] (channel), [B, T, H] (head) or None;
+      beta: [B, T, H] for the delta write, None for the additive write; state: [B, H, K, V] fp32 (donate it
+      under jit to update it in place).
+      output_states: also return the state after every token, [B, T, H, K, V] fp32.
+
+    Returns:
+      (o [B, T, H, V] in q's dtype, new state [B, H, K, V] fp32[, states [B, T, H, K, V]]).
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if not (is_pow2(K) and is_pow2(V)) or state.shape != (B, H, K, V) or state.dtype != f32:
+        raise ValueError(f"decode_step needs K, V powers of two and an fp32 state [B, H, K, V] = "
+                         f"[{B}, {H}, {K}, {V}], got K={K}, V={V}, state {state.dtype} {tuple(state.shape)}")
+    scale = K**-0.5 if scale is None else scale
+    if g is None:
+        g = jnp.zeros((B, T, H, K), f32)
+    elif g.ndim == 3:
+        g = jnp.broadcast_to(g[..., None], (B, T, H, K))
+    delta = beta is not None
+    if not delta:
+        beta = jnp.zeros((B, T, H), f32)
+    BV = min(block_v, V)
+
+    tok = lambda D: pl.BlockSpec((None, T, None, D), lambda b, h, j: (b, 0, h, 0))
+    vtok = pl.BlockSpec((None, T, None, BV), lambda b, h, j: (b, 0, h, j))
+    st = pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j))
+    out_specs = [vtok, st]
+    out_shape = [jax.ShapeDtypeStruct((B, T, H, V), q.dtype), jax.ShapeDtypeStruct((B, H, K, V), f32)]
+    if output_states:
+        out_specs.append(pl.BlockSpec((None, None, T, K, BV), lambda b, h, j: (b, h, 0, 0, j)))
+        out_shape.append(jax.ShapeDtypeStruct((B, H, T, K, V), f32))
+    outs = pl.pallas_call(
+        functools.partial(_decode_kernel, T=T, scale=float(scale), delta=delta),
+        grid=(B, H, V // BV),
+        in_specs=[tok(K), tok(K), vtok, tok(K), pl.BlockSpec((None, T, None), lambda b, h, j: (b, 0, h)), st],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases={5: 1},
+        compiler_params=compiler_params(num_warps=num_warps, num_stages=1),
+        interpret=interpret_mode(interpret),
+        name="lineattn_decode_step",
+    )(q, k, v, g, beta, state)
+    if output_states:
+        return outs[0], outs[1], jnp.moveaxis(outs[2], 2, 1)
+    return outs[0], outs[1]
