@@ -144,13 +144,22 @@ def check_shapes(K: int, V: int, chunk_size: int):
         raise ValueError(f"the Pallas kernels take chunk_size 16, 32 or 64, got {chunk_size}")
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "interpret", "block_v"))
+def pick_block_v(programs: int, V: int) -> int:
+    """V tile of the state pass: 64, halved (down to 16) while there are too few programs to fill an H200."""
+    bv = min(V, 64)
+    while bv > 16 and programs * (V // bv) < 264:
+        bv //= 2
+    return bv
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "interpret", "block_v", "warps", "only_intra"))
 def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpret: bool | None = None,
-            block_v: int | None = None):
+            block_v: int | None = None, warps: tuple[int, int] = (4, 4), only_intra: bool = False):
     """o [B, T, H, V] (q's dtype) and final state [B, H, K, V] fp32 of the delta rule with a per-channel gate.
 
     q, k [B, T, H, K] and v [B, T, H, V] (bf16 or fp32, one dtype), g [B, T, H, K] log decay (fp32; zeros for
-    no gate), beta [B, T, H] or None (additive write), h0 [B, H, K, V] fp32.
+    no gate), beta [B, T, H] or None (additive write), h0 [B, H, K, V] fp32. block_v, warps (intra, state
+    pass) and only_intra (return kernel 1's outputs) are for tuning and timing.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -181,14 +190,16 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
         out_shape=[jax.ShapeDtypeStruct((B, H, Tp, K), store)] * 3
         + [jax.ShapeDtypeStruct((B, H, Tp, V), store), jax.ShapeDtypeStruct((B, H, Tp, C), store),
            jax.ShapeDtypeStruct((B, H, K, N), f32)],
-        compiler_params=compiler_params(num_warps=4, num_stages=1),
+        compiler_params=compiler_params(num_warps=warps[0], num_stages=1),
         interpret=interpret,
         name="lineattn_chunk_intra",
     )(q, k, v, g, beta)
+    if only_intra:
+        return qin, kg, w, u, m, dend
     if not delta:
         u = jnp.moveaxis(v, 2, 1).astype(store)
 
-    BV = block_v or min(V, 64)
+    BV = block_v or pick_block_v(B * H, V)
     whole = lambda D: pl.BlockSpec((None, None, Tp, D), lambda b, h, j: (b, h, 0, 0))
     vtile = pl.BlockSpec((None, None, Tp, BV), lambda b, h, j: (b, h, 0, j))
     state = pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j))
@@ -199,7 +210,7 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
                   pl.BlockSpec((None, None, K, N), lambda b, h, j: (b, h, 0, 0)), state],
         out_specs=[pl.BlockSpec((None, Tp, None, BV), lambda b, h, j: (b, 0, h, j)), state],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), dt), jax.ShapeDtypeStruct((B, H, K, V), f32)],
-        compiler_params=compiler_params(num_warps=4, num_stages=2),
+        compiler_params=compiler_params(num_warps=warps[1], num_stages=2),
         interpret=interpret,
         name="lineattn_chunk_state_pass",
     )(qin, kg, w, u, m, dend, h0.astype(f32))

@@ -1,0 +1,259 @@
+"""lineattn's Pallas kernels beside jax-linear-attention (Mosaic GPU) and FLA (Triton), same inputs, same run.
+
+    python benchmarks/bench_pallas_kda.py --out $OUT          # on the H200 (see benchmarks/h200_issue2.sh)
+
+For each shape: bf16 q, k (L2-normalised), v, beta; fp32 g in (-5, 0); H = 16, K = V = 128. First every
+implementation's forward output is compared with lineattn's XLA chunk form in fp32 on the same rounded inputs
+(max relative error and relative RMS error); then forward and forward+backward are timed (JAX: jit, warm-up,
+median of --iters calls ended by block_until_ready; FLA: triton do_bench median). Then GDN, the decode step
+(B = 256 requests, one token, fp32 state [B, 16, 128, 128] updated in place: GB/s of state read + write), and one
+long sequence. Writes <out>/<date>-h200-kda.json: a list of {"op", "impl", "mode", "B", "T", "H", "K", "V", "ms",
+"device", "versions", ...} records, rewritten after every record so a cut-short run keeps what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_kda import make_inputs, rel_err, time_jax, versions  # noqa: E402
+
+from lineattn import ops  # noqa: E402
+from lineattn.ops.pallas.decode import decode_step  # noqa: E402
+
+H, K, V = 16, 128, 128
+RECORDS: list[dict] = []
+
+
+def rel_rms(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b**2)))
+
+
+def record(out, **rec):
+    rec = dict(rec, device=str(jax.devices()[0].device_kind), versions=versions())
+    RECORDS.append(rec)
+    extra = {k: v for k, v in rec.items() if k not in ("device", "versions", "op", "impl", "mode", "B", "T", "H",
+                                                       "K", "V", "ms")}
+    print(f"  {rec['op']:4s} {rec['impl']:24s} {rec['mode']:7s} B={rec['B']:<4d} T={rec['T']:<6d} "
+          f"{rec['ms']:9.3f} ms  {extra}", flush=True)
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{datetime.date.today().isoformat()}-h200-kda.json").write_text(json.dumps(RECORDS, indent=1))
+
+
+def jax_kda_impls(op):
+    gate = "channel" if op == "kda" else "head"
+    rule = "kda" if op == "kda" else "gdn"
+    impls = {
+        "lineattn-pallas": lambda q, k, v, g, b: ops.linear_attention(rule, q, k, v, g, b, backend="pallas")[0],
+        "lineattn-chunk": lambda q, k, v, g, b: ops.linear_attention(rule, q, k, v, g, b, backend="chunk")[0],
+    }
+    try:
+        import jla.ops as jla_ops
+        kind = "kda" if gate == "channel" else "gated_deltanet"
+        impls["jla-mosaic_gpu"] = lambda q, k, v, g, b: jla_ops.linear_attention(
+            kind, q, k, v, g=g, beta=b, impl="mosaic_gpu")[0]
+    except ImportError as err:
+        print(f"jla unavailable: {err}")
+    return impls
+
+
+def fla_fn(op):
+    try:
+        if op == "kda":
+            from fla.ops.kda import chunk_kda
+            return chunk_kda
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        return chunk_gated_delta_rule
+    except ImportError as err:
+        print(f"FLA unavailable: {err}")
+        return None
+
+
+def bench_shape(op, B, T, a, skip, fla_modes):
+    x, _ = make_inputs(B, T, H, K, V, "bfloat16")
+    if op == "gdn":
+        x["g"] = np.ascontiguousarray(x["g"][..., 0])
+    bf = lambda n: jnp.asarray(x[n], jnp.bfloat16)
+    args = [bf("q"), bf("k"), bf("v"), jnp.asarray(x["g"]), bf("beta")]
+    do = jnp.asarray(x["do"], jnp.bfloat16)
+    impls = {n: f for n, f in jax_kda_impls(op).items() if n not in skip}
+    ref_args = [y.astype(jnp.float32) for y in args]
+    reference = np.asarray(jax.jit(jax_kda_impls(op)["lineattn-chunk"])(*ref_args), np.float32)
+    for name, f in impls.items():
+        fwd = jax.jit(f)
+        try:
+            o = np.asarray(fwd(*args).astype(jnp.float32))
+        except Exception as exc:
+            print(f"{name} {op} B={B} T={T}: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            continue
+        errs = dict(max_rel_err=rel_err(o, reference), rel_rms_err=rel_rms(o, reference))
+        loss = lambda *xs, f=f: jnp.sum(f(*xs).astype(jnp.float32) * do.astype(jnp.float32))
+        fwdbwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+        modes = [("fwd", fwd)] + ([] if (op == "gdn" and name == "lineattn-chunk") else [("fwdbwd", fwdbwd)])
+        for mode, fn in modes:
+            try:
+                ms = time_jax(fn, args, a.iters)
+            except Exception as exc:
+                print(f"{name} {mode}: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                continue
+            record(a.out, op=op, impl=name, mode=mode, B=B, T=T, H=H, K=K, V=V, ms=ms, dtype="bfloat16", **errs)
+    fn = fla_fn(op) if fla_modes else None
+    if fn is None:
+        return
+    import torch
+    import triton
+    t = lambda arr, dt: torch.tensor(np.asarray(arr), device="cuda", dtype=dt)
+    q, k, v = (t(x[n], torch.bfloat16).requires_grad_() for n in "qkv")
+    g = t(x["g"], torch.float32).requires_grad_()
+    beta = t(x["beta"], torch.bfloat16).requires_grad_()
+    dot = t(x["do"], torch.bfloat16)
+    o = fn(q, k, v, g, beta)[0]
+    errs = dict(max_rel_err=rel_err(o.float().detach().cpu().numpy(), reference),
+                rel_rms_err=rel_rms(o.float().detach().cpu().numpy(), reference))
+
+    def fwdbwd():
+        for p in (q, k, v, g, beta):
+            p.grad = None
+        fn(q, k, v, g, beta)[0].backward(dot)
+
+    for mode, f in (("fwd", lambda: fn(q, k, v, g, beta)), ("fwdbwd", fwdbwd)):
+        if mode in fla_modes:
+            ms = triton.testing.do_bench(f, warmup=10, rep=50, return_mode="median")
+            record(a.out, op=op, impl="fla", mode=mode, B=B, T=T, H=H, K=K, V=V, ms=float(ms), dtype="bfloat16", **errs)
+
+
+def bench_decode(a, B=256, tokens=1):
+    x, _ = make_inputs(B, tokens, H, K, V, "bfloat16", seed=3)
+    bf = lambda n: jnp.asarray(x[n], jnp.bfloat16)
+    q, k, v, beta = bf("q"), bf("k"), bf("v"), bf("beta")
+    g = jnp.asarray(x["g"])
+    rng = np.random.default_rng(4)
+    s0 = rng.standard_normal((B, H, K, V)).astype(np.float32) * 0.1
+    state_bytes = B * H * K * V * 4
+    ref_o, ref_s = ops.chunk_kda(q, k, v, g, beta, initial_state=jnp.asarray(s0), output_final_state=True,
+                                 backend="recurrent")
+    for block_v, warps in a.decode_configs:
+        step = jax.jit(lambda q, k, v, g, b, s, bv=block_v, w=warps: decode_step(q, k, v, g, b, s, block_v=bv,
+                                                                                 num_warps=w), donate_argnums=5)
+        s = jnp.asarray(s0)
+        o, s1 = step(q, k, v, g, beta, s)
+        errs = dict(max_rel_err_o=rel_err(o.astype(jnp.float32), ref_o), max_rel_err_state=rel_err(s1, ref_s))
+        times = []
+        s = s1
+        for _ in range(a.iters * 3):
+            start = time.perf_counter()
+            o, s = step(q, k, v, g, beta, s)
+            jax.block_until_ready(s)
+            times.append(time.perf_counter() - start)
+        ms = 1e3 * float(np.median(times))
+        record(a.out, op="kda", impl=f"lineattn-pallas-decode-bv{block_v}-w{warps}", mode="decode", B=B, T=tokens,
+               H=H, K=K, V=V, ms=ms, state_TBps=2 * state_bytes / (ms * 1e-3) / 1e12, **errs)
+    try:
+        import torch
+        import triton
+        from fla.ops.kda import fused_recurrent_kda
+    except ImportError as err:
+        print(f"FLA decode unavailable: {err}")
+        return
+    tt = lambda arr, dt: torch.tensor(np.asarray(arr, np.float32), device="cuda", dtype=dt)
+    qt, kt, vt, bt = (tt(x[n], torch.bfloat16) for n in ("q", "k", "v", "beta"))
+    gt = tt(x["g"], torch.float32)
+    st = tt(s0, torch.float32)
+    fla = lambda: fused_recurrent_kda(qt, kt, vt, gt, bt, initial_state=st, output_final_state=True)
+    o = fla()[0]
+    ms = triton.testing.do_bench(fla, warmup=10, rep=50, return_mode="median")
+    record(a.out, op="kda", impl="fla-fused_recurrent", mode="decode", B=B, T=tokens, H=H, K=K, V=V, ms=float(ms),
+           state_TBps=2 * state_bytes / (ms * 1e-3) / 1e12,
+           max_rel_err_o=rel_err(o.float().cpu().numpy(), ref_o))
+
+
+def bench_tuning(a, B, T):
+    """The forward's two kernels apart, and its launch settings (warps per kernel, V tile of the state pass)."""
+    from lineattn.ops.pallas.chunk_fwd import forward
+    x, _ = make_inputs(B, T, H, K, V, "bfloat16", seed=6)
+    bf = lambda n: jnp.asarray(x[n], jnp.bfloat16)
+    args = [bf("q"), bf("k"), bf("v"), jnp.asarray(x["g"]), bf("beta"), jnp.zeros((B, H, K, V), jnp.float32)]
+    for warps in a.warps:
+        for only_intra in (True, False):
+            for bv in ([None] if only_intra else a.block_vs):
+                f = jax.jit(lambda *xs, w=warps, o=only_intra, bv=bv: forward(*xs, scale=K**-0.5, warps=w,
+                                                                            only_intra=o, block_v=bv))
+                try:
+                    ms = time_jax(f, args, a.iters)
+                except Exception as exc:
+                    print(f"tuning {warps} {bv} {only_intra}: failed: {type(exc).__name__}: {str(exc)[:300]}")
+                    continue
+                name = f"lineattn-pallas-{'intra' if only_intra else 'fwd'}-w{warps[0]}x{warps[1]}-bv{bv}"
+                record(a.out, op="kda", impl=name, mode="fwd-tuning", B=B, T=T, H=H, K=K, V=V, ms=ms)
+
+
+def bench_long(a, T):
+    x, _ = make_inputs(1, T, H, K, V, "bfloat16", seed=5)
+    bf = lambda n: jnp.asarray(x[n], jnp.bfloat16)
+    args = [bf("q"), bf("k"), bf("v"), jnp.asarray(x["g"]), bf("beta")]
+    do = jnp.asarray(x["do"], jnp.bfloat16)
+    f = lambda *xs: ops.chunk_kda(*xs, backend="pallas")[0]
+    loss = lambda *xs: jnp.sum(f(*xs).astype(jnp.float32) * do.astype(jnp.float32))
+    for mode, fn in (("fwd", jax.jit(f)), ("fwdbwd", jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))))):
+        try:
+            ms = time_jax(fn, args, 3)
+            record(a.out, op="kda", impl="lineattn-pallas", mode=mode, B=1, T=T, H=H, K=K, V=V, ms=ms,
+                   dtype="bfloat16")
+        except Exception as exc:
+            print(f"long T={T} {mode}: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--shapes", default="8x4096,1x32768")
+    p.add_argument("--skip", nargs="*", default=[])
+    p.add_argument("--fla", default="fwd,fwdbwd", help="FLA modes to time ('' for none): autotuning is slow")
+    p.add_argument("--gdn", action="store_true")
+    p.add_argument("--decode", default="32x4,64x4,16x2,128x8", help="decode block_v x num_warps configs")
+    p.add_argument("--long", type=int, default=0, help="also time one sequence of this length (0: no)")
+    p.add_argument("--tune", action="store_true", help="time the forward's kernels apart and launch settings")
+    p.add_argument("--warps", default="4x4,8x4,4x8,8x8")
+    p.add_argument("--block-vs", default="0,16,32,64", help="V tiles of the state pass (0: the default rule)")
+    a = p.parse_args()
+    a.decode_configs = [tuple(map(int, c.split("x"))) for c in a.decode.split(",") if c]
+    fla_modes = [m for m in a.fla.split(",") if m]
+    a.warps = [tuple(map(int, w.split("x"))) for w in a.warps.split(",") if w]
+    a.block_vs = [int(b) or None for b in a.block_vs.split(",") if b]
+    print(f"{jax.devices()[0].device_kind}; {versions()}", flush=True)
+    if a.decode_configs:
+        bench_decode(a)
+    if a.tune:
+        for shape in a.shapes.split(","):
+            bench_tuning(a, *map(int, shape.split("x")))
+    for shape in a.shapes.split(","):
+        B, T = map(int, shape.split("x"))
+        bench_shape("kda", B, T, a, a.skip, fla_modes)
+    if a.gdn:
+        for shape in a.shapes.split(","):
+            B, T = map(int, shape.split("x"))
+            bench_shape("gdn", B, T, a, a.skip + ["lineattn-chunk"], ["fwd"] if fla_modes else [])
+    if a.long:
+        bench_long(a, a.long)
+    ms = {(r["op"], r["impl"], r["mode"], r["B"], r["T"]): r["ms"] for r in RECORDS}
+    print("\npeer ms / lineattn-pallas ms (same run):")
+    for (op, impl, mode, B, T), t in sorted(ms.items()):
+        ours = ms.get((op, "lineattn-pallas", mode, B, T))
+        if ours and impl != "lineattn-pallas" and mode != "decode":
+            print(f"  {op} B={B} T={T} {mode:7s} {impl:18s} {t / ours:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,69 @@
+"""GPU only (skipped without one): the Pallas kernels compiled at the benchmark's head dims, bf16, long sequence.
+
+T = 16384 (a ragged tail: T - 3), K = V = 128, H = 2, bf16 q, k, v, beta; reference: the XLA chunk form in fp32 on
+the same rounded inputs (itself tested against the oracle to 1e-4). Relative RMS tolerances as FLA's tests.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import make_inputs
+from lineattn import ops
+from lineattn.ops.pallas.common import on_gpu
+from lineattn.ops.pallas.decode import decode_step
+
+pytestmark = pytest.mark.skipif(not on_gpu(), reason="needs a GPU")
+
+RMS = {"o": 5e-3, "ht": 5e-3, "dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dh0": 8e-3, "dg": 2e-2, "dbeta": 2e-2}
+
+
+def _rel_rms(actual, expected):
+    a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.sqrt(np.mean((a - e) ** 2)) / max(np.sqrt(np.mean(e**2)), 1e-30))
+
+
+def _run(rule, x, backend):
+    names = ("q", "k", "v", "g", "beta", "h0")
+    rng = np.random.default_rng(1)
+    B, T, H, _ = x["q"].shape
+    do = jnp.asarray(rng.standard_normal((B, T, H, x["v"].shape[-1])), jnp.float32)
+    dht = jnp.asarray(rng.standard_normal(x["h0"].shape), jnp.float32)
+
+    def f(q, k, v, g, beta, h0):
+        return ops.linear_attention(rule, q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                    backend=backend)
+
+    def loss(*a):
+        o, ht = f(*a)
+        return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(ht * dht)
+
+    args = [x[n] for n in names]
+    o, ht = jax.jit(f)(*args)
+    grads = jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*args)
+    return {"o": o, "ht": ht, **{"d" + n: g for n, g in zip(names, grads)}}
+
+
+@pytest.mark.parametrize("rule", ["kda", "gdn"])
+def test_pallas_long_bf16_head_dim_128(rule):
+    inputs = make_inputs(rule, B=1, T=16384 - 3, H=2, K=128, V=128, seed=11)
+    inputs["h0"] = inputs.pop("initial_state")
+    bf16 = {n: x.astype(jnp.bfloat16) if n in ("q", "k", "v", "beta") else x for n, x in inputs.items()}
+    rounded = {n: x.astype(jnp.float32) for n, x in bf16.items()}
+    got, want = _run(rule, bf16, "pallas"), _run(rule, rounded, "chunk")
+    errors = {n: _rel_rms(got[n], want[n]) for n in want}
+    print(rule, {n: f"{e:.1e}" for n, e in errors.items()})
+    assert all(np.all(np.isfinite(np.asarray(got[n], np.float32))) for n in got)
+    assert all(errors[n] <= RMS[n] for n in errors), errors
+
+
+def test_decode_step_head_dim_128():
+    x = make_inputs("kda", B=8, T=4, H=4, K=128, V=128, seed=12)
+    o_ref, ht_ref = ops.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                                  output_final_state=True, backend="recurrent")
+    o, ht, states = decode_step(x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], output_states=True)
+    for got, want in ((o, o_ref), (ht, ht_ref), (states[:, -1], ht_ref)):
+        assert _rel_rms(got, want) < 1e-5
