@@ -10,11 +10,12 @@ from lineattn.ops.api import (
     linear_attention,
     select_backend,
 )
+from lineattn.ops.context_parallel import context_parallel_attention
 from lineattn.ops.gates import safe_gate, softplus_gate
 from lineattn.ops.rules import GATES, RULES, WRITE_MODES, Rule, resolve_rule
 
 __all__ = [
     "BACKENDS", "GATES", "RULES", "WRITE_MODES", "Rule", "chunk_delta_rule", "chunk_gated_delta_rule", "chunk_gla",
-    "chunk_kda", "chunk_simple_gla", "linear_attention", "resolve_rule", "safe_gate", "select_backend",
-    "softplus_gate",
+    "chunk_kda", "chunk_simple_gla", "context_parallel_attention", "linear_attention", "resolve_rule", "safe_gate",
+    "select_backend", "softplus_gate",
 ]
