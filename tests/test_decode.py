@@ -1,0 +1,152 @@
+"""Decode: prefill + step equals one forward pass, for every mixer; padding, splitting, state contents, sampling."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import rel_err
+from lineattn import decode
+from lineattn.layers import KVCache, LinearState
+from lineattn.models import HybridLM, ModelConfig
+from test_models import tiny, tokens
+
+MIXERS = ["attention", "attention_nope", "linear_attn", "norm_attn", "retnet", "simple_gla", "gla", "element",
+          "deltanet", "delta_fixed", "gdn", "kda", "delta_element"]
+HYBRID = ["kda", "kda", "kda", "attention"]
+
+# Jitted: one compile per shape beats op-by-op dispatch of the chunk path on CPU.
+forward = nnx.jit(lambda model, x: model(x))
+prefill = nnx.jit(decode.prefill)
+step = nnx.jit(decode.step)
+
+
+def prefill_then_steps(model, x, prompt_len, max_len=None):
+    state = decode.init_state(model, x.shape[0], max_len or x.shape[1])
+    logits, state = prefill(model, x[:, :prompt_len], state)
+    out = [logits]
+    for t in range(prompt_len, x.shape[1]):
+        step_logits, state = step(model, x[:, t], state)
+        out.append(step_logits[:, None])
+    return jnp.concatenate(out, axis=1), state
+
+
+@pytest.mark.parametrize("pattern", [[m] for m in MIXERS] + [HYBRID], ids=MIXERS + ["hybrid_3to1"])
+def test_prefill_then_steps_equals_one_forward(pattern):
+    # A 70-token prompt (not a multiple of the 64-token chunk), then 4 single-token steps.
+    model = HybridLM(tiny(pattern), rngs=nnx.Rngs(0))
+    x = tokens(2, 74)
+    incremental, state = prefill_then_steps(model, x, 70, max_len=80)
+    assert rel_err(incremental, forward(model, x)) <= 1e-4
+    assert int(state.slot) == 74
+
+
+def test_prompts_of_different_lengths_in_one_batch():
+    # Left-padded prefill with lengths, then steps: each row equals its request run alone.
+    model = HybridLM(tiny(["kda", "attention", "gdn", "attention_nope"], num_kv_heads=1), rngs=nnx.Rngs(0))
+    lengths, new = [70, 33, 5], 3
+    seqs = [tokens(1, n + new, seed=i) for i, n in enumerate(lengths)]
+    T0 = max(lengths)
+    padded = jnp.concatenate([jnp.pad(s[:, :n], ((0, 0), (T0 - n, 0)), constant_values=7)
+                              for s, n in zip(seqs, lengths)])
+    state = decode.init_state(model, 3, T0 + new)
+    logits, state = prefill(model, padded, state, lengths=jnp.array(lengths))
+    last = [logits[:, -1]]
+    for j in range(new):
+        step_logits, state = step(model, jnp.concatenate([s[:, n + j] for s, n in zip(seqs, lengths)]), state)
+        last.append(step_logits)
+    np.testing.assert_array_equal(state.positions, np.array(lengths) + new)
+    # Each request alone: one right-padded batch (causal, so the padding after a request cannot reach it).
+    alone = forward(model, jnp.concatenate([jnp.pad(s, ((0, 0), (0, T0 - n))) for s, n in zip(seqs, lengths)]))
+    for b, n in enumerate(lengths):
+        assert rel_err(jnp.stack([l[b] for l in last]), alone[b, n - 1 : n + new]) <= 1e-4, f"request {b}"
+
+
+def test_split_prefill_equals_one_prefill():
+    model = HybridLM(tiny(HYBRID), rngs=nnx.Rngs(0))
+    x = tokens(2, 50)
+    one_logits, one = prefill(model, x, decode.init_state(model, 2, 64))
+    state = decode.init_state(model, 2, 64)
+    l1, state = prefill(model, x[:, :19], state)
+    l2, state = prefill(model, x[:, 19:], state)
+    assert rel_err(jnp.concatenate([l1, l2], axis=1), one_logits) <= 1e-4
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(one)):
+        assert rel_err(a, b) <= 1e-4
+
+
+def test_state_after_prefill_is_the_conv_inputs_and_the_oracle_state():
+    cfg = tiny(["kda", "attention"])
+    model = HybridLM(cfg, rngs=nnx.Rngs(0))
+    oracle = HybridLM(ModelConfig(**{**cfg.__dict__, "backend": "recurrent"}), rngs=nnx.Rngs(0))
+    x = tokens(2, 70)
+    _, state = prefill(model, x, decode.init_state(model, 2, 70))
+    _, oracle_state = prefill(oracle, x, decode.init_state(oracle, 2, 70))
+    linear, kv = state.layers
+    assert isinstance(linear, LinearState) and isinstance(kv, KVCache)
+    # Conv state = the last W - 1 pre-conv inputs (the q/k/v projections of the normed embeddings).
+    block = model.blocks[0]
+    h = block.mixer_norm(model.embed(x))
+    m = block.mixer
+    pre_conv = jnp.concatenate([m.q_proj(h), m.k_proj(h), m.v_proj(h)], axis=-1)
+    assert rel_err(linear.conv, pre_conv[:, -(cfg.conv_size - 1) :]) <= 1e-6
+    assert linear.recurrent.dtype == jnp.float32
+    assert rel_err(linear.recurrent, oracle_state.layers[0].recurrent) <= 1e-4
+
+
+def test_state_size_per_layer():
+    model = HybridLM(tiny(HYBRID), rngs=nnx.Rngs(0))
+    short, long = (decode.state_bytes(decode.init_state(model, 1, n)) for n in (1024, 4096))
+    for s, l in zip(short, long):
+        if s["kind"] == "linear":
+            assert s["bytes"] == l["bytes"]  # constant in the context length
+        else:
+            assert l["bytes"] == 4 * s["bytes"]  # linear in it
+
+
+def test_greedy_generate_follows_the_model_and_handles_ragged_prompts():
+    model = HybridLM(tiny(HYBRID), rngs=nnx.Rngs(0))
+    prompts = tokens(2, 9)
+    lengths = [9, 4]
+    out = decode.generate(model, prompts, 6, prompt_lengths=lengths, temperature=0)
+    assert out.shape == (2, 15)
+    np.testing.assert_array_equal(out[:, :9], prompts)
+    # Teacher-forced greedy choices on each generated sequence reproduce every generated token.
+    seqs = jnp.stack([jnp.concatenate([prompts[b, :n], out[b, 9:], prompts[b, n:]]) for b, n in enumerate(lengths)])
+    logits = forward(model, seqs)
+    for b, n in enumerate(lengths):
+        np.testing.assert_array_equal(jnp.argmax(logits[b, n - 1 : n + 5], axis=-1), out[b, 9:])
+    # The padded request generates what it generates alone.
+    alone = decode.generate(model, prompts[1:, :4], 6, temperature=0)
+    np.testing.assert_array_equal(alone[0, 4:], out[1, 9:])
+
+
+def test_sampling_filters():
+    logits = jnp.log(jnp.array([[0.4, 0.3, 0.15, 0.1, 0.05]]))
+    keys = jax.random.split(jax.random.key(0), 20000)
+    draw = jax.vmap(lambda k, **kw: decode.sample(logits, k, **kw)[0])
+    counts = lambda ids: np.bincount(np.asarray(ids), minlength=5) / len(ids)
+    np.testing.assert_array_equal(decode.sample(logits, keys[0], temperature=0), [0])
+    np.testing.assert_array_equal(decode.sample(logits, keys[0], top_k=1), [0])
+    # Plain, top-k = 3, and top-p = 0.8 (the smallest set reaching 0.8 is {0, 1, 2}); 4 sigma at n = 20000 < 0.015.
+    np.testing.assert_allclose(counts(draw(keys)), [0.4, 0.3, 0.15, 0.1, 0.05], atol=0.015)
+    top3 = np.array([0.4, 0.3, 0.15, 0, 0]) / 0.85
+    np.testing.assert_allclose(counts(jax.vmap(lambda k: decode.sample(logits, k, top_k=3)[0])(keys)), top3,
+                               atol=0.015)
+    np.testing.assert_allclose(counts(jax.vmap(lambda k: decode.sample(logits, k, top_p=0.8)[0])(keys)), top3,
+                               atol=0.015)
+
+
+def test_bad_decode_inputs_raise():
+    model = HybridLM(tiny(HYBRID), rngs=nnx.Rngs(0))
+    state = decode.init_state(model, 2, 16)
+    with pytest.raises(ValueError, match=r"lengths must be \[B\] = \[2\]"):
+        decode.prefill(model, tokens(2, 4), state, lengths=jnp.array([4]))
+    with pytest.raises(ValueError, match=r"token must be \[B\]"):
+        decode.step(model, tokens(2, 1), state)
+    with pytest.raises(ValueError, match="prompt_lengths must be"):
+        decode.generate(model, tokens(2, 4), 3, prompt_lengths=[5, 2])
+    with pytest.raises(ValueError, match="top_p must be in"):
+        decode.generate(model, tokens(2, 4), 3, top_p=1.5)

@@ -1,0 +1,146 @@
+"""Layers and the hybrid LM: packing, conv, config and input errors, gradients, bf16."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import rel_err
+from lineattn import ops
+from lineattn.layers import ShortConv
+from lineattn.models import HybridLM, ModelConfig, count_params, flops_per_token
+
+
+def tiny(pattern, num_layers=None, **kw):
+    kw = dict(vocab_size=64, width=32, num_heads=2, **kw)
+    return ModelConfig(num_layers=num_layers or len(pattern), layer_pattern=tuple(pattern), **kw)
+
+
+def tokens(B, T, vocab=64, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, vocab, (B, T)), jnp.int32)
+
+
+@nnx.jit
+def forward(model, x, segment_ids=None):
+    return model(x, segment_ids=segment_ids)
+
+
+# One mixer per gate granularity and write mode, and the two classic variants.
+PACKING_MIXERS = ["attention", "linear_attn", "norm_attn", "retnet", "simple_gla", "gla", "element", "deltanet",
+                  "delta_fixed", "gdn", "kda", "delta_element"]
+
+
+@pytest.mark.parametrize("mixer", PACKING_MIXERS)
+def test_packed_documents_do_not_see_each_other(mixer):
+    # Three documents packed in one row (lengths 30, 47, 23, the middle one crossing the 64-token chunk edge)
+    # give the same logits as each document alone.
+    model = HybridLM(tiny([mixer]), rngs=nnx.Rngs(0))
+    lengths = [30, 47, 23]
+    docs = [tokens(1, n, seed=i) for i, n in enumerate(lengths)]
+    segment_ids = jnp.concatenate([jnp.full((1, n), i + 1, jnp.int32) for i, n in enumerate(lengths)], axis=1)
+    packed = forward(model, jnp.concatenate(docs, axis=1), segment_ids)
+    # Each document alone: one batch, right-padded (causal, so padding after a document cannot reach it).
+    batch = jnp.concatenate([jnp.pad(d, ((0, 0), (0, max(lengths) - n))) for d, n in zip(docs, lengths)])
+    out = forward(model, batch)
+    alone = jnp.concatenate([out[i : i + 1, :n] for i, n in enumerate(lengths)], axis=1)
+    assert rel_err(packed, alone) <= 1e-4
+
+
+def test_short_conv_matches_direct_convolution_and_carries_state():
+    conv = ShortConv(6, 4, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 11, 6))
+    w = np.asarray(conv.weight[...])
+    xp = np.concatenate([np.zeros((2, 3, 6)), np.asarray(x)], axis=1)
+    direct = sum(w[j] * xp[:, j : j + 11] for j in range(4))
+    expected = direct / (1 + np.exp(-direct))
+    y, _ = conv(x)
+    assert rel_err(y, expected) <= 1e-6
+    # In two pieces through the state: same outputs, and the state is the last W - 1 inputs.
+    y1, s1 = conv(x[:, :5], state=conv.init_state(2))
+    y2, s2 = conv(x[:, 5:], state=s1)
+    assert rel_err(jnp.concatenate([y1, y2], axis=1), expected) <= 1e-6
+    np.testing.assert_array_equal(s2, x[:, -3:])
+
+
+def test_every_parameter_gets_a_gradient():
+    cfg = tiny(["kda", "gdn", "element", "attention"], num_kv_heads=1)
+    model = HybridLM(cfg, rngs=nnx.Rngs(0))
+    x = tokens(2, 40)
+
+    def loss(model):
+        logits = model(x[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), x[:, 1:, None], axis=-1))
+
+    grads = nnx.jit(nnx.grad(loss))(model)
+    for path, g in jax.tree_util.tree_leaves_with_path(nnx.to_pure_dict(grads)):
+        assert np.all(np.isfinite(g)), path
+        assert np.max(np.abs(g)) > 0, f"no gradient reaches {jax.tree_util.keystr(path)}"
+
+
+def test_bf16_compute_tracks_fp32():
+    cfg = tiny(["kda", "kda", "kda", "attention"])
+    x = tokens(2, 70)
+    fp32 = forward(HybridLM(cfg, rngs=nnx.Rngs(0)), x)
+    bf16 = forward(HybridLM(ModelConfig(**{**cfg.__dict__, "dtype": "bfloat16"}), rngs=nnx.Rngs(0)), x)
+    assert bf16.dtype == jnp.float32
+    assert rel_err(bf16, fp32) <= 3e-2
+
+
+def test_layer_pattern_repeats_and_accepts_pairs():
+    cfg = ModelConfig(vocab_size=8, width=16, num_layers=5, num_heads=2,
+                      layer_pattern=["kda", ["additive", "channel"], "attention_nope"])
+    assert cfg.mixers == ("kda", ("additive", "channel"), "attention_nope", "kda", ("additive", "channel"))
+    model = HybridLM(cfg, rngs=nnx.Rngs(0))
+    assert model.blocks[1].mixer.rule == ops.Rule("additive", "channel")
+    assert not model.blocks[2].mixer.rope
+
+
+def test_param_count_and_flops():
+    cfg = ModelConfig(vocab_size=50, width=32, num_layers=2, num_heads=2, layer_pattern=("gdn", "attention"),
+                      conv_size=4, mlp_ratio=2.0)
+    model = HybridLM(cfg, rngs=nnx.Rngs(0))
+    D, H, K, F = 32, 2, 16, 64
+    norms = 2 * D * 2 + D  # two per block, the final one
+    mlp = 3 * D * F
+    gdn = (D * H * K * 3 + 4 * H * 3 * K  # q, k, v projections and the conv taps
+           + D * H + D * H + 2 * H  # beta and gate projections, A_log and dt_bias
+           + K + D * K + K * H * K + H * K * D)  # o_norm, output gate (low rank), output projection
+    attention = 4 * D * H * K
+    assert count_params(model) == 50 * D + norms + 2 * mlp + gdn + attention
+    # Attention FLOPs grow with the context, the linear layer's do not.
+    assert flops_per_token(cfg, 2048) - flops_per_token(cfg, 1024) == pytest.approx(3 * 4 * H * K * 1024 / 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(width=30, num_heads=4), "width \\(30\\) must be divisible by num_heads"),
+        (dict(layer_pattern=("kda", "mamba")), "unknown mixer 'mamba'"),
+        (dict(layer_pattern=(("delta", "diagonal"),)), "gate granularity"),
+        (dict(layer_pattern=()), "layer_pattern must be a non-empty"),
+        (dict(num_kv_heads=3), "multiple of num_kv_heads"),
+        (dict(num_layers=0), "num_layers must be a positive int"),
+        (dict(gate_fn="relu"), "gate_fn"),
+        (dict(dtype="float8"), "dtype must be one of"),
+        (dict(backend="cuda"), "backend must be one of"),
+    ],
+)
+def test_bad_configs_name_the_field(kwargs, match):
+    base = dict(vocab_size=64, width=32, num_layers=2, num_heads=4)
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**{**base, **kwargs})
+
+
+def test_bad_inputs_raise():
+    model = HybridLM(tiny(["kda", "attention"]), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"tokens must be ids in \[0, 64\)"):
+        model(jnp.array([[1, 64]]))
+    with pytest.raises(ValueError, match=r"tokens must be an integer array \[B, T\]"):
+        model(jnp.array([1, 2, 3]))
+    with pytest.raises(ValueError, match=r"tokens must be an integer array"):
+        model(jnp.ones((1, 3)))
+    with pytest.raises(ValueError, match="segment_ids must be an integer array of shape"):
+        model(tokens(1, 5), segment_ids=jnp.ones((1, 4), jnp.int32))
