@@ -143,20 +143,22 @@ def bench_decode(a, B=256, tokens=1):
     state_bytes = B * H * K * V * 4
     ref_o, ref_s = ops.chunk_kda(q, k, v, g, beta, initial_state=jnp.asarray(s0), output_final_state=True,
                                  backend="recurrent")
+    steps = 50
     for block_v, warps in a.decode_configs:
-        step = jax.jit(lambda q, k, v, g, b, s, bv=block_v, w=warps: decode_step(q, k, v, g, b, s, block_v=bv,
-                                                                                 num_warps=w), donate_argnums=5)
-        s = jnp.asarray(s0)
-        o, s1 = step(q, k, v, g, beta, s)
+        step = lambda q, k, v, g, b, s, bv=block_v, w=warps: decode_step(q, k, v, g, b, s, block_v=bv, num_warps=w)
+        o, s1 = jax.jit(step)(q, k, v, g, beta, jnp.asarray(s0))
         errs = dict(max_rel_err_o=rel_err(o.astype(jnp.float32), ref_o), max_rel_err_state=rel_err(s1, ref_s))
+        # `steps` decode steps inside one jit, the state carried (and updated in place) through a fori_loop: the
+        # time per step is device time, without the host round trip of one call per token.
+        many = jax.jit(lambda s, step=step: jax.lax.fori_loop(0, steps, lambda i, s: step(q, k, v, g, beta, s)[1],
+                                                              s), donate_argnums=0)
+        s = many(s1)
         times = []
-        s = s1
-        for _ in range(a.iters * 3):
+        for _ in range(5):
             start = time.perf_counter()
-            o, s = step(q, k, v, g, beta, s)
-            jax.block_until_ready(s)
+            s = jax.block_until_ready(many(s))
             times.append(time.perf_counter() - start)
-        ms = 1e3 * float(np.median(times))
+        ms = 1e3 * float(np.median(times)) / steps
         record(a.out, op="kda", impl=f"lineattn-pallas-decode-bv{block_v}-w{warps}", mode="decode", B=B, T=tokens,
                H=H, K=K, V=V, ms=ms, state_TBps=2 * state_bytes / (ms * 1e-3) / 1e12, **errs)
     try:
@@ -221,8 +223,10 @@ def main():
     p.add_argument("--shapes", default="8x4096,1x32768")
     p.add_argument("--skip", nargs="*", default=[])
     p.add_argument("--fla", default="fwd,fwdbwd", help="FLA modes to time ('' for none): autotuning is slow")
+    p.add_argument("--fla-shapes", default="8x4096,1x32768", help="shapes at which FLA is timed")
+    p.add_argument("--tune-shapes", default="8x4096,1x32768")
     p.add_argument("--gdn", action="store_true")
-    p.add_argument("--decode", default="32x4,64x4,16x2,128x8", help="decode block_v x num_warps configs")
+    p.add_argument("--decode", default="32x4,64x4,32x2,128x4", help="decode block_v x num_warps configs")
     p.add_argument("--long", type=int, default=0, help="also time one sequence of this length (0: no)")
     p.add_argument("--tune", action="store_true", help="time the forward's kernels apart and launch settings")
     p.add_argument("--warps", default="4x4,8x4,4x8,8x8")
@@ -233,18 +237,19 @@ def main():
     a.warps = [tuple(map(int, w.split("x"))) for w in a.warps.split(",") if w]
     a.block_vs = [int(b) or None for b in a.block_vs.split(",") if b]
     print(f"{jax.devices()[0].device_kind}; {versions()}", flush=True)
+    for shape in a.shapes.split(","):
+        B, T = map(int, shape.split("x"))
+        bench_shape("kda", B, T, a, a.skip, fla_modes if shape in a.fla_shapes.split(",") else [])
     if a.decode_configs:
         bench_decode(a)
     if a.tune:
-        for shape in a.shapes.split(","):
+        for shape in a.tune_shapes.split(","):
             bench_tuning(a, *map(int, shape.split("x")))
-    for shape in a.shapes.split(","):
-        B, T = map(int, shape.split("x"))
-        bench_shape("kda", B, T, a, a.skip, fla_modes)
     if a.gdn:
         for shape in a.shapes.split(","):
             B, T = map(int, shape.split("x"))
-            bench_shape("gdn", B, T, a, a.skip + ["lineattn-chunk"], ["fwd"] if fla_modes else [])
+            fla_gdn = ["fwd"] if fla_modes and shape in a.fla_shapes.split(",") else []
+            bench_shape("gdn", B, T, a, a.skip + ["lineattn-chunk"], fla_gdn)
     if a.long:
         bench_long(a, a.long)
     ms = {(r["op"], r["impl"], r["mode"], r["B"], r["T"]): r["ms"] for r in RECORDS}

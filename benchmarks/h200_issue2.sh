@@ -7,7 +7,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -s -p no:cacheprovider tests/test_pallas.py tests/test_pallas_gpu.py \
+  timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -s -p no:cacheprovider tests/test_pallas.py tests/test_pallas_gpu.py ${TESTS_K:+-k "$TESTS_K"} \
     2>&1 | tee $OUT/gpu_tests.log | grep -v "^$" | tail -12
 fi
 timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/bench_pallas_kda.py --out $OUT ${BENCH_ARGS:---tune --gdn --fla fwd \
