@@ -36,7 +36,7 @@ class ShortConv(nnx.Module):
             x_BTC = jnp.where(segment_ids[..., None] != 0, x_BTC, 0)
         past = jnp.zeros((B, W - 1, C), x_BTC.dtype) if state is None else state.astype(x_BTC.dtype)
         ext_BSC = jnp.concatenate([past, x_BTC], axis=1)  # S = W - 1 + T
-        weight = self.weight.value.astype(x_BTC.dtype)
+        weight = self.weight[...].astype(x_BTC.dtype)
         if segment_ids is not None:
             ext_seg = jnp.concatenate([jnp.broadcast_to(segment_ids[:, :1], (B, W - 1)), segment_ids], axis=1)
         y_BTC = jnp.zeros_like(x_BTC)

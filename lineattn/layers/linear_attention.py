@@ -126,14 +126,14 @@ class LinearAttention(nnx.Module):
         if gate == "none":
             return None
         if gate == "fixed":
-            return -jnp.exp(self.A_log.value)
+            return -jnp.exp(self.A_log[...])
         B, T, _ = x_BTD.shape
         raw = self.g_proj(x_BTD) if gate == "head" else self.g_up(self.g_proj(x_BTD)).reshape(B, T, H, -1)
         raw = raw.astype(jnp.float32)
         if self.gate_fn == "safe":
-            g = ops.safe_gate(raw, self.A_log.value, self.dt_bias.value, self.lower_bound)
+            g = ops.safe_gate(raw, self.A_log[...], self.dt_bias[...], self.lower_bound)
         else:
-            g = ops.softplus_gate(raw, self.A_log.value, self.dt_bias.value)
+            g = ops.softplus_gate(raw, self.A_log[...], self.dt_bias[...])
         return g.reshape(B, T, H, self.head_k_dim, self.head_v_dim) if gate == "element" else g
 
     def __call__(self, x_BTD, *, segment_ids=None, state: LinearState | None = None, **unused_context):
