@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from lineattn.ops import varlen
+from lineattn.ops import checkpoints, varlen
 from lineattn.ops.chunk import SUB_CHUNK, chunk
 from lineattn.ops.pallas import api as pallas_api
 from lineattn.ops.recurrent import recurrent
@@ -120,7 +120,8 @@ def linear_attention(
     cu_seqlens=None,
     backend: str = "auto",
     chunk_size: int = 64,
-) -> tuple[jax.Array, jax.Array | None]:
+    checkpoint_positions=None,
+) -> tuple[jax.Array, jax.Array | None] | tuple[jax.Array, jax.Array | None, jax.Array]:
     """Any update rule, by name (see `lineattn.ops.rules.RULES`), `Rule`, or `(write, gate)` pair.
 
     Args:
@@ -136,9 +137,13 @@ def linear_attention(
       backend: "auto" | "recurrent" | "chunk" | "scan" | "pallas".
       chunk_size: tokens per chunk for the chunk, scan and pallas backends (16 * 2^m; pallas: 16, 32 or 64;
         default 64).
+      checkpoint_positions: concrete ints in [0, T]: also return the fp32 state after each of these many tokens,
+        from the same pass (need not be chunk-aligned; see `lineattn.ops.checkpoints`). Backends "chunk" and
+        "recurrent" ("auto" picks "chunk" where the rule has a chunk form); not with cu_seqlens.
 
     Returns:
-      (o [B, T, H, V] in q's dtype, final_state or None).
+      (o [B, T, H, V] in q's dtype, final_state or None), plus states [P, B, H, K, V] when checkpoint_positions
+      is given.
     """
     rule = resolve_rule(rule)
     cu = _validate(rule, q, k, v, g, beta, initial_state, cu_seqlens, backend, chunk_size)
@@ -148,6 +153,15 @@ def linear_attention(
     if scale is None:
         scale = K**-0.5
     name = select_backend(rule, backend, dtype=q.dtype, K=K, V=V, chunk_size=chunk_size)
+    positions = None
+    if checkpoint_positions is not None:
+        if cu is not None:
+            raise ValueError("checkpoint_positions: not supported with cu_seqlens (positions of which sequence?)")
+        positions = checkpoints.check_positions(checkpoint_positions, T)
+        if backend == "auto":
+            name = "chunk" if rule.has_chunk_form else "recurrent"
+        elif name not in ("chunk", "recurrent"):
+            raise ValueError(f"checkpoint_positions: backend {name!r} cannot export states; use 'chunk' or 'recurrent'")
     f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
     if name == "pallas":  # the kernels take q, k, v, beta in one dtype (bf16 or fp32) and an fp32 gate
         q, k, v, beta = (None if x is None else jnp.asarray(x, out_dtype) for x in (q, k, v, beta))
@@ -170,13 +184,19 @@ def linear_attention(
     fn = {"recurrent": recurrent, "chunk": functools.partial(chunk, chunk_size=chunk_size),
           "scan": functools.partial(scan, chunk_size=chunk_size),
           "pallas": functools.partial(pallas_api.run, chunk_size=chunk_size)}[name]
-    o, final_state = fn(q, k, v, g, beta, scale=scale, initial_state=f32(initial_state))
+    if positions is not None:
+        fn = {"recurrent": functools.partial(checkpoints.recurrent_checkpoints, positions=positions),
+              "chunk": functools.partial(checkpoints.chunk_checkpoints, chunk_size=chunk_size, positions=positions)}[name]
+        o, final_state, states = fn(q, k, v, g, beta, scale=scale, initial_state=f32(initial_state))
+    else:
+        o, final_state = fn(q, k, v, g, beta, scale=scale, initial_state=f32(initial_state))
 
     if layout is not None:
         o = layout.unpad(o)
     if rule.normalize:
         o = o[..., :V] / (o[..., V:] + _NORMALIZER_EPS)
-    return o.astype(out_dtype), (final_state if output_final_state else None)
+    out = (o.astype(out_dtype), final_state if output_final_state else None)
+    return out if positions is None else (*out, states)
 
 
 # FLA's names and positional signatures. Keyword arguments and returns as `linear_attention`.
