@@ -36,14 +36,12 @@ backward passes d(state) right to left across devices the same way the forward p
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from lineattn.ops import api, varlen
+from lineattn.ops import api
 from lineattn.ops import chunk as chunk_form
 from lineattn.ops.common import einsum
 from lineattn.ops.rules import Rule, resolve_rule
@@ -235,7 +233,9 @@ def context_parallel_attention(
     - `mesh=None`: called inside an outer `jax.shard_map` (or other SPMD context) that binds `axis_name`; q, k,
       v, g, beta are this device's slice [B, T/P, ...] of the sequence (device d holds tokens d T/P .. (d+1)
       T/P - 1), `initial_state` and the returned final state are the same on every device, and o is the local
-      slice. `cu_seqlens` still gives global positions. Other mesh axes (e.g. a batch axis) are untouched.
+      slice. `cu_seqlens` still gives global positions. Other mesh axes (e.g. a batch axis) are untouched. The
+      enclosing shard_map needs `check_vma=False` for now: the chunk form's (I + A)^-1 loop
+      (`lineattn.ops.triangular`) starts from an unvarying carry, which the varying-axes check refuses.
 
     Args:
       rule: any rule with a chunk form: a name (`lineattn.ops.RULES`), `Rule`, or `(write, gate)` pair.
