@@ -17,6 +17,7 @@ import pytest
 
 from conftest import assert_close, loss_and_grads, make_inputs
 from lineattn import ops
+from lineattn.ops.pallas import api as pallas_api
 from lineattn.ops.pallas.common import on_gpu
 from lineattn.ops.pallas.decode import decode_step
 from lineattn.ops.recurrent import recurrent
@@ -64,8 +65,21 @@ def _rel_rms(actual, expected):
     return float(np.sqrt(np.mean((a - e) ** 2)) / max(np.sqrt(np.mean(e**2)), 1e-30))
 
 
-@pytest.mark.parametrize("rule", ["kda", "gdn"])
-def test_pallas_bf16_against_fp32_oracle(rule):
+@pytest.fixture(params=["xla", "passes"])
+def backward(request, monkeypatch):
+    """The two backwards of the pallas backend (`lineattn.ops.pallas.chunk`)."""
+    monkeypatch.setattr(pallas_api, "BACKWARD", request.param)
+    return request.param
+
+
+def test_pallas_passes_backward_fp32(monkeypatch):
+    # The backward whose state passes are Pallas kernels; ragged T, K != V, non-zero initial state.
+    monkeypatch.setattr(pallas_api, "BACKWARD", "passes")
+    _compare("kda", make_inputs("kda", B=2, T=80, H=2, K=32, V=64, seed=9))
+
+
+@pytest.mark.parametrize("rule", ["kda"])
+def test_pallas_bf16_against_fp32_oracle(rule, backward):
     inputs = make_inputs(rule, B=1, **SMALL, seed=6)
     rounded = {n: None if x is None else x.astype(jnp.bfloat16).astype(jnp.float32) if n in "qkv beta" else x
                for n, x in inputs.items()}

@@ -15,6 +15,10 @@ AUTO_RULES = (("delta", "channel"), ("delta", "head"), ("delta", "none"), ("addi
 AUTO_DIMS = (32, 64, 128)
 AUTO_CHUNKS = (32, 64)
 
+# The backward `backend="pallas"` uses (see `lineattn.ops.pallas.chunk`): "xla" (GPU-tested) or "passes" (Pallas
+# state passes; CPU-tested only). Read when a call is traced.
+BACKWARD = "xla"
+
 
 def unsupported(rule, dtype, K: int, V: int, chunk_size) -> str | None:
     """Why the kernels cannot run this call, or None."""
@@ -46,4 +50,5 @@ def run(q, k, v, g, beta, *, scale: float, initial_state, chunk_size: int = 64):
         g = jnp.zeros((B, T, H, K), jnp.float32)
     elif g.ndim == 3:
         g = jnp.broadcast_to(g[..., None], (B, T, H, K))
-    return chunk_pallas(q, k, v, g.astype(jnp.float32), beta, initial_state, float(scale), chunk_size)
+    return chunk_pallas(q, k, v, g.astype(jnp.float32), beta, initial_state, float(scale), chunk_size, None,
+                        BACKWARD)

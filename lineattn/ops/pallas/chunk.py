@@ -1,9 +1,13 @@
 """The Pallas chunk backend as a differentiable function (`jax.custom_vjp`).
 
-Forward: the two Pallas kernels of `chunk_fwd`. Backward (first version, NOT a Pallas kernel yet): it saves only
-the inputs and recomputes through the XLA chunk form, `jax.vjp(lineattn.ops.chunk.chunk)` in fp32, so the
-gradients are the XLA chunk path's (exact fp32) and cost its forward+backward time and memory. A Pallas backward
-following CHUNK_ALGORITHM.md's backward is the next step (issue [kernels]).
+Forward: the two Pallas kernels of `chunk_fwd`. The forward saves only the inputs; the backward recomputes.
+Two backwards, chosen by the static `backward` argument:
+  - "xla" (the default, the one the H200 tests ran): `jax.vjp` of the XLA chunk form (`lineattn.ops.chunk.chunk`)
+    in fp32: exact, but its time and memory are the XLA path's. No Pallas kernel in it.
+  - "passes": `chunk_bwd.backward`: the XLA VJP of the intra-chunk terms (parallel over chunks) with the two
+    sequential passes over chunks (forward states, reverse cotangent pass) as Pallas kernels. Tested on CPU
+    (interpret mode) against the oracle; not yet compiled or timed on a GPU.
+A backward with the intra-chunk part in Pallas too is the remaining step (issue [kernels]).
 """
 
 from __future__ import annotations
@@ -14,25 +18,28 @@ import jax
 import jax.numpy as jnp
 
 from lineattn.ops.chunk import chunk as xla_chunk
+from lineattn.ops.pallas import chunk_bwd
 from lineattn.ops.pallas.chunk_fwd import forward
 
 f32 = jnp.float32
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def chunk_pallas(q, k, v, g, beta, h0, scale, chunk_size=64, interpret=None):
-    """(o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32). Arguments as `chunk_fwd.forward`."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def chunk_pallas(q, k, v, g, beta, h0, scale, chunk_size=64, interpret=None, backward="xla"):
+    """(o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32). Arguments as `chunk_fwd.forward`;
+    backward: "xla" or "passes" (see the module docstring)."""
     return forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret)
 
 
-def _fwd(q, k, v, g, beta, h0, scale, chunk_size, interpret):
+def _fwd(q, k, v, g, beta, h0, scale, chunk_size, interpret, backward):
     out = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret)
     return out, (q, k, v, g, beta, h0)
 
 
-def _bwd(scale, chunk_size, interpret, residuals, cotangents):
-    del interpret
+def _bwd(scale, chunk_size, interpret, backward, residuals, cotangents):
     do, dht = cotangents
+    if backward == "passes":
+        return chunk_bwd.backward(*residuals, do, dht, scale=scale, chunk_size=chunk_size, interpret=interpret)
     as_f32 = lambda x: None if x is None else x.astype(f32)
 
     def xla(q, k, v, g, beta, h0):
