@@ -28,9 +28,25 @@ def prefill(model, tokens_BT, state: DecodeState, *, lengths=None):
         first = T - lengths
         segment_ids = (jnp.arange(T)[None, :] >= first[:, None]).astype(jnp.int32)
         start = state.slot + first
-    logits, layers = model.forward_cached(tokens_BT, state.layers, slot=state.slot, start=start,
-                                          segment_ids=segment_ids)
+    logits, layers, _ = model.forward_cached(tokens_BT, state.layers, slot=state.slot, start=start,
+                                             segment_ids=segment_ids)
     return logits, DecodeState(layers, state.slot + T, start)
+
+
+def prefill_with_snapshots(model, tokens_BT, state: DecodeState, checkpoints):
+    """`prefill` that also returns each linear layer's state after each of `checkpoints` tokens of this call
+    (concrete ints in [0, T]; one pass, positions need not be chunk-aligned).
+
+    Returns (logits, new state, snapshots): snapshots[i] is a `LinearState` with a leading [P] axis for linear
+    block i, None for attention blocks (their KV cache holds every slot).
+    """
+    T = tokens_BT.shape[1]
+    checkpoints = tuple(int(p) for p in checkpoints)
+    if any(not 0 <= p <= T for p in checkpoints):
+        raise ValueError(f"checkpoints must be token counts in [0, {T}], got {checkpoints}")
+    logits, layers, snapshots = model.forward_cached(tokens_BT, state.layers, slot=state.slot, start=state.start,
+                                                     checkpoints=checkpoints)
+    return logits, DecodeState(layers, state.slot + T, state.start), snapshots
 
 
 def step(model, token_B, state: DecodeState):

@@ -37,11 +37,13 @@ class Attention(nnx.Module):
         zeros = jnp.zeros((batch, max_len, self.num_kv_heads, self.head_dim), dtype)
         return KVCache(zeros, zeros)
 
-    def __call__(self, x_BTD, *, positions, segment_ids=None, state: KVCache | None = None, slot=None, start=None):
-        """x [B, T, width] -> (y [B, T, width], updated KVCache or None).
+    def __call__(self, x_BTD, *, positions, segment_ids=None, state: KVCache | None = None, slot=None, start=None,
+                 checkpoints=()):
+        """x [B, T, width] -> (y [B, T, width], updated KVCache or None, None).
 
         Without a cache: causal within each segment of `segment_ids`. With a cache, x's keys/values are written at
         slots [slot, slot + T) and each query sees the slots from start[b] (the request's first token) to its own.
+        The third output is for interface parity with `LinearAttention` (no snapshots: the cache holds every slot).
         """
         B, T, _ = x_BTD.shape
         q = self.q_proj(x_BTD).reshape(B, T, self.num_heads, self.head_dim)
@@ -64,4 +66,4 @@ class Attention(nnx.Module):
             causal = k_slot[None, :] <= q_slot[:, None]
             mask = (causal & (k_slot[None, None, :] >= start[:, None, None])) | (k_slot == q_slot[:, None])
         o = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None])
-        return self.o_proj(o.reshape(B, T, -1)), state
+        return self.o_proj(o.reshape(B, T, -1)), state, None

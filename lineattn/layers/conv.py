@@ -24,6 +24,15 @@ class ShortConv(nnx.Module):
     def init_state(self, batch: int, dtype=jnp.float32) -> jax.Array:
         return jnp.zeros((batch, self.kernel_size - 1, self.channels), dtype)
 
+    def window(self, x_BTC, *, segment_ids=None, state=None):
+        """The inputs the conv reads: [B, W - 1 + T, C], the state (or zeros) then x with padding zeroed.
+        The conv state after p tokens of x is window[:, p : p + W - 1]."""
+        B, T, C = x_BTC.shape
+        if segment_ids is not None:
+            x_BTC = jnp.where(segment_ids[..., None] != 0, x_BTC, 0)
+        past = jnp.zeros((B, self.kernel_size - 1, C), x_BTC.dtype) if state is None else state.astype(x_BTC.dtype)
+        return jnp.concatenate([past, x_BTC], axis=1)
+
     def __call__(self, x_BTC: jax.Array, *, segment_ids=None, state=None):
         """x [B, T, C] -> (silu(conv(x)) [B, T, C], new state [B, W - 1, C] or None when state is None).
 
@@ -32,14 +41,11 @@ class ShortConv(nnx.Module):
         """
         B, T, C = x_BTC.shape
         W = self.kernel_size
-        if segment_ids is not None:
-            x_BTC = jnp.where(segment_ids[..., None] != 0, x_BTC, 0)
-        past = jnp.zeros((B, W - 1, C), x_BTC.dtype) if state is None else state.astype(x_BTC.dtype)
-        ext_BSC = jnp.concatenate([past, x_BTC], axis=1)  # S = W - 1 + T
+        ext_BSC = self.window(x_BTC, segment_ids=segment_ids, state=state)  # S = W - 1 + T
         weight = self.weight[...].astype(x_BTC.dtype)
         if segment_ids is not None:
             ext_seg = jnp.concatenate([jnp.broadcast_to(segment_ids[:, :1], (B, W - 1)), segment_ids], axis=1)
-        y_BTC = jnp.zeros_like(x_BTC)
+        y_BTC = jnp.zeros(x_BTC.shape, ext_BSC.dtype)
         for w in range(W):  # tap w looks W - 1 - w tokens back
             tap = ext_BSC[:, w : w + T]
             if segment_ids is not None:

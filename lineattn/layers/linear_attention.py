@@ -136,18 +136,26 @@ class LinearAttention(nnx.Module):
             g = ops.softplus_gate(raw, self.A_log[...], self.dt_bias[...])
         return g.reshape(B, T, H, self.head_k_dim, self.head_v_dim) if gate == "element" else g
 
-    def __call__(self, x_BTD, *, segment_ids=None, state: LinearState | None = None, **unused_context):
-        """x [B, T, width] -> (y [B, T, width], new LinearState or None when `state` is None).
+    def __call__(self, x_BTD, *, segment_ids=None, state: LinearState | None = None, checkpoints=(),
+                 **unused_context):
+        """x [B, T, width] -> (y [B, T, width], new LinearState or None, snapshots or None).
 
         segment_ids [B, T] (0 = padding) resets the state where a segment starts and keeps the conv inside
         segments. With `state`, x continues from it (prefill or decode step) and the new state is returned.
+        checkpoints: token counts p in [0, T] (concrete); snapshots = LinearState(conv [P, B, W - 1, C],
+        recurrent [P, B, H, K, V]) after p tokens of x, from the same pass.
         """
         B, T, _ = x_BTD.shape
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
         qkv = jnp.concatenate([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], axis=-1)
-        conv_state = None
+        conv_state = conv_snaps = None
         if self.conv is not None:
-            qkv, conv_state = self.conv(qkv, segment_ids=segment_ids, state=None if state is None else state.conv)
+            past = None if state is None else state.conv
+            if checkpoints:
+                window = self.conv.window(qkv, segment_ids=segment_ids, state=past)
+                W1 = self.conv.kernel_size - 1
+                conv_snaps = jnp.stack([window[:, p : p + W1] for p in checkpoints]).astype(past.dtype)
+            qkv, conv_state = self.conv(qkv, segment_ids=segment_ids, state=past)
         q, k, v = jnp.split(qkv, [H * K, 2 * H * K], axis=-1)
         q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, V)
         beta = None
@@ -158,8 +166,11 @@ class LinearAttention(nnx.Module):
         if segment_ids is not None:
             rule, g = with_resets(rule, g, segment_starts(segment_ids), H)
         backend = "recurrent" if state is not None and T == 1 else self.backend
-        o, S = ops.linear_attention(rule, q, k, v, g, beta, initial_state=None if state is None else state.recurrent,
-                                    output_final_state=state is not None, backend=backend)
+        out = ops.linear_attention(rule, q, k, v, g, beta, initial_state=None if state is None else state.recurrent,
+                                   output_final_state=state is not None, backend=backend,
+                                   checkpoint_positions=list(checkpoints) if checkpoints else None)
+        o, S = out[:2]
+        snaps = LinearState(conv_snaps, out[2]) if checkpoints else None
         o_gate = jax.nn.sigmoid(self.o_gate_up(self.o_gate_down(x_BTD))).reshape(B, T, H, V)
         y = self.o_proj((self.o_norm(o) * o_gate).reshape(B, T, H * V))
-        return y, (None if state is None else LinearState(conv_state, S))
+        return y, (None if state is None else LinearState(conv_state, S)), snaps

@@ -31,11 +31,11 @@ class Block(nnx.Module):
         self.mixer = _make_mixer(cfg, mixer, rngs)
         self.mlp = SwiGLU(cfg.width, cfg.mlp_hidden, **kw)
 
-    def __call__(self, x_BTD, *, positions, segment_ids, state=None, slot=None, start=None):
-        y, state = self.mixer(self.mixer_norm(x_BTD), positions=positions, segment_ids=segment_ids, state=state,
-                              slot=slot, start=start)
+    def __call__(self, x_BTD, *, positions, segment_ids, state=None, slot=None, start=None, checkpoints=()):
+        y, state, snapshots = self.mixer(self.mixer_norm(x_BTD), positions=positions, segment_ids=segment_ids,
+                                         state=state, slot=slot, start=start, checkpoints=checkpoints)
         x_BTD = x_BTD + y
-        return x_BTD + self.mlp(self.mlp_norm(x_BTD)), state
+        return x_BTD + self.mlp(self.mlp_norm(x_BTD)), state, snapshots
 
 
 def _check_tokens(tokens, vocab_size):
@@ -79,22 +79,26 @@ class HybridLM(nnx.Module):
             positions = positions_in_segment(segment_ids)
         x = self.embed(tokens_BT)
         for block in self.blocks:
-            x, _ = block(x, positions=positions, segment_ids=segment_ids)
+            x, _, _ = block(x, positions=positions, segment_ids=segment_ids)
         return self._logits(x)
 
-    def forward_cached(self, tokens_BT, layer_states, *, slot, start, segment_ids=None):
+    def forward_cached(self, tokens_BT, layer_states, *, slot, start, segment_ids=None, checkpoints=()):
         """Runs tokens at cache slots [slot, slot + T) continuing from `layer_states` (one per block).
 
         start [B]: each request's first slot (its RoPE position 0, and the first KV slot it may attend to).
-        Returns (logits [B, T, vocab] fp32, new layer states). Used by `lineattn.decode`.
+        checkpoints: token counts within this call (concrete ints in [0, T]) at which linear layers snapshot.
+        Returns (logits [B, T, vocab] fp32, new layer states, snapshots per block: LinearState stacked over the
+        checkpoints, or None for attention blocks). Used by `lineattn.decode`.
         """
         _check_tokens(tokens_BT, self.cfg.vocab_size)
         check_segment_ids(segment_ids, tokens_BT.shape)
         T = tokens_BT.shape[1]
         positions = (slot + jnp.arange(T, dtype=jnp.int32))[None, :] - start[:, None]
         x = self.embed(tokens_BT)
-        new_states = []
+        new_states, snapshots = [], []
         for block, state in zip(self.blocks, layer_states, strict=True):
-            x, state = block(x, positions=positions, segment_ids=segment_ids, state=state, slot=slot, start=start)
+            x, state, snaps = block(x, positions=positions, segment_ids=segment_ids, state=state, slot=slot,
+                                    start=start, checkpoints=checkpoints)
             new_states.append(state)
-        return self._logits(x), tuple(new_states)
+            snapshots.append(snaps)
+        return self._logits(x), tuple(new_states), tuple(snapshots)
