@@ -40,6 +40,14 @@ def test_pallas_matches_oracle_fp32(rule):
     _compare(rule, make_inputs(rule, B=2, **SMALL))
 
 
+@pytest.mark.parametrize("rule", ["kda", "gla"])
+def test_pallas_split_intra_and_passes_backward(rule, monkeypatch):
+    # The split intra-chunk programs and the backward with Pallas state passes (both CPU-tested only so far).
+    monkeypatch.setattr(pallas_api, "INTRA", "split")
+    monkeypatch.setattr(pallas_api, "BACKWARD", "passes")
+    _compare(rule, make_inputs(rule, B=1, T=80, H=2, K=32, V=64, seed=9), chunk_size=64 if rule == "kda" else 32)
+
+
 def test_pallas_chunk_64_and_unequal_dims():
     _compare("kda", make_inputs("kda", B=1, T=80, H=1, K=32, V=64, seed=4), chunk_size=64)
 
@@ -70,12 +78,6 @@ def backward(request, monkeypatch):
     """The two backwards of the pallas backend (`lineattn.ops.pallas.chunk`)."""
     monkeypatch.setattr(pallas_api, "BACKWARD", request.param)
     return request.param
-
-
-def test_pallas_passes_backward_fp32(monkeypatch):
-    # The backward whose state passes are Pallas kernels; ragged T, K != V, non-zero initial state.
-    monkeypatch.setattr(pallas_api, "BACKWARD", "passes")
-    _compare("kda", make_inputs("kda", B=2, T=80, H=2, K=32, V=64, seed=9))
 
 
 @pytest.mark.parametrize("rule", ["kda"])

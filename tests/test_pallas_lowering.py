@@ -28,18 +28,20 @@ def fake_h200(monkeypatch):
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: info)
 
 
+@pytest.mark.parametrize("intra", ["fused", "split"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_chunk_kernels_lower_for_sm90(fake_h200, dtype):
+def test_chunk_kernels_lower_for_sm90(fake_h200, dtype, intra):
     B, T, H, K, V = 1, 100, 2, 128, 128
     args = (S((B, T, H, K), dtype), S((B, T, H, K), dtype), S((B, T, H, V), dtype), S((B, T, H, K), jnp.float32),
             S((B, T, H), dtype), S((B, H, K, V), jnp.float32))
 
     def loss(*a):  # forward kernels and the backward's state-pass kernels
-        o, ht = chunk_pallas(*a, K**-0.5, 64, False, "passes")
+        o, ht = chunk_pallas(*a, K**-0.5, 64, False, "passes", intra)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
 
     text = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 4  # intra, state pass, bwd states, bwd reverse
+    # intra (fused: 1 kernel, split: gram + solve), state pass, bwd states, bwd reverse
+    assert text.count("__gpu$xla.gpu.triton") == (4 if intra == "fused" else 5)
 
 
 def test_decode_kernel_lowers_for_sm90(fake_h200):

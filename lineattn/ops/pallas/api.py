@@ -18,6 +18,9 @@ AUTO_CHUNKS = (32, 64)
 # The backward `backend="pallas"` uses (see `lineattn.ops.pallas.chunk`): "xla" (GPU-tested) or "passes" (Pallas
 # state passes; CPU-tested only). Read when a call is traced.
 BACKWARD = "xla"
+# The forward's intra-chunk stage: "fused" (one program per chunk; GPU-tested) or "split" (a program per 16-row
+# block, then one per chunk for the solve; CPU-tested only, see `chunk_fwd._intra_split`).
+INTRA = "fused"
 
 
 def unsupported(rule, dtype, K: int, V: int, chunk_size) -> str | None:
@@ -51,4 +54,4 @@ def run(q, k, v, g, beta, *, scale: float, initial_state, chunk_size: int = 64):
     elif g.ndim == 3:
         g = jnp.broadcast_to(g[..., None], (B, T, H, K))
     return chunk_pallas(q, k, v, g.astype(jnp.float32), beta, initial_state, float(scale), chunk_size, None,
-                        BACKWARD)
+                        BACKWARD, INTRA)

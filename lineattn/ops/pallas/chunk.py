@@ -24,19 +24,19 @@ from lineattn.ops.pallas.chunk_fwd import forward
 f32 = jnp.float32
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def chunk_pallas(q, k, v, g, beta, h0, scale, chunk_size=64, interpret=None, backward="xla"):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def chunk_pallas(q, k, v, g, beta, h0, scale, chunk_size=64, interpret=None, backward="xla", intra="fused"):
     """(o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32). Arguments as `chunk_fwd.forward`;
-    backward: "xla" or "passes" (see the module docstring)."""
-    return forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret)
+    backward: "xla" or "passes" (see the module docstring); intra: "fused" or "split" (`chunk_fwd.forward`)."""
+    return forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret, intra=intra)
 
 
-def _fwd(q, k, v, g, beta, h0, scale, chunk_size, interpret, backward):
-    out = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret)
+def _fwd(q, k, v, g, beta, h0, scale, chunk_size, interpret, backward, intra):
+    out = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret, intra=intra)
     return out, (q, k, v, g, beta, h0)
 
 
-def _bwd(scale, chunk_size, interpret, backward, residuals, cotangents):
+def _bwd(scale, chunk_size, interpret, backward, intra, residuals, cotangents):
     do, dht = cotangents
     if backward == "passes":
         return chunk_bwd.backward(*residuals, do, dht, scale=scale, chunk_size=chunk_size, interpret=interpret)
