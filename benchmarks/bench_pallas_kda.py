@@ -51,11 +51,28 @@ def record(out, **rec):
         (out / f"{datetime.date.today().isoformat()}-h200-kda.json").write_text(json.dumps(RECORDS, indent=1))
 
 
+def pallas_variant(rule, intra, backward):
+    """lineattn's pallas backend with the given intra-chunk stage and backward (module switches read at trace)."""
+    from lineattn.ops.pallas import api as pallas_api
+
+    def f(q, k, v, g, b):
+        saved = pallas_api.INTRA, pallas_api.BACKWARD
+        pallas_api.INTRA, pallas_api.BACKWARD = intra, backward
+        try:
+            return ops.linear_attention(rule, q, k, v, g, b, backend="pallas")[0]
+        finally:
+            pallas_api.INTRA, pallas_api.BACKWARD = saved
+
+    return f
+
+
 def jax_kda_impls(op):
     gate = "channel" if op == "kda" else "head"
     rule = "kda" if op == "kda" else "gdn"
     impls = {
-        "lineattn-pallas": lambda q, k, v, g, b: ops.linear_attention(rule, q, k, v, g, b, backend="pallas")[0],
+        "lineattn-pallas": pallas_variant(rule, "fused", "xla"),
+        "lineattn-pallas-split": pallas_variant(rule, "split", "xla"),
+        "lineattn-pallas-split-passes": pallas_variant(rule, "split", "passes"),
         "lineattn-chunk": lambda q, k, v, g, b: ops.linear_attention(rule, q, k, v, g, b, backend="chunk")[0],
     }
     try:
@@ -100,7 +117,8 @@ def bench_shape(op, B, T, a, skip, fla_modes):
         errs = dict(max_rel_err=rel_err(o, reference), rel_rms_err=rel_rms(o, reference))
         loss = lambda *xs, f=f: jnp.sum(f(*xs).astype(jnp.float32) * do.astype(jnp.float32))
         fwdbwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
-        modes = [("fwd", fwd)] + ([] if (op == "gdn" and name == "lineattn-chunk") else [("fwdbwd", fwdbwd)])
+        modes = [("fwd", fwd)] + ([] if name in ("lineattn-chunk", "lineattn-pallas-split") and op == "gdn"
+                                  else [("fwdbwd", fwdbwd)])
         for mode, fn in modes:
             try:
                 ms = time_jax(fn, args, a.iters)
@@ -186,17 +204,17 @@ def bench_tuning(a, B, T):
     x, _ = make_inputs(B, T, H, K, V, "bfloat16", seed=6)
     bf = lambda n: jnp.asarray(x[n], jnp.bfloat16)
     args = [bf("q"), bf("k"), bf("v"), jnp.asarray(x["g"]), bf("beta"), jnp.zeros((B, H, K, V), jnp.float32)]
-    for warps in a.warps:
+    for intra, warps in ((i, w) for i in a.intras for w in a.warps):
         for only_intra in (True, False):
             for bv in ([None] if only_intra else a.block_vs):
-                f = jax.jit(lambda *xs, w=warps, o=only_intra, bv=bv: forward(*xs, scale=K**-0.5, warps=w,
-                                                                            only_intra=o, block_v=bv))
+                f = jax.jit(lambda *xs, w=warps, o=only_intra, bv=bv, i=intra: forward(
+                    *xs, scale=K**-0.5, warps=w, only_intra=o, block_v=bv, intra=i))
                 try:
                     ms = time_jax(f, args, a.iters)
                 except Exception as exc:
                     print(f"tuning {warps} {bv} {only_intra}: failed: {type(exc).__name__}: {str(exc)[:300]}")
                     continue
-                name = f"lineattn-pallas-{'intra' if only_intra else 'fwd'}-w{warps[0]}x{warps[1]}-bv{bv}"
+                name = f"lineattn-pallas-{intra}-{'intra' if only_intra else 'fwd'}-w{warps[0]}x{warps[1]}-bv{bv}"
                 record(a.out, op="kda", impl=name, mode="fwd-tuning", B=B, T=T, H=H, K=K, V=V, ms=ms)
 
 
@@ -230,11 +248,13 @@ def main():
     p.add_argument("--long", type=int, default=0, help="also time one sequence of this length (0: no)")
     p.add_argument("--tune", action="store_true", help="time the forward's kernels apart and launch settings")
     p.add_argument("--warps", default="4x4,8x4,4x8,8x8")
+    p.add_argument("--intras", default="fused,split", help="intra-chunk stages to tune")
     p.add_argument("--block-vs", default="0,16,32,64", help="V tiles of the state pass (0: the default rule)")
     a = p.parse_args()
     a.decode_configs = [tuple(map(int, c.split("x"))) for c in a.decode.split(",") if c]
     fla_modes = [m for m in a.fla.split(",") if m]
     a.warps = [tuple(map(int, w.split("x"))) for w in a.warps.split(",") if w]
+    a.intras = [i for i in a.intras.split(",") if i]
     a.block_vs = [int(b) or None for b in a.block_vs.split(",") if b]
     print(f"{jax.devices()[0].device_kind}; {versions()}", flush=True)
     for shape in a.shapes.split(","):

@@ -26,7 +26,11 @@ def _rel_rms(actual, expected):
     return float(np.sqrt(np.mean((a - e) ** 2)) / max(np.sqrt(np.mean(e**2)), 1e-30))
 
 
-def _run(rule, x, backend):
+def _run(rule, x, backend, monkeypatch=None, variant=("fused", "xla")):
+    if monkeypatch is not None:
+        from lineattn.ops.pallas import api as pallas_api
+        monkeypatch.setattr(pallas_api, "INTRA", variant[0])
+        monkeypatch.setattr(pallas_api, "BACKWARD", variant[1])
     names = ("q", "k", "v", "g", "beta", "h0")
     rng = np.random.default_rng(1)
     B, T, H, _ = x["q"].shape
@@ -47,15 +51,16 @@ def _run(rule, x, backend):
     return {"o": o, "ht": ht, **{"d" + n: g for n, g in zip(names, grads)}}
 
 
-@pytest.mark.parametrize("rule", ["kda", "gdn"])
-def test_pallas_long_bf16_head_dim_128(rule):
+@pytest.mark.parametrize("rule,variant", [("kda", ("fused", "xla")), ("gdn", ("fused", "xla")),
+                                          ("kda", ("split", "passes"))])
+def test_pallas_long_bf16_head_dim_128(rule, variant, monkeypatch):
     inputs = make_inputs(rule, B=1, T=16384 - 3, H=2, K=128, V=128, seed=11)
     inputs["h0"] = inputs.pop("initial_state")
     bf16 = {n: x.astype(jnp.bfloat16) if n in ("q", "k", "v", "beta") else x for n, x in inputs.items()}
     rounded = {n: x.astype(jnp.float32) for n, x in bf16.items()}
-    got, want = _run(rule, bf16, "pallas"), _run(rule, rounded, "chunk")
+    got, want = _run(rule, bf16, "pallas", monkeypatch, variant), _run(rule, rounded, "chunk")
     errors = {n: _rel_rms(got[n], want[n]) for n in want}
-    print(rule, {n: f"{e:.1e}" for n, e in errors.items()})
+    print(rule, variant, {n: f"{e:.1e}" for n, e in errors.items()})
     assert all(np.all(np.isfinite(np.asarray(got[n], np.float32))) for n in got)
     assert all(errors[n] <= RMS[n] for n in errors), errors
 
