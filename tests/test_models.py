@@ -15,7 +15,7 @@ from lineattn.models import HybridLM, ModelConfig, count_params, flops_per_token
 
 
 def tiny(pattern, num_layers=None, **kw):
-    kw = dict(vocab_size=64, width=32, num_heads=2, **kw)
+    kw = {"vocab_size": 64, "width": 32, "num_heads": 2, **kw}
     return ModelConfig(num_layers=num_layers or len(pattern), layer_pattern=tuple(pattern), **kw)
 
 
