@@ -73,6 +73,7 @@ def jax_kda_impls(op):
         "lineattn-pallas": pallas_variant(rule, "fused", "xla"),
         "lineattn-pallas-split": pallas_variant(rule, "split", "xla"),
         "lineattn-pallas-split-passes": pallas_variant(rule, "split", "passes"),
+        "lineattn-pallas-split-kernels": pallas_variant(rule, "split", "kernels"),
         "lineattn-chunk": lambda q, k, v, g, b: ops.linear_attention(rule, q, k, v, g, b, backend="chunk")[0],
     }
     try:

@@ -40,26 +40,27 @@ def test_pallas_matches_oracle_fp32(rule):
     _compare(rule, make_inputs(rule, B=2, **SMALL))
 
 
-@pytest.mark.parametrize("rule", ["kda", "gla"])
-def test_pallas_split_intra_and_passes_backward(rule, monkeypatch):
-    # The split intra-chunk programs and the backward with Pallas state passes (both CPU-tested only so far).
-    monkeypatch.setattr(pallas_api, "INTRA", "split")
-    monkeypatch.setattr(pallas_api, "BACKWARD", "passes")
-    _compare(rule, make_inputs(rule, B=1, T=80, H=2, K=32, V=64, seed=9), chunk_size=64 if rule == "kda" else 32)
-
-
-def test_pallas_chunk_64_and_unequal_dims():
-    _compare("kda", make_inputs("kda", B=1, T=80, H=1, K=32, V=64, seed=4), chunk_size=64)
+@pytest.mark.parametrize("rule,intra,backward,chunk_size", [("kda", "fused", "passes", 64),
+                                                            ("kda", "split", "kernels", 64),
+                                                            ("gla", "split", "kernels", 32)])
+def test_pallas_variants_chunk_64_unequal_dims(rule, intra, backward, chunk_size, monkeypatch):
+    # Chunk 64, K != V, and the variants besides the default (fused, xla): the split intra-chunk programs and the
+    # two backwards with Pallas kernels (CPU-tested only so far).
+    monkeypatch.setattr(pallas_api, "INTRA", intra)
+    monkeypatch.setattr(pallas_api, "BACKWARD", backward)
+    _compare(rule, make_inputs(rule, B=1, T=80, H=2, K=32, V=64, seed=9), chunk_size=chunk_size)
 
 
 @pytest.mark.parametrize("gate", ["lower_bound", "zero", "cut"])
-def test_pallas_gate_extremes(gate):
+def test_pallas_gate_extremes(gate, monkeypatch):
     # Every token at -5 (a chunk's cumulative decay reaches -160 at chunk 32), at 0, or -1000 at a few tokens (cuts:
     # the in-chunk cumsum then rounds at ulp(1000) ~ 6e-5, hence 1e-3 as for the chunk backend).
     low, high = {"lower_bound": (-5.0, -5.0), "zero": (0.0, 0.0), "cut": (-1.0, 0.0)}[gate]
     inputs = make_inputs("kda", B=1, **SMALL, g_low=low, g_high=high, seed=5)
     if gate == "cut":
         inputs["g"] = inputs["g"].at[:, jnp.array([3, 20, 32, 61])].set(-1000.0)
+        monkeypatch.setattr(pallas_api, "INTRA", "split")  # the cut case runs the all-kernel variant
+        monkeypatch.setattr(pallas_api, "BACKWARD", "kernels")
     _compare("kda", inputs, tol=1e-3 if gate == "cut" else TOL)
 
 
@@ -73,15 +74,8 @@ def _rel_rms(actual, expected):
     return float(np.sqrt(np.mean((a - e) ** 2)) / max(np.sqrt(np.mean(e**2)), 1e-30))
 
 
-@pytest.fixture(params=["xla", "passes"])
-def backward(request, monkeypatch):
-    """The two backwards of the pallas backend (`lineattn.ops.pallas.chunk`)."""
-    monkeypatch.setattr(pallas_api, "BACKWARD", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("rule", ["kda"])
-def test_pallas_bf16_against_fp32_oracle(rule, backward):
+def test_pallas_bf16_against_fp32_oracle(rule):
     inputs = make_inputs(rule, B=1, **SMALL, seed=6)
     rounded = {n: None if x is None else x.astype(jnp.bfloat16).astype(jnp.float32) if n in "qkv beta" else x
                for n, x in inputs.items()}

@@ -52,7 +52,7 @@ def _run(rule, x, backend, monkeypatch=None, variant=("fused", "xla")):
 
 
 @pytest.mark.parametrize("rule,variant", [("kda", ("fused", "xla")), ("gdn", ("fused", "xla")),
-                                          ("kda", ("split", "passes"))])
+                                          ("kda", ("split", "kernels"))])
 def test_pallas_long_bf16_head_dim_128(rule, variant, monkeypatch):
     inputs = make_inputs(rule, B=1, T=16384 - 3, H=2, K=128, V=128, seed=11)
     inputs["h0"] = inputs.pop("initial_state")

@@ -28,20 +28,22 @@ def fake_h200(monkeypatch):
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: info)
 
 
-@pytest.mark.parametrize("intra", ["fused", "split"])
+@pytest.mark.parametrize("intra,backward", [("fused", "passes"), ("split", "kernels")])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_chunk_kernels_lower_for_sm90(fake_h200, dtype, intra):
+def test_chunk_kernels_lower_for_sm90(fake_h200, dtype, intra, backward):
     B, T, H, K, V = 1, 100, 2, 128, 128
     args = (S((B, T, H, K), dtype), S((B, T, H, K), dtype), S((B, T, H, V), dtype), S((B, T, H, K), jnp.float32),
             S((B, T, H), dtype), S((B, H, K, V), jnp.float32))
 
     def loss(*a):  # forward kernels and the backward's state-pass kernels
-        o, ht = chunk_pallas(*a, K**-0.5, 64, False, "passes", intra)
+        o, ht = chunk_pallas(*a, K**-0.5, 64, False, backward, intra)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
 
     text = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    # intra (fused: 1 kernel, split: gram + solve), state pass, bwd states, bwd reverse
-    assert text.count("__gpu$xla.gpu.triton") == (4 if intra == "fused" else 5)
+    # forward: intra (fused: 1 kernel; split: gram + solve) and the state pass; backward "passes": states and
+    # reverse; "kernels": gram, states, reverse, Gram-gradient rows and columns
+    expected = (2 if intra == "fused" else 3) + (2 if backward == "passes" else 5)
+    assert text.count("__gpu$xla.gpu.triton") == expected
 
 
 def test_decode_kernel_lowers_for_sm90(fake_h200):

@@ -17,7 +17,7 @@ AUTO_CHUNKS = (32, 64)
 
 # The backward `backend="pallas"` uses (see `lineattn.ops.pallas.chunk`): "xla" (GPU-tested) or "passes" (Pallas
 # state passes; CPU-tested only). Read when a call is traced.
-BACKWARD = "xla"
+BACKWARD = "xla"  # or "passes" / "kernels" (CPU-tested only)
 # The forward's intra-chunk stage: "fused" (one program per chunk; GPU-tested) or "split" (a program per 16-row
 # block, then one per chunk for the solve; CPU-tested only, see `chunk_fwd._intra_split`).
 INTRA = "fused"

@@ -40,6 +40,9 @@ def _bwd(scale, chunk_size, interpret, backward, intra, residuals, cotangents):
     do, dht = cotangents
     if backward == "passes":
         return chunk_bwd.backward(*residuals, do, dht, scale=scale, chunk_size=chunk_size, interpret=interpret)
+    if backward == "kernels":
+        return chunk_bwd.backward_kernels(*residuals, do, dht, scale=scale, chunk_size=chunk_size,
+                                          interpret=interpret)
     as_f32 = lambda x: None if x is None else x.astype(f32)
 
     def xla(q, k, v, g, beta, h0):

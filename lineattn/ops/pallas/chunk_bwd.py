@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 
 from lineattn.ops.chunk import ChunkTerms, chunk_terms, pad_to_chunks
 from lineattn.ops.pallas.chunk_fwd import pick_block_v
-from lineattn.ops.pallas.common import compiler_params, dot, interpret_mode
+from lineattn.ops.pallas.common import SUB, compiler_params, dot, interpret_mode
 
 f32 = jnp.float32
 
@@ -153,5 +153,182 @@ def backward(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: int, in
     grads = [None] * 5
     for i, d in zip(names, vjp(cot)):
         grads[i] = d[:, :T]
+    dtypes = [None if x is None else x.dtype for x in (q, k, v, g, beta)]
+    return (*(None if d is None else d.astype(dt) for d, dt in zip(grads, dtypes)), dh0.astype(h0.dtype))
+
+
+# ---- A backward with no XLA autodiff: "kernels" (CPU-tested only; not yet compiled or timed on a GPU) ----
+# The intra-chunk terms are recomputed by the Pallas gram kernel (M and the unscaled key Gram KK) and XLA
+# (R = (I + A)^-1, U, W: batched C x C algebra), the state passes are the kernels above, the WY part of the
+# backward is XLA algebra, and the gradients of the two gated Gram matrices (the part that needs the sub-block
+# reference points) are the two kernels below: `_gram_rows_bwd` (the row side, one program per 16-row block) and
+# `_gram_cols_bwd` (the column side, one program per 16-column block). For P_ij = sum_d x_id k_jd e^(G_id - G_jd):
+#     dx_i = sum_j dP_ij k_j e^(G_i - G_j),   dk_j = sum_i dP_ij x_i e^(G_i - G_j),   dG_i += x_i dx_i - k_i dk_i.
+
+
+def _gram_rows_bwd(k_ref, G_ref, dm_ref, dkk_ref, dxq_ref, dxk_ref, *, C, prec):
+    s, nb = SUB, C // SUB
+    a = pl.program_id(2) % nb
+    r0 = a * s
+    rows_s1 = jax.lax.broadcasted_iota(jnp.int32, (s, 1), 0)
+    Ga = G_ref[pl.ds(r0, s), :]
+    Gn = G_ref[pl.ds(r0, 1), :]
+    K = Ga.shape[-1]
+
+    def off_diagonal(b, acc):
+        cols = pl.ds(b * s, s)
+        kb = k_ref[cols, :].astype(f32) * jnp.exp(Gn - G_ref[cols, :])
+        return acc[0] + dot(dm_ref[:, cols], kb, prec), acc[1] + dot(dkk_ref[:, cols], kb, prec)
+
+    def column(j, acc):
+        row = pl.ds(r0 + j, 1)
+        kd = k_ref[row, :].astype(f32) * jnp.exp(jnp.where(rows_s1 >= j, Ga - G_ref[row, :], -jnp.inf))
+        return acc[0] + dm_ref[:, row] * kd, acc[1] + dkk_ref[:, row] * kd
+
+    zero = jnp.zeros((s, K), f32)
+    off_q, off_k = jax.lax.fori_loop(0, a, off_diagonal, (zero, zero))
+    diag_q, diag_k = jax.lax.fori_loop(0, s, column, (zero, zero))
+    row_decay = jnp.exp(Ga - Gn)
+    dxq_ref[...] = off_q * row_decay + diag_q
+    dxk_ref[...] = off_k * row_decay + diag_k
+
+
+def _gram_cols_bwd(q_ref, k_ref, G_ref, dm_ref, dkk_ref, dmt_ref, dkkt_ref, dkq_ref, dkk_out_ref, *, C, scale, prec):
+    s, nb = SUB, C // SUB
+    b = pl.program_id(2) % nb
+    c0 = b * s
+    rows_s1 = jax.lax.broadcasted_iota(jnp.int32, (s, 1), 0)
+    Gb = G_ref[pl.ds(c0, s), :]
+    K = Gb.shape[-1]
+
+    def off_diagonal(a, acc):
+        rows = pl.ds(a * s, s)
+        Gn = G_ref[pl.ds(a * s, 1), :]
+        row_decay = jnp.exp(G_ref[rows, :] - Gn)
+        col_decay = jnp.exp(Gn - Gb)
+        xq = q_ref[rows, :].astype(f32) * scale * row_decay
+        xk = k_ref[rows, :].astype(f32) * row_decay
+        cols = pl.ds(c0, s)
+        return (acc[0] + dot(dm_ref[rows, cols], xq, prec, trans_a=True) * col_decay,
+                acc[1] + dot(dkk_ref[rows, cols], xk, prec, trans_a=True) * col_decay)
+
+    def row(i, acc):
+        r = pl.ds(c0 + i, 1)
+        e = jnp.exp(jnp.where(rows_s1 <= i, G_ref[r, :] - Gb, -jnp.inf))  # [s (j), K], j <= i
+        return (acc[0] + dmt_ref[pl.ds(c0, s), r] * (q_ref[r, :].astype(f32) * scale) * e,
+                acc[1] + dkkt_ref[pl.ds(c0, s), r] * k_ref[r, :].astype(f32) * e)
+
+    zero = jnp.zeros((s, K), f32)
+    off_q, off_k = jax.lax.fori_loop(b + 1, nb, off_diagonal, (zero, zero))
+    diag_q, diag_k = jax.lax.fori_loop(0, s, row, (zero, zero))
+    dkq_ref[...] = off_q + diag_q
+    dkk_out_ref[...] = off_k + diag_k
+
+
+def gram_grads(q, k, G, dM, dKK, *, C, scale, exact, interpret):
+    """Row and column sides of both Gram gradients. q, k, G [B, Tp, H, K]; dM, dKK [B, H, Tp, C] (masked).
+    Returns dXq, dXk, dKq, dKk [B, H, Tp, K] (dXq is the gradient with respect to scale * q)."""
+    B, Tp, H, K = q.shape
+    N, nb = Tp // C, C // SUB
+    prec = "ieee" if exact else "tf32"
+    chunk_tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
+    chunk_mat = pl.BlockSpec((None, None, C, C), lambda b, h, i: (b, h, i // nb, 0))
+    rows_mat = pl.BlockSpec((None, None, SUB, C), lambda b, h, i: (b, h, i, 0))
+    out = pl.BlockSpec((None, None, SUB, K), lambda b, h, i: (b, h, i, 0))
+    out_shape = [jax.ShapeDtypeStruct((B, H, Tp, K), f32)] * 2
+    dxq, dxk = pl.pallas_call(
+        functools.partial(_gram_rows_bwd, C=C, prec=prec), grid=(B, H, N * nb),
+        in_specs=[chunk_tok(K), chunk_tok(K), rows_mat, rows_mat], out_specs=[out, out], out_shape=out_shape,
+        compiler_params=compiler_params(num_warps=4, num_stages=1), interpret=interpret,
+        name="lineattn_gram_rows_bwd",
+    )(k, G, dM, dKK)
+    T_ = lambda x: jnp.swapaxes(x.reshape(B, H, N, C, C), -1, -2).reshape(B, H, Tp, C)
+    dkq, dkk = pl.pallas_call(
+        functools.partial(_gram_cols_bwd, C=C, scale=scale, prec=prec), grid=(B, H, N * nb),
+        in_specs=[chunk_tok(K), chunk_tok(K), chunk_tok(K), chunk_mat, chunk_mat, chunk_mat, chunk_mat],
+        out_specs=[out, out], out_shape=out_shape,
+        compiler_params=compiler_params(num_warps=4, num_stages=1), interpret=interpret,
+        name="lineattn_gram_cols_bwd",
+    )(q, k, G, dM, dKK, T_(dM), T_(dKK))
+    return dxq, dxk, dkq, dkk
+
+
+def backward_kernels(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: int, interpret=None):
+    """Same result as `backward`, with the Gram gradients as Pallas kernels instead of XLA autodiff."""
+    from lineattn.ops.pallas.chunk_fwd import _gram_kernel
+    from lineattn.ops.triangular import unit_lower_inverse
+
+    C = chunk_size
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    exact = q.dtype == f32
+    interpret = interpret_mode(interpret)
+    delta = beta is not None
+    qf, kf, vf, gf, bf = (None if x is None else x.astype(f32) for x in pad_to_chunks(q, k, v, g, beta, C))
+    Tp = qf.shape[1]
+    N, nb = Tp // C, C // SUB
+    G = jnp.cumsum(gf.reshape(B, N, C, H, K), axis=2).reshape(B, Tp, H, K)
+    sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i, h, 0))
+    whole = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
+    row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, i, 0))
+    M, KK, Qin, Kg = pl.pallas_call(  # the key Gram unscaled: beta = 1
+        functools.partial(_gram_kernel, C=C, scale=scale, prec="ieee" if exact else "tf32", delta=True),
+        grid=(B, H, N * nb),
+        in_specs=[sub(K), whole(K), whole(K), pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i, h))],
+        out_specs=[row_out(C), row_out(C), row_out(K), row_out(K)],
+        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, C), f32)] * 2 + [jax.ShapeDtypeStruct((B, H, Tp, K), f32)] * 2,
+        compiler_params=compiler_params(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="lineattn_chunk_gram",
+    )(qf, kf, G, jnp.ones((B, Tp, H), f32))
+    bh = lambda x: jnp.moveaxis(x, 2, 1).reshape(B, H, N, C, *x.shape[3:])  # [B, Tp, H, ..] -> [B, H, N, C, ..]
+    ch = lambda x: x.reshape(B, H, N, C, x.shape[-1])  # [B, H, Tp, D] -> [B, H, N, C, D]
+    flat = lambda x: x.reshape(B, H, Tp, x.shape[-1])
+    qc, kc, vc, Gc = bh(qf), bh(kf), bh(vf), bh(G)
+    M, KK, Qin, Kg = map(ch, (M, KK, Qin, Kg))
+    G_end = Gc[..., -1, :]
+    dend = jnp.exp(G_end)
+    Kin = kc * jnp.exp(Gc)
+    mm = lambda spec, *xs: jnp.einsum(spec, *xs, precision=jax.lax.Precision.HIGHEST)
+    eye = jnp.eye(C, dtype=f32)
+    strict = jnp.tril(jnp.ones((C, C), bool), -1)
+    if delta:
+        bc = bh(bf)[..., None]
+        R = unit_lower_inverse(eye + bc * KK)
+        U, W = mm("...ij,...jd->...id", R, bc * vc), mm("...ij,...jd->...id", R, bc * Kin)
+    else:
+        U, W = vc, None
+    terms = ChunkTerms(Qin, M, Kg, dend, U, W)
+    do = jnp.pad(do.astype(f32), [(0, 0), (0, Tp - T), (0, 0), (0, 0)])
+    cot, dh0 = state_passes(terms, h0, do, dht, exact=exact, interpret=interpret)
+    dM = jnp.where(jnp.tril(jnp.ones((C, C), bool)), cot.M_BHNCC, 0.0)
+    dQin, dKg = cot.Qin_BHNCK, cot.Kg_BHNCK
+    dq = scale * jnp.exp(Gc) * dQin
+    dG = Qin * dQin - Kg * dKg
+    dk = jnp.exp(G_end[..., None, :] - Gc) * dKg
+    dG_end = jnp.sum(Kg * dKg, axis=-2) + dend * cot.decay_end
+    if delta:
+        dBv = mm("...ji,...jd->...id", R, cot.U_BHNCV)
+        dBk = mm("...ji,...jd->...id", R, cot.W_BHNCK)
+        dR = mm("...id,...jd->...ij", cot.U_BHNCV, bc * vc) + mm("...id,...jd->...ij", cot.W_BHNCK, bc * Kin)
+        dA = -jnp.where(strict, mm("...ki,...kl,...jl->...ij", R, dR, R), 0.0)
+        dv = bc * dBv
+        dbeta = jnp.sum(dBv * vc, -1) + jnp.sum(dBk * Kin, -1) + jnp.sum(dA * KK, -1)
+        dKK = bc * dA
+        dKin = bc * dBk
+        dk = dk + jnp.exp(Gc) * dKin
+        dG = dG + Kin * dKin
+    else:
+        dv, dbeta, dKK = cot.U_BHNCV, None, jnp.zeros_like(M)
+    dxq, dxk, dkq, dkk = gram_grads(qf, kf, G, flat(dM), flat(dKK), C=C, scale=scale, exact=exact,
+                                    interpret=interpret)
+    dxq, dxk, dkq, dkk = map(ch, (dxq, dxk, dkq, dkk))
+    dq = dq + scale * dxq
+    dk = dk + dkq + dxk + dkk
+    dG = dG + scale * qc * dxq - kc * dkq + kc * dxk - kc * dkk
+    dG = dG.at[..., -1, :].add(dG_end)
+    dg = jnp.flip(jnp.cumsum(jnp.flip(dG, -2), -2), -2)  # reverse cumsum within each chunk
+    unbh = lambda x: None if x is None else jnp.moveaxis(x.reshape(B, H, Tp, *x.shape[4:]), 1, 2)[:, :T]
+    grads = [unbh(dq), unbh(dk), unbh(dv), unbh(dg), None if dbeta is None else unbh(dbeta)]
     dtypes = [None if x is None else x.dtype for x in (q, k, v, g, beta)]
     return (*(None if d is None else d.astype(dt) for d, dt in zip(grads, dtypes)), dh0.astype(h0.dtype))
