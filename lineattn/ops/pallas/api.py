@@ -12,12 +12,13 @@ GATES = ("none", "fixed", "head", "channel")  # a head gate is a channel gate eq
 # What the GPU tests (tests/test_pallas*.py run on the H200, plus benchmarks/bench_pallas_kda.py) cover: `auto`
 # picks the kernels only inside this set, on a GPU.
 AUTO_RULES = (("delta", "channel"), ("delta", "head"), ("delta", "none"), ("additive", "channel"))  # kda gdn deltanet gla
-AUTO_DIMS = (32, 64, 128)
+AUTO_DIMS = (32, 128)  # head dims the GPU tests ran: K = V = 32 (fp32, bf16), K = V = 128 (bf16, T = 16384)
 AUTO_CHUNKS = (32, 64)
 
-# The backward `backend="pallas"` uses (see `lineattn.ops.pallas.chunk`): "xla" (GPU-tested) or "passes" (Pallas
-# state passes; CPU-tested only). Read when a call is traced.
-BACKWARD = "xla"  # or "passes" / "kernels" (CPU-tested only)
+# The backward `backend="pallas"` uses (see `lineattn.ops.pallas.chunk`): "xla" (GPU-tested), "passes" (Pallas
+# state passes, XLA autodiff of the intra-chunk terms) or "kernels" (no XLA autodiff); the last two CPU-tested only.
+# Read when a call is traced.
+BACKWARD = "xla"
 # The forward's intra-chunk stage: "fused" (one program per chunk; GPU-tested) or "split" (a program per 16-row
 # block, then one per chunk for the solve; CPU-tested only, see `chunk_fwd._intra_split`).
 INTRA = "fused"

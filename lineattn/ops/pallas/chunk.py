@@ -1,13 +1,19 @@
 """The Pallas chunk backend as a differentiable function (`jax.custom_vjp`).
 
 Forward: the two Pallas kernels of `chunk_fwd`. The forward saves only the inputs; the backward recomputes.
-Two backwards, chosen by the static `backward` argument:
+Three backwards, chosen by the static `backward` argument:
   - "xla" (the default, the one the H200 tests ran): `jax.vjp` of the XLA chunk form (`lineattn.ops.chunk.chunk`)
     in fp32: exact, but its time and memory are the XLA path's. No Pallas kernel in it.
   - "passes": `chunk_bwd.backward`: the XLA VJP of the intra-chunk terms (parallel over chunks) with the two
-    sequential passes over chunks (forward states, reverse cotangent pass) as Pallas kernels. Tested on CPU
-    (interpret mode) against the oracle; not yet compiled or timed on a GPU.
-A backward with the intra-chunk part in Pallas too is the remaining step (issue [kernels]).
+    sequential passes over chunks (forward states, reverse cotangent pass) as Pallas kernels.
+  - "kernels": `chunk_bwd.backward_kernels`: no XLA autodiff. The terms are recomputed by the Pallas gram kernel
+    plus XLA for (I + A)^-1, U, W; the state passes as above; the WY part of the backward as XLA algebra; the
+    gradients of the gated Gram matrices as two Pallas kernels (row and column sides).
+"passes" and "kernels" are tested on CPU (interpret mode) against the oracle and lower to Triton IR for sm_90,
+but have not yet been compiled or timed on a GPU. Memory: the forward saves nothing but its inputs (FLA saves the
+two intra-chunk matrices); the "kernels" backward holds, transiently, about 2,200 fp32 values per token and head
+at K = V = 128, C = 64 (recomputed terms, per-V-tile cotangent partials, Gram gradients; 256 of them are the
+per-chunk states K*V/C).
 """
 
 from __future__ import annotations
