@@ -4,6 +4,7 @@
     lineattn eval --run-dir runs/tiny [--step N] [--set data.eval_rows=...]
     lineattn generate --run-dir runs/tiny --prompt "ROMEO." [--max-new-tokens 200] [--temperature 0.8] [--top-k 40]
     lineattn fetch-data [--cache-dir data]
+    lineattn ablate ...          (lineattn.experiments.ablate, when present)
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lineattn", description="Train, evaluate and sample lineattn language models.")
+    p = argparse.ArgumentParser(prog="lineattn", description="Train, evaluate and sample lineattn language models.",
+                                epilog="Also: `lineattn ablate --help` (the gate-granularity ablation runner).")
     sub = p.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train (or resume) a run")
@@ -140,9 +142,22 @@ def cmd_fetch_data(args) -> int:
     return 0
 
 
+# Subcommands that live in other packages: name -> module with a `main(argv) -> int`.
+EXTERNAL = {"ablate": "lineattn.experiments.ablate"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    import importlib
     from lineattn.train.checkpoint import CheckpointError
     from lineattn.train.config import ConfigError
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in EXTERNAL:
+        try:
+            module = importlib.import_module(EXTERNAL[argv[0]])
+        except ImportError as e:
+            print(f"lineattn {argv[0]}: not available ({e})", file=sys.stderr)
+            return 2
+        return module.main(argv[1:])
     args = _parser().parse_args(argv)
     handlers = {"train": cmd_train, "eval": cmd_eval, "generate": cmd_generate, "fetch-data": cmd_fetch_data}
     try:
