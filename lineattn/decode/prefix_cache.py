@@ -25,10 +25,15 @@ import hashlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from lineattn.decode.loop import prefill_with_snapshots
 from lineattn.decode.state import DecodeState, init_state
 from lineattn.layers import Attention, KVCache, LinearState
+
+
+# One compile per (prompt remainder length, export positions): eager dispatch of the chunk path costs far more.
+_prefill_with_snapshots = nnx.jit(prefill_with_snapshots, static_argnums=3)
 
 
 def chain_hash(parent: bytes, block_tokens: np.ndarray) -> bytes:
@@ -186,8 +191,8 @@ class PrefixCache:
                 self.junctions.append(junction)
             exports = {T // bs * bs, T // hb * hb} | ({junction} if junction else set())
             exports = tuple(sorted(p for p in exports if hit < p <= T)) if self.linear_layers else ()
-            logits, state, snapshots = prefill_with_snapshots(self.model, jnp.asarray(tokens[hit:])[None], state,
-                                                              [p - hit for p in exports])
+            logits, state, snapshots = _prefill_with_snapshots(self.model, jnp.asarray(tokens[hit:])[None], state,
+                                                               tuple(p - hit for p in exports))
             new = self._register_prefill(tokens, state, snapshots, exports)
         finally:
             for e in used + new:

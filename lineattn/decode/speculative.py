@@ -167,6 +167,9 @@ def _batched_round(t_graph, t_params, d_graph, d_params, t_spec, d_spec, x0, key
     return jax.vmap(one)(t_spec, d_spec, x0, keys)
 
 
+_prefill = nnx.jit(prefill)
+
+
 def _per_request(state: DecodeState) -> SpecState:
     """[B, ...] state with a shared slot -> a SpecState with a leading request axis (batch 1 inside)."""
     B = state.start.shape[0]
@@ -193,8 +196,8 @@ def speculative_generate(target, draft, prompts, max_new_tokens: int, *, num_dra
     B, T0 = prompts.shape
     max_len = T0 + max_new_tokens + num_draft + 1
     rng = jax.random.key(0) if rng is None else rng
-    t_logits, t_state = prefill(target, prompts, init_state(target, B, max_len))
-    _, d_state = prefill(draft, prompts, init_state(draft, B, max_len))
+    t_logits, t_state = _prefill(target, prompts, init_state(target, B, max_len))
+    _, d_state = _prefill(draft, prompts, init_state(draft, B, max_len))
     rng, key = jax.random.split(rng)
     x0 = sample(t_logits[:, -1], key, temperature=temperature, top_k=top_k, top_p=top_p)
     # x0 is the first generated token; it enters both models at the start of the first round.
