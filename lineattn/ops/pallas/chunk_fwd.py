@@ -8,9 +8,8 @@ Kernel 1, `intra`, one program per (batch, head, chunk), all in parallel. For a 
     sub-blocks (a > b) factor the decay through the reference point n of block a:
     `(x_a e^(G_a - G_n)) (k_b e^(G_n - G_b))^T`, both exponents <= 0. Diagonal sub-blocks take `e^(G_i - G_j)`
     pair by pair, one key column j at a time, masked before the exp: exact for any g <= 0 (also -1000);
-  - R = (I + A)^-1: each 16x16 diagonal block inverted as the finite series (I - A)(I + A^2)(I + A^4)(I + A^8)
-    (A is nilpotent: exact, and six small matmuls instead of a 16-step row loop), then block forward
-    substitution below the diagonal (the same products as merging 16 -> 32 -> 64);
+  - R = (I + A)^-1 by forward substitution inside each 16x16 diagonal block and block forward substitution
+    below it (the same numbers as merging 16 -> 32 -> 64);
   - U = R Diag(b) V, W = R Diag(b) Kin, and writes Qin = scale q e^G, Kg = k e^(G_C - G), W, U, M and e^(G_C).
 Kernel 2, `state_pass`, one program per (batch, head, V tile): the sequential pass over chunks with the fp32
 state in registers, E = U - W S, O = Qin S + M E, S <- Diag(e^(G_C)) S + Kg^T E; writes O and the final state.
@@ -37,14 +36,9 @@ def _iota(shape, dim):
     return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
-class _OnUse:
-    """x[a] calls f(a): a list whose entries are recomputed (reloaded) at each use."""
-
-    def __init__(self, f):
-        self.f = f
-
-    def __getitem__(self, a):
-        return self.f(a)
+def _row(x, i, rows):
+    """Row i of a register tile x [s, D] (traced i) as a vector [D]."""
+    return jnp.sum(jnp.where(rows == i, x, 0.0), axis=0)
 
 
 def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
@@ -52,12 +46,12 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
     s, nb = SUB, C // SUB
     K = k_ref.shape[-1]
     rows_s1, cols_ss, rows_ss = _iota((s, 1), 0), _iota((s, s), 1), _iota((s, s), 0)
+    cols_1s = _iota((1, s), 1)
     eye = (rows_ss == cols_ss).astype(f32)
     load = lambda ref, a: ref[pl.ds(a * s, s), :].astype(f32)
 
-    # q and k sub-blocks are loaded where they are used (cache hits) rather than held in registers throughout.
-    q = _OnUse(lambda a: load(q_ref, a) * scale)
-    k = _OnUse(lambda a: load(k_ref, a))
+    q = [load(q_ref, a) * scale for a in range(nb)]
+    k = [load(k_ref, a) for a in range(nb)]
     G, start = [], []
     carry = jnp.zeros((K,), f32)
     for a in range(nb):
@@ -71,20 +65,19 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
     for a in range(nb):
         qa, ka, Ga = q[a], k[a], G[a]
 
-        def column(j, acc, a=a, qa=qa, ka=ka, Ga=Ga):
-            # Key j of the block and its cumulative gate come from the refs (a row load) rather than out of the
-            # register tile (a reduction across warps); G_j runs along with j.
-            m_acc, kk_acc, Gj = acc
-            row = pl.ds(a * s + j, 1)
-            Gj = Gj + g_ref[row, :].astype(f32)
-            kj = k_ref[row, :].astype(f32)
-            kd = kj * jnp.exp(jnp.where(rows_s1 >= j, Ga - Gj, -jnp.inf))  # [s, K], masked before the exp
-            m_acc = jnp.where(cols_ss == j, jnp.sum(qa * kd, axis=1)[:, None], m_acc)
-            kk_acc = jnp.where((cols_ss == j) & (rows_ss > j), jnp.sum(ka * kd, axis=1)[:, None], kk_acc)
-            return m_acc, kk_acc, Gj
+        def column(j, acc, qa=qa, ka=ka, Ga=Ga):
+            m_acc, kk_acc = acc
+            kj, Gj = _row(ka, j, rows_s1), _row(Ga, j, rows_s1)
+            decay = jnp.exp(jnp.where(rows_s1 >= j, Ga - Gj[None, :], -jnp.inf))  # masked before the exp
+            kd = decay * kj[None, :]
+            m_col = jnp.sum(qa * kd, axis=1)[:, None]
+            kk_col = jnp.sum(ka * kd, axis=1)[:, None]
+            m_acc = jnp.where(cols_ss == j, m_col, m_acc)
+            kk_acc = jnp.where((cols_ss == j) & (rows_ss > j), kk_col, kk_acc)
+            return m_acc, kk_acc
 
         zero = jnp.zeros((s, s), f32)
-        M[a, a], KK[a, a], _ = jax.lax.fori_loop(0, s, column, (zero, zero, start[a][None, :]))
+        M[a, a], KK[a, a] = jax.lax.fori_loop(0, s, column, (zero, zero))
         if a:
             row_decay = jnp.exp(Ga - start[a][None, :])
             qa_r, ka_r = qa * row_decay, ka * row_decay
@@ -109,14 +102,14 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
     A = {ab: beta[ab[0]] * KK[ab] for ab in KK}
     X = {}
     for a in range(nb):
-        # (I + A)^-1 of a strictly lower 16x16 block A: A^16 = 0, so the inverse is the finite series
-        # sum_n (-A)^n = (I - A)(I + A^2)(I + A^4)(I + A^8): six small exact-fp32 products, no serial row loop.
-        A1 = A[a, a]
-        A2 = dot(A1, A1, "ieee")
-        A4 = dot(A2, A2, "ieee")
-        X_aa = dot(eye - A1, eye + A2, "ieee")
-        X_aa = dot(X_aa, eye + A4, "ieee")
-        X[a, a] = dot(X_aa, eye + dot(A4, A4, "ieee"), "ieee")
+        A_aa = A[a, a]
+
+        def substitute(i, Xa, A_aa=A_aa):
+            a_i = _row(A_aa, i, rows_ss)  # row i of the strictly lower block, indexed by column j
+            new = (cols_1s == i).astype(f32) - jnp.sum(a_i[:, None] * Xa, axis=0)[None, :]
+            return jnp.where(rows_ss == i, new, Xa)
+
+        X[a, a] = jax.lax.fori_loop(1, s, substitute, eye)
         for b in range(a - 1, -1, -1):
             acc = dot(A[a, b], X[b, b], prec)
             for c in range(b + 1, a):
@@ -131,13 +124,14 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
         u_ref[t, :] = u.astype(u_ref.dtype)
         w_ref[t, :] = w.astype(w_ref.dtype)
 
-
 # ---- The same stage as several smaller programs ("split"): not yet compiled or timed on a GPU. ----
 # The single-program `_intra_kernel` keeps a whole chunk's tiles live (register spills) and assembles the
 # diagonal blocks column by column in registers; on the H200 it took 8.2 of the forward's 9 ms at 8 x 4096.
 # Here the in-chunk cumsum G is done by XLA, `_gram_kernel` runs one program per (chunk, 16-row block a) and stores
 # its row of M and A = Diag(b) KK (diagonal-block columns go straight to memory), and `_solve_kernel` runs one
-# program per chunk for (I + A)^-1, U and W from A read back in 16x16 tiles.
+# program per chunk for (I + A)^-1, U and W from A read back in 16x16 tiles. Its 16x16 diagonal blocks are inverted
+# as the finite series (I - A)(I + A^2)(I + A^4)(I + A^8) (A is nilpotent, A^16 = 0: exact, six small matmuls
+# instead of a 16-step row loop); below them, block forward substitution as in the fused kernel.
 
 
 def _gram_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta):
