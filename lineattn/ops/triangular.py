@@ -34,7 +34,8 @@ def _forward_substitution(L):
     b = L.shape[-1]
     strict = L - jnp.eye(b, dtype=L.dtype)
     row = lambda i, X: X.at[..., i, :].add(-einsum("...j,...jc->...c", strict[..., i, :], X))
-    return jax.lax.fori_loop(1, b, row, jnp.broadcast_to(jnp.eye(b, dtype=L.dtype), L.shape))
+    # The carry starts from L's own value (eye + 0 * L) so it varies like L under shard_map's check_vma.
+    return jax.lax.fori_loop(1, b, row, jnp.eye(b, dtype=L.dtype) + jnp.zeros_like(L))
 
 
 def unit_lower_inverse(L: jax.Array) -> jax.Array:
