@@ -52,10 +52,20 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _maybe_distributed(argv_cfg) -> None:
-    if argv_cfg is not None and argv_cfg.mesh.distributed:
-        import jax
-        jax.distributed.initialize()   # reads the coordinator, process count and id from the environment
+def _maybe_distributed(cfg) -> None:
+    """Multi-host (`mesh.distributed: true`): `jax.distributed.initialize` before JAX touches a device.
+
+    JAX finds the coordinator, process count and id by itself under Slurm, Open MPI and on TPU pods; elsewhere set
+    JAX_COORDINATOR_ADDRESS (host:port of process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID on every host.
+    """
+    if cfg is None or not cfg.mesh.distributed:
+        return
+    import jax
+    env = os.environ
+    jax.distributed.initialize(
+        coordinator_address=env.get("JAX_COORDINATOR_ADDRESS"),
+        num_processes=int(env["JAX_NUM_PROCESSES"]) if env.get("JAX_NUM_PROCESSES") else None,
+        process_id=int(env["JAX_PROCESS_ID"]) if env.get("JAX_PROCESS_ID") else None)
 
 
 def cmd_train(args) -> int:
