@@ -38,12 +38,15 @@ class Attention(nnx.Module):
         return KVCache(zeros, zeros)
 
     def __call__(self, x_BTD, *, positions, segment_ids=None, state: KVCache | None = None, slot=None, start=None,
-                 checkpoints=()):
+                 checkpoints=(), context_axis: str | None = None):
         """x [B, T, width] -> (y [B, T, width], updated KVCache or None, None).
 
         Without a cache: causal within each segment of `segment_ids`. With a cache, x's keys/values are written at
         slots [slot, slot + T) and each query sees the slots from start[b] (the request's first token) to its own.
         The third output is for interface parity with `LinearAttention` (no snapshots: the cache holds every slot).
+        context_axis: context parallelism (no cache, inside a shard_map binding that mesh axis): x, positions
+        (global) and segment_ids are this device's slice [B, T/P] of the sequence; keys, values and segment ids
+        are all-gathered over the axis and the causal mask uses global positions.
         """
         B, T, _ = x_BTD.shape
         q = self.q_proj(x_BTD).reshape(B, T, self.num_heads, self.head_dim)
@@ -52,7 +55,17 @@ class Attention(nnx.Module):
         if self.rope:
             q, k = rotary(q, positions, self.rope_theta), rotary(k, positions, self.rope_theta)
         t = jnp.arange(T)
-        if state is None:
+        if context_axis is not None:
+            if state is not None:
+                raise ValueError("Attention: context_axis is for training forwards, without a KV cache")
+            every = lambda x: jax.lax.all_gather(x, context_axis, axis=1, tiled=True)  # [B, T, ...] -> [B, P T, ...]
+            k, v = every(k), every(v)
+            q_pos, k_pos = jax.lax.axis_index(context_axis) * T + t, jnp.arange(k.shape[1])
+            mask = k_pos[None, :] <= q_pos[:, None]
+            if segment_ids is not None:
+                mask = mask & (segment_ids[:, :, None] == every(segment_ids)[:, None, :])
+            mask = jnp.broadcast_to(mask, (B, T, k.shape[1]))
+        elif state is None:
             mask = t[:, None] >= t[None, :]
             if segment_ids is not None:
                 mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])

@@ -6,6 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lineattn.layers.segments import previous_tail
+
 
 class ShortConv(nnx.Module):
     """y_t = silu(sum_w weight[w] * x_{t - W + 1 + w}) per channel, causal, no bias.
@@ -33,18 +35,33 @@ class ShortConv(nnx.Module):
         past = jnp.zeros((B, self.kernel_size - 1, C), x_BTC.dtype) if state is None else state.astype(x_BTC.dtype)
         return jnp.concatenate([past, x_BTC], axis=1)
 
-    def __call__(self, x_BTC: jax.Array, *, segment_ids=None, state=None):
+    def __call__(self, x_BTC: jax.Array, *, segment_ids=None, state=None, context_axis: str | None = None):
         """x [B, T, C] -> (silu(conv(x)) [B, T, C], new state [B, W - 1, C] or None when state is None).
 
         segment_ids [B, T] (0 = padding): padding inputs count as zeros and taps never cross a segment start.
         `state` holds the inputs before x (treated as x's first segment).
+        context_axis: x is this device's slice of a sequence sharded over that mesh axis (inside shard_map, with
+        state=None); the inputs before it are the previous device's last W - 1 and their segment ids (a halo
+        through `ppermute`; zeros on the first device).
         """
         B, T, C = x_BTC.shape
         W = self.kernel_size
-        ext_BSC = self.window(x_BTC, segment_ids=segment_ids, state=state)  # S = W - 1 + T
+        past_ids = None
+        if context_axis is not None and W > 1:
+            if state is not None:
+                raise ValueError("ShortConv: context_axis is for training forwards, without a decode state")
+            masked = x_BTC if segment_ids is None else jnp.where(segment_ids[..., None] != 0, x_BTC, 0)
+            halo = previous_tail(masked, W - 1, context_axis)
+            if segment_ids is not None:
+                past_ids = previous_tail(segment_ids, W - 1, context_axis)
+        else:
+            halo = state
+        ext_BSC = self.window(x_BTC, segment_ids=segment_ids, state=halo)  # S = W - 1 + T
         weight = self.weight[...].astype(x_BTC.dtype)
         if segment_ids is not None:
-            ext_seg = jnp.concatenate([jnp.broadcast_to(segment_ids[:, :1], (B, W - 1)), segment_ids], axis=1)
+            if past_ids is None:
+                past_ids = jnp.broadcast_to(segment_ids[:, :1], (B, W - 1))
+            ext_seg = jnp.concatenate([past_ids, segment_ids], axis=1)
         y_BTC = jnp.zeros(x_BTC.shape, ext_BSC.dtype)
         for w in range(W):  # tap w looks W - 1 - w tokens back
             tap = ext_BSC[:, w : w + T]

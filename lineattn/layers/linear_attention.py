@@ -13,7 +13,7 @@ from flax import nnx
 from lineattn import ops
 from lineattn.layers.basic import dense, rms_norm
 from lineattn.layers.conv import ShortConv
-from lineattn.layers.segments import RESET_LOG_GATE, segment_starts
+from lineattn.layers.segments import RESET_LOG_GATE, context_segment_starts, segment_starts
 
 GATE_FNS = ("safe", "softplus")
 
@@ -137,15 +137,20 @@ class LinearAttention(nnx.Module):
         return g.reshape(B, T, H, self.head_k_dim, self.head_v_dim) if gate == "element" else g
 
     def __call__(self, x_BTD, *, segment_ids=None, state: LinearState | None = None, checkpoints=(),
-                 **unused_context):
+                 context_axis: str | None = None, **unused_context):
         """x [B, T, width] -> (y [B, T, width], new LinearState or None, snapshots or None).
 
         segment_ids [B, T] (0 = padding) resets the state where a segment starts and keeps the conv inside
         segments. With `state`, x continues from it (prefill or decode step) and the new state is returned.
         checkpoints: token counts p in [0, T] (concrete); snapshots = LinearState(conv [P, B, W - 1, C],
         recurrent [P, B, H, K, V]) after p tokens of x, from the same pass.
+        context_axis: context parallelism (training forward, inside a shard_map binding that mesh axis): x and
+        segment_ids are this device's slice [B, T/P] of the sequence; the conv takes a halo from the previous
+        device and the rule runs through `ops.context_parallel_attention` (segment starts as reset gates).
         """
         B, T, _ = x_BTD.shape
+        if context_axis is not None and (state is not None or checkpoints):
+            raise ValueError("LinearAttention: context_axis is for training forwards (no state or checkpoints)")
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
         qkv = jnp.concatenate([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], axis=-1)
         conv_state = conv_snaps = None
@@ -155,7 +160,7 @@ class LinearAttention(nnx.Module):
                 window = self.conv.window(qkv, segment_ids=segment_ids, state=past)
                 W1 = self.conv.kernel_size - 1
                 conv_snaps = jnp.stack([window[:, p : p + W1] for p in checkpoints]).astype(past.dtype)
-            qkv, conv_state = self.conv(qkv, segment_ids=segment_ids, state=past)
+            qkv, conv_state = self.conv(qkv, segment_ids=segment_ids, state=past, context_axis=context_axis)
         q, k, v = jnp.split(qkv, [H * K, 2 * H * K], axis=-1)
         q, k, v = q.reshape(B, T, H, K), k.reshape(B, T, H, K), v.reshape(B, T, H, V)
         beta = None
@@ -164,13 +169,22 @@ class LinearAttention(nnx.Module):
             beta = jax.nn.sigmoid(self.b_proj(x_BTD).astype(jnp.float32))
         rule, g = self.rule, self.log_gate(x_BTD)
         if segment_ids is not None:
-            rule, g = with_resets(rule, g, segment_starts(segment_ids), H)
+            starts = segment_starts(segment_ids) if context_axis is None else context_segment_starts(
+                segment_ids, context_axis)
+            rule, g = with_resets(rule, g, starts, H)
+        if context_axis is not None:
+            o, _ = ops.context_parallel_attention(rule, q, k, v, g, beta, axis_name=context_axis)
+            return self._output(x_BTD, o), None, None
         backend = "recurrent" if state is not None and T == 1 else self.backend
         out = ops.linear_attention(rule, q, k, v, g, beta, initial_state=None if state is None else state.recurrent,
                                    output_final_state=state is not None, backend=backend,
                                    checkpoint_positions=list(checkpoints) if checkpoints else None)
         o, S = out[:2]
         snaps = LinearState(conv_snaps, out[2]) if checkpoints else None
+        return self._output(x_BTD, o), (None if state is None else LinearState(conv_state, S)), snaps
+
+    def _output(self, x_BTD, o_BTHV):
+        """Head-wise RMSNorm of the rule's output times the sigmoid output gate, then the output projection."""
+        B, T, H, V = o_BTHV.shape
         o_gate = jax.nn.sigmoid(self.o_gate_up(self.o_gate_down(x_BTD))).reshape(B, T, H, V)
-        y = self.o_proj((self.o_norm(o) * o_gate).reshape(B, T, H * V))
-        return y, (None if state is None else LinearState(conv_state, S)), snaps
+        return self.o_proj((self.o_norm(o_BTHV) * o_gate).reshape(B, T, H * V))

@@ -15,11 +15,43 @@ import jax.numpy as jnp
 RESET_LOG_GATE = -120.0
 
 
-def segment_starts(segment_ids_BT: jax.Array) -> jax.Array:
+def segment_starts(segment_ids_BT: jax.Array, first_B: jax.Array | None = None) -> jax.Array:
     """bool [B, T]: token t opens a new segment (differs from token t - 1). Token 0 never does: it continues
-    whatever state the caller carries in (a fresh state is zero anyway)."""
+    whatever state the caller carries in (a fresh state is zero anyway), unless `first_B` (bool [B]) says it does
+    (context parallelism: the slice's first token against the previous device's last, `context_segment_starts`)."""
     changed = segment_ids_BT[:, 1:] != segment_ids_BT[:, :-1]
-    return jnp.concatenate([jnp.zeros_like(changed[:, :1]), changed], axis=1)
+    first = jnp.zeros_like(changed[:, :1]) if first_B is None else first_B[:, None]
+    return jnp.concatenate([first, changed], axis=1)
+
+
+# -- Context parallelism: the sequence axis is sharded over a mesh axis; each device holds a slice [B, T/P, ...].
+
+def previous_tail(x_BT: jax.Array, n: int, axis_name: str) -> jax.Array:
+    """The previous device's last n entries along axis 1 (the halo before this device's slice); zeros on the first
+    device of `axis_name`. Inside a shard_map that binds `axis_name`."""
+    if n > x_BT.shape[1]:
+        raise ValueError(f"context parallelism needs at least {n} tokens per device, got {x_BT.shape[1]}")
+    P = jax.lax.axis_size(axis_name)
+    return jax.lax.ppermute(x_BT[:, x_BT.shape[1] - n :], axis_name, [(i, i + 1) for i in range(P - 1)])
+
+
+def context_segment_starts(segment_ids_BT: jax.Array, axis_name: str) -> jax.Array:
+    """`segment_starts` of the global sequence, on this device's slice: its first token starts a segment when it
+    differs from the previous device's last token (never on the first device, like token 0 on one device)."""
+    before_B = previous_tail(segment_ids_BT, 1, axis_name)[:, 0]
+    first_B = (jax.lax.axis_index(axis_name) > 0) & (segment_ids_BT[:, 0] != before_B)
+    return segment_starts(segment_ids_BT, first_B)
+
+
+def context_positions(segment_ids_BT: jax.Array | None, batch_T: tuple[int, int], axis_name: str) -> jax.Array:
+    """int32 [B, T/P]: global positions of this device's tokens, restarting at each segment (the slice of
+    `positions_in_segment` of the whole sequence). Gathers the segment ids (small) over `axis_name`."""
+    B, T_loc = batch_T
+    start = jax.lax.axis_index(axis_name) * T_loc
+    if segment_ids_BT is None:
+        return jnp.broadcast_to(start + jnp.arange(T_loc, dtype=jnp.int32), (B, T_loc))
+    every_BT = jax.lax.all_gather(segment_ids_BT, axis_name, axis=1, tiled=True)
+    return jax.lax.dynamic_slice_in_dim(positions_in_segment(every_BT), start, T_loc, axis=1)
 
 
 def positions_in_segment(segment_ids_BT: jax.Array, offset_B: jax.Array | None = None) -> jax.Array:

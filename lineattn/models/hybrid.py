@@ -8,7 +8,7 @@ import numpy as np
 from flax import nnx
 
 from lineattn.layers import Attention, LinearAttention, SwiGLU, rms_norm
-from lineattn.layers.segments import check_segment_ids, positions_in_segment
+from lineattn.layers.segments import check_segment_ids, context_positions, positions_in_segment
 from lineattn.models.config import ATTENTION_MIXERS, ModelConfig
 
 
@@ -31,9 +31,11 @@ class Block(nnx.Module):
         self.mixer = _make_mixer(cfg, mixer, rngs)
         self.mlp = SwiGLU(cfg.width, cfg.mlp_hidden, **kw)
 
-    def __call__(self, x_BTD, *, positions, segment_ids, state=None, slot=None, start=None, checkpoints=()):
+    def __call__(self, x_BTD, *, positions, segment_ids, state=None, slot=None, start=None, checkpoints=(),
+                 context_axis=None):
         y, state, snapshots = self.mixer(self.mixer_norm(x_BTD), positions=positions, segment_ids=segment_ids,
-                                         state=state, slot=slot, start=start, checkpoints=checkpoints)
+                                         state=state, slot=slot, start=start, checkpoints=checkpoints,
+                                         context_axis=context_axis)
         x_BTD = x_BTD + y
         return x_BTD + self.mlp(self.mlp_norm(x_BTD)), state, snapshots
 
@@ -70,16 +72,22 @@ class HybridLM(nnx.Module):
         logits = self.embed.attend(x_BTD) * self.cfg.width**-0.5 if self.lm_head is None else self.lm_head(x_BTD)
         return logits.astype(jnp.float32)
 
-    def __call__(self, tokens_BT, *, segment_ids=None):
+    def __call__(self, tokens_BT, *, segment_ids=None, context_axis: str | None = None):
+        """context_axis: context parallelism. Called inside a `jax.shard_map` (check_vma=False) that shards the
+        sequence over that mesh axis, tokens and segment_ids are this device's slice [B, T/P] (device d holds
+        tokens d T/P .. (d + 1) T/P - 1) and so are the logits; every layer exchanges what it needs across the
+        axis (see `lineattn.train.trainer`). None (default): the whole sequence on one device."""
         _check_tokens(tokens_BT, self.cfg.vocab_size)
         check_segment_ids(segment_ids, tokens_BT.shape)
-        if segment_ids is None:
+        if context_axis is not None:
+            positions = context_positions(segment_ids, tokens_BT.shape, context_axis)
+        elif segment_ids is None:
             positions = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
         else:
             positions = positions_in_segment(segment_ids)
         x = self.embed(tokens_BT)
         for block in self.blocks:
-            x, _, _ = block(x, positions=positions, segment_ids=segment_ids)
+            x, _, _ = block(x, positions=positions, segment_ids=segment_ids, context_axis=context_axis)
         return self._logits(x)
 
     def forward_cached(self, tokens_BT, layer_states, *, slot, start, segment_ids=None, checkpoints=()):

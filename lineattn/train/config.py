@@ -331,14 +331,17 @@ class LogConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """A `jax.sharding.Mesh` with axes (data, fsdp): the batch is split over both, parameters over `fsdp`."""
-    data: int = -1                        # -1: every device not used by fsdp
+    """A `jax.sharding.Mesh` with axes (data, fsdp, context): the batch is split over data and fsdp, parameters
+    over `fsdp`, and the sequence over `context` (context parallelism: each device holds seq_len / context tokens)."""
+    data: int = -1                        # -1: every device not used by fsdp and context
     fsdp: int = 1
+    context: int = 1                      # devices sharing one sequence (data.seq_len must be a multiple)
     distributed: bool = False             # call jax.distributed.initialize() first (multi-host)
 
     def __post_init__(self):
         check(self.data == -1 or self.data >= 1, "data", "must be -1 or >= 1")
         check(self.fsdp >= 1, "fsdp", "must be >= 1")
+        check(self.context >= 1, "context", "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -354,6 +357,8 @@ class Config:
     def __post_init__(self):
         check(self.data.batch_size % self.train.grad_accum == 0, "train.grad_accum",
               f"must divide data.batch_size ({self.data.batch_size})")
+        check(self.data.seq_len % self.mesh.context == 0, "mesh.context",
+              f"must divide data.seq_len ({self.data.seq_len})")
 
     def model_config(self, model_config_cls: type | None = None) -> Any:
         """The `model` section as `lineattn.models.ModelConfig` (or `model_config_cls`), checked key by key."""

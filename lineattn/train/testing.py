@@ -68,7 +68,7 @@ def _print_golden() -> None:
 
 
 def sharded_step_check(meshes=(("data", 8, 1), ("fsdp", 2, 4))) -> dict:
-    """Train steps of the tiny config on 1 device and on each 8-device mesh (data, fsdp) from the same init;
+    """Train steps of the tiny config on 1 device and on each mesh (name, data, fsdp[, context]) from the same init;
     returns the largest differences (after 3 steps: after one, Adam's update is nearly sign(grad) and hides them). Needs XLA_FLAGS=--xla_force_host_platform_device_count=8 (set before JAX
     starts), so tests run it in a subprocess."""
     import tempfile as tf
@@ -78,8 +78,8 @@ def sharded_step_check(meshes=(("data", 8, 1), ("fsdp", 2, 4))) -> dict:
     from lineattn.train.config import load_config
     from lineattn.train.trainer import Trainer
 
-    def one_step(devices, data, fsdp):
-        cfg = load_config(base={**BASE, "mesh": {"data": data, "fsdp": fsdp}})
+    def one_step(devices, data, fsdp, context=1):
+        cfg = load_config(base={**BASE, "mesh": {"data": data, "fsdp": fsdp, "context": context}})
         with tf.TemporaryDirectory() as d:
             src = golden_text_source()
             tr = Trainer(cfg, d, source=src, devices=devices, log_fn=lambda s: None)
@@ -94,8 +94,8 @@ def sharded_step_check(meshes=(("data", 8, 1), ("fsdp", 2, 4))) -> dict:
     assert jax.device_count() == 8, jax.device_count()
     (ref_params, ref_m), _ = one_step(jax.devices()[:1], -1, 1)
     report = {"devices": jax.device_count()}
-    for name, data, fsdp in meshes:
-        (params, m), specs = one_step(jax.devices(), data, fsdp)
+    for name, *axes in meshes:
+        (params, m), specs = one_step(jax.devices(), *axes)
         diffs = [float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / max(float(np.max(np.abs(b))), 1e-30))
                  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(ref_params))]
         report[name] = {"loss": float(m["loss"]), "ref_loss": float(ref_m["loss"]),

@@ -5,6 +5,14 @@ The train state is one pytree `{"params", "opt_state", "step", "rng"}`; the mode
 (`nnx.split`) and merged back inside the jitted step, so the step is a pure function of (state, batch), and the
 batch of step `s` is a pure function of (data seed, s). Resuming therefore replays the same computation: on CPU
 the loss curve of a resumed run equals that of an uninterrupted one bit for bit.
+
+Context parallelism (`mesh.context` > 1): the batch's sequence axis is split over the mesh axis `context`, and the
+loss sums run under a `jax.shard_map` that is manual over every mesh axis (`model_sums`): each device gets its
+rows' slice [B / (data fsdp), T / context] and the parameters whole (in_spec P(): with fsdp > 1, XLA gathers them
+at the boundary and reduce-scatters their gradients on the way back), calls the model with
+`context_axis="context"` (each layer exchanges what it needs: conv halos, linear-attention state pairs, attention
+keys and values), and psums its masked loss / token-count / hit sums over all axes. Gradients are autodiff through
+the shard_map; everything outside it (optimiser, FSDP state) stays automatic.
 """
 
 from __future__ import annotations
@@ -75,6 +83,26 @@ def peak_flops(cfg: Config, device: Any, compute_dtype: str = "float32") -> floa
     return None
 
 
+def model_sums(graphdef: Any, rest: Any, mesh: Any = None) -> Callable[[Any, dict[str, jax.Array]], dict]:
+    """`(params, batch) -> token_sums` of the model on a batch: the model on the whole arrays, or, when `mesh`
+    has a `context` axis of size > 1, under a shard_map manual over every mesh axis (see the module doc)."""
+    def sums(params, batch, context_axis=None):
+        model = nnx.merge(graphdef, params, rest)
+        kw = {} if context_axis is None else {"context_axis": context_axis}
+        return token_sums(model(batch["tokens"], segment_ids=batch.get("segment_ids"), **kw), batch)
+
+    if mesh is None or mesh.shape.get(shd.CONTEXT_AXIS, 1) == 1:
+        return sums
+
+    def local(params, batch):   # this device's slice; the sums over every device
+        return jax.tree.map(lambda x: jax.lax.psum(x, tuple(mesh.axis_names)), sums(params, batch, shd.CONTEXT_AXIS))
+
+    # check_vma=False: lineattn.ops.triangular's loop (inside context_parallel_attention) starts from an unvarying
+    # carry, which the varying-axes check refuses.
+    return jax.shard_map(local, mesh=mesh, in_specs=(shd.P(), shd.batch_spec(mesh)), out_specs=shd.P(),
+                         check_vma=False)
+
+
 @partial(jax.jit, static_argnums=0)
 def eval_sums(graphdef: Any, params: Any, rest: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """Validation sums of one batch (one jitted function for the trainer and `lineattn eval`)."""
@@ -125,9 +153,11 @@ class Trainer:
             self._write_config()
 
         self.mesh = shd.make_mesh(cfg.mesh, devices)
-        shd.check_batch(self.mesh, cfg.data.batch_size, cfg.train.grad_accum)
+        shd.check_batch(self.mesh, cfg.data.batch_size, cfg.train.grad_accum, cfg.data.seq_len)
         self.batch_sharding = shd.batch_sharding(self.mesh)
         self.graphdef, params, self.rest = nnx.split(self.bundle.model, nnx.Param, ...)
+        self._sums = model_sums(self.graphdef, self.rest, self.mesh)
+        self._eval_sums = jax.jit(self._sums)
         self.num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
         self.tx, self.lr_fn = make_optimizer(cfg.optim, cfg.schedule, cfg.train.steps)
 
@@ -188,15 +218,13 @@ class Trainer:
     # -- the steps -----------------------------------------------------------------------------------------------
 
     def _loss_sums(self, params: Any, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
-        model = nnx.merge(self.graphdef, params, self.rest)
-        logits = model(batch["tokens"], segment_ids=batch.get("segment_ids"))
-        sums = token_sums(logits, batch)
+        sums = self._sums(params, batch)
         return sums["nll"], sums
 
     def _make_train_step(self):
         accum = self.cfg.train.grad_accum
         grad_fn = jax.value_and_grad(self._loss_sums, has_aux=True)
-        micro_sharding = shd.NamedSharding(self.mesh, shd.P(None, shd.BATCH_AXES))
+        micro_sharding = shd.NamedSharding(self.mesh, shd.P(None, *shd.batch_spec(self.mesh)))
 
         def train_step(state, batch):
             params = state["params"]
@@ -239,7 +267,7 @@ class Trainer:
         totals = {"nll": 0.0, "count": 0.0, "correct": 0.0}
         for batch in self.source.eval_batches(max_rows):
             batch = self.put(pad_rows(batch, self.cfg.data.batch_size))   # one compiled shape
-            sums = jax.device_get(eval_sums(self.graphdef, self.state["params"], self.rest, batch))
+            sums = jax.device_get(self._eval_sums(self.state["params"], batch))
             for k in totals:
                 totals[k] += float(sums[k])
         return _eval_record(totals, self.source.kind)
@@ -410,4 +438,5 @@ def load_run(run_dir: str | Path, *, step: int | None = None, overrides: tuple[s
     return cfg, bundle, meta
 
 
-__all__ = ["ModelBundle", "Trainer", "default_model_factory", "evaluate_model", "format_record", "load_run", "token_sums", "train"]
+__all__ = ["ModelBundle", "Trainer", "default_model_factory", "evaluate_model", "format_record", "load_run", "model_sums",
+           "token_sums", "train"]
