@@ -23,7 +23,7 @@ demo: $(STAMP)
 	$(PY) benchmarks/bench_kda.py --device cpu --T 1024 --H 2 --K 64 --V 64
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 -q
+	$(PY) -m pytest -n 2 -q --durations=20
 
 bench-cpu: $(STAMP)
 	$(PY) benchmarks/bench_kda.py --device cpu --T 2048 --H 4 --K 64 --V 64 --out benchmarks/results
