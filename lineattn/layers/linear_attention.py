@@ -11,6 +11,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lineattn import ops
+from lineattn.ops import pallas as ops_pallas
+from lineattn.ops.pallas import api as pallas_api
 from lineattn.layers.basic import dense, rms_norm
 from lineattn.layers.conv import ShortConv
 from lineattn.layers.segments import RESET_LOG_GATE, context_segment_starts, segment_starts
@@ -120,6 +122,14 @@ class LinearAttention(nnx.Module):
         S = jnp.zeros((batch, self.num_heads, self.head_k_dim, self.state_v_dim), jnp.float32)
         return LinearState(conv, S)
 
+    def _decode_kernel_ok(self, rule, dtype) -> bool:
+        """The decode step takes the Pallas kernel when the backend is "pallas", or "auto" on a GPU where the
+        chunk kernels' GPU tests cover the rule and head dims; otherwise the recurrent oracle step."""
+        K, V = self.head_k_dim, self.head_v_dim
+        if rule.gate == "element" or rule.normalize or pallas_api.unsupported(rule, dtype, K, V, 64) is not None:
+            return False
+        return self.backend == "pallas" or (self.backend == "auto" and pallas_api.auto_ok(rule, dtype, K, V, 64))
+
     def log_gate(self, x_BTD):
         """g in the layout `lineattn.ops` expects for the rule ([H], [B, T, H], [B, T, H, K] or [B, T, H, K, V])."""
         gate, H = self.rule.gate, self.num_heads
@@ -175,10 +185,16 @@ class LinearAttention(nnx.Module):
         if context_axis is not None:
             o, _ = ops.context_parallel_attention(rule, q, k, v, g, beta, axis_name=context_axis)
             return self._output(x_BTD, o), None, None
-        backend = "recurrent" if state is not None and T == 1 else self.backend
-        out = ops.linear_attention(rule, q, k, v, g, beta, initial_state=None if state is None else state.recurrent,
-                                   output_final_state=state is not None, backend=backend,
-                                   checkpoint_positions=list(checkpoints) if checkpoints else None)
+        if state is not None and T == 1 and not checkpoints and self._decode_kernel_ok(rule, q.dtype):
+            # One token per request through the Pallas decode kernel (fixed gates broadcast to head gates).
+            g_step = jnp.broadcast_to(g, (B, T, H)) if rule.gate == "fixed" else g
+            o, S = ops_pallas.decode_step(q, k, v, g_step, beta, state.recurrent)
+            out = (o, S)
+        else:
+            backend = "recurrent" if state is not None and T == 1 else self.backend
+            out = ops.linear_attention(rule, q, k, v, g, beta, initial_state=None if state is None else state.recurrent,
+                                       output_final_state=state is not None, backend=backend,
+                                       checkpoint_positions=list(checkpoints) if checkpoints else None)
         o, S = out[:2]
         snaps = LinearState(conv_snaps, out[2]) if checkpoints else None
         return self._output(x_BTD, o), (None if state is None else LinearState(conv_state, S)), snaps
