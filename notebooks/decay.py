@@ -151,6 +151,12 @@ assert np.all(spread > 3), spread                                 # channels of 
 # through the model and record each layer's log gate at every token. Per layer we report the half-life spectrum
 # of its key channels and the *distance -> weight* curve `w(d) = mean_t prod_{s=t+1}^{t+d} alpha_s`, averaged
 # over heads and channels (for the channel gate, the mean over channels of the per-channel product).
+#
+# The committed `trained_gates.npz` comes from the CPU-sized LM ablation (2 layers, width 64, 300 steps; see
+# `experiments/results/ablate_lm/README.md`): short training, so many channel gates are still near their
+# initial value `g ~ 0` (no decay). What it shows: RetNet's fixed decays forget within ~100 tokens, the
+# data-dependent gates keep most of the state over the whole context on average, and within one KDA / GLA head
+# the key channels span half-lives from one token to "never".
 
 # %%
 TRAINED = DATA / "trained_gates.npz"
@@ -168,7 +174,7 @@ def layer_gates(model, tokens):
         mixer = block.mixer
         if hasattr(mixer, "log_gate"):
             out.append(mixer.log_gate(block.mixer_norm(x)))
-        x, _ = block(x, positions=positions, segment_ids=None)
+        x = block(x, positions=positions, segment_ids=None)[0]     # (x, state, ...) depending on the version
     return out
 
 
@@ -226,8 +232,9 @@ if TRAINED.exists():
     axes[0].legend(fontsize=6)
     hl_keys = [k for k in saved if k.endswith("/half_life") and "channel" in k]
     for kname in hl_keys:
-        axes[1].hist(np.log10(saved[kname].ravel()), bins=20, histtype="step", label=kname.removesuffix("/half_life"))
-    axes[1].set_xlabel("log10 half-life (tokens)")
+        axes[1].hist(np.minimum(np.log10(saved[kname].ravel()), 6), bins=24, histtype="step",
+                     label=kname.removesuffix("/half_life"))
+    axes[1].set_xlabel("log10 half-life (tokens); 6 = a million or more (no decay in practice)")
     axes[1].set_title("trained per-channel gates: half-life spectrum")
     axes[1].legend(fontsize=6)
     fig.tight_layout()

