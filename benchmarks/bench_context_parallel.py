@@ -29,8 +29,6 @@ if __name__ == "__main__":  # the simulated device count must be set before jax 
     _count = max(_pre.parse_known_args()[0].devices)
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={_count}"
 
-import datetime
-import json
 import time
 from pathlib import Path
 
@@ -39,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from bench_kda import write_results
 from lineattn import ops
 
 
@@ -128,10 +127,7 @@ def main():
               f"{c['cpu_ms_per_device']:.1f} |")
 
     if a.out:
-        a.out.mkdir(parents=True, exist_ok=True)
-        path = a.out / f"{datetime.date.today().isoformat()}-cpu-context-parallel.json"
-        path.write_text(json.dumps(records, indent=1))
-        print(f"wrote {path}")
+        write_results(a.out, "cpu-context-parallel", records)
 
 
 if __name__ == "__main__":

@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bench_kda import time_jax, versions
+from bench_kda import time_jax, versions, write_results
 from lineattn import decode
 from lineattn.models import HybridLM, ModelConfig, count_params
 
@@ -73,10 +71,7 @@ def main():
                                   for x in r["state_bytes_per_layer"])
             print(f"  {r['impl']:>30} C={r['T']:>6}: {per_layer}")
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"{datetime.date.today()}-{device}-decode.json"
-        path.write_text(json.dumps(records, indent=1))
-        print(f"wrote {path}")
+        write_results(args.out, f"{device}-decode", records)
 
 
 if __name__ == "__main__":

@@ -102,6 +102,15 @@ def fla_rows(x, dtype, reference_o):
     return rows
 
 
+def write_results(out: Path, name: str, records) -> Path:
+    """Writes `records` as <out>/<today>-<name>.json and says where."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{datetime.date.today().isoformat()}-{name}.json"
+    path.write_text(json.dumps(records, indent=1, default=str))
+    print(f"wrote {path}")
+    return path
+
+
 def versions():
     out = {"jax": jax.__version__}
     for pkg in ("lineattn", "jax-linear-attention", "flash-linear-attention", "torch", "triton"):
@@ -163,14 +172,10 @@ def main():
                 print(f"  vs {peer:14s} {mode:7s} {ms[(peer, mode)] / ms[('lineattn-chunk', mode)]:.2f}x")
 
     if a.out:
-        a.out.mkdir(parents=True, exist_ok=True)
-        date = datetime.date.today().isoformat()
         tag = "h200" if "H200" in device else a.device
-        path = a.out / f"{date}-{tag}-kda-B{a.B}-T{a.T}.json"
         records = [dict(op="kda", impl=n, mode=m, B=a.B, T=a.T, H=a.H, K=a.K, V=a.V, dtype=a.dtype, ms=t,
                         max_rel_err=e, device=device, versions=versions()) for n, m, t, e in rows]
-        path.write_text(json.dumps(records, indent=1))
-        print(f"wrote {path}")
+        write_results(a.out, f"{tag}-kda-B{a.B}-T{a.T}", records)
 
 
 if __name__ == "__main__":

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import json
 import time
 from pathlib import Path
 
@@ -22,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from bench_kda import versions
+from bench_kda import versions, write_results
 from lineattn import decode
 from lineattn.decode.prefix_cache import PrefixCache
 from lineattn.decode.speculative import speculative_generate
@@ -122,10 +120,7 @@ def main():
         extra = f", acceptance {r['acceptance_rate']:.2f}" if "acceptance_rate" in r else ""
         print(f"  {r['mode']}: {r['tokens_per_s']:.1f} tokens/s{extra}")
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"{datetime.date.today()}-{record['device']}-serving.json"
-        path.write_text(json.dumps(record, indent=1, default=str))
-        print(f"wrote {path}")
+        write_results(args.out, f"{record['device']}-serving", record)
 
 
 if __name__ == "__main__":
