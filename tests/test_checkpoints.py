@@ -12,12 +12,13 @@ POSITIONS = [0, 1, 37, 64, 100, 128, 149, 150]
 
 
 def oracle_state_after(rule, x, p):
+    """The oracle's state after the first p tokens (a fixed gate [H] is not per token)."""
     if p == 0:
         return x["initial_state"]
-    cut = lambda a: None if a is None or a.ndim == 1 else a[:, :p]
-    _, state = ops.linear_attention(rule, *(cut(x[n]) for n in ("q", "k", "v")), cut(x["g"]) if x["g"] is None or
-                                    x["g"].ndim > 1 else x["g"], cut(x["beta"]), initial_state=x["initial_state"],
-                                    output_final_state=True, backend="recurrent")
+    first = lambda a: a if a is None or a.ndim == 1 else a[:, :p]
+    args = (first(x[n]) for n in ("q", "k", "v", "g", "beta"))
+    _, state = ops.linear_attention(rule, *args, initial_state=x["initial_state"], output_final_state=True,
+                                    backend="recurrent")
     return state
 
 
