@@ -66,7 +66,7 @@ def recurrent_checkpoints(q, k, v, g, beta, *, scale, initial_state, positions):
     """The oracle run piece by piece between the positions (the oracle is sequential anyway)."""
     cuts = sorted(set(int(x) for x in positions) | {0, q.shape[1]})
     S, outs, at = initial_state, [], {0: initial_state}
-    piece = lambda x, a, b: None if x is None or x.ndim == 1 else x[:, a:b]
+    piece = lambda x, a, b: None if x is None else x[:, a:b]
     for a, b in zip(cuts[:-1], cuts[1:]):
         o, S = recurrent(*(piece(x, a, b) for x in (q, k, v, g, beta)), scale=scale, initial_state=S)
         outs.append(o)
