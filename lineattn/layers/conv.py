@@ -9,6 +9,11 @@ from flax import nnx
 from lineattn.layers.segments import previous_tail
 
 
+def _zero_padding(x_BTC, segment_ids):
+    """Padding tokens (segment id 0) enter the conv as zeros."""
+    return x_BTC if segment_ids is None else jnp.where(segment_ids[..., None] != 0, x_BTC, 0)
+
+
 class ShortConv(nnx.Module):
     """y_t = silu(sum_w weight[w] * x_{t - W + 1 + w}) per channel, causal, no bias.
 
@@ -30,8 +35,7 @@ class ShortConv(nnx.Module):
         """The inputs the conv reads: [B, W - 1 + T, C], the state (or zeros) then x with padding zeroed.
         The conv state after p tokens of x is window[:, p : p + W - 1]."""
         B, T, C = x_BTC.shape
-        if segment_ids is not None:
-            x_BTC = jnp.where(segment_ids[..., None] != 0, x_BTC, 0)
+        x_BTC = _zero_padding(x_BTC, segment_ids)
         past = jnp.zeros((B, self.kernel_size - 1, C), x_BTC.dtype) if state is None else state.astype(x_BTC.dtype)
         return jnp.concatenate([past, x_BTC], axis=1)
 
@@ -50,8 +54,7 @@ class ShortConv(nnx.Module):
         if context_axis is not None and W > 1:
             if state is not None:
                 raise ValueError("ShortConv: context_axis is for training forwards, without a decode state")
-            masked = x_BTC if segment_ids is None else jnp.where(segment_ids[..., None] != 0, x_BTC, 0)
-            halo = previous_tail(masked, W - 1, context_axis)
+            halo = previous_tail(_zero_padding(x_BTC, segment_ids), W - 1, context_axis)
             if segment_ids is not None:
                 past_ids = previous_tail(segment_ids, W - 1, context_axis)
         else:

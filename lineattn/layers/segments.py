@@ -54,17 +54,12 @@ def context_positions(segment_ids_BT: jax.Array | None, batch_T: tuple[int, int]
     return jax.lax.dynamic_slice_in_dim(positions_in_segment(every_BT), start, T_loc, axis=1)
 
 
-def positions_in_segment(segment_ids_BT: jax.Array, offset_B: jax.Array | None = None) -> jax.Array:
-    """int32 [B, T]: index of each token within its segment (plus offset_B for the first segment)."""
+def positions_in_segment(segment_ids_BT: jax.Array) -> jax.Array:
+    """int32 [B, T]: index of each token within its segment."""
     B, T = segment_ids_BT.shape
     t = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    starts = segment_starts(segment_ids_BT)
-    first_index = jax.lax.cummax(jnp.where(starts, t, 0), axis=1)
-    positions = t - first_index
-    if offset_B is not None:
-        in_first_segment = first_index == 0
-        positions = positions + jnp.where(in_first_segment, offset_B[:, None], 0)
-    return positions
+    first_index = jax.lax.cummax(jnp.where(segment_starts(segment_ids_BT), t, 0), axis=1)
+    return t - first_index
 
 
 def check_segment_ids(segment_ids, tokens_shape) -> None:
