@@ -138,8 +138,9 @@ def linear_attention(
       chunk_size: tokens per chunk for the chunk, scan and pallas backends (16 * 2^m; pallas: 16, 32 or 64;
         default 64).
       checkpoint_positions: concrete ints in [0, T]: also return the fp32 state after each of these many tokens,
-        from the same pass (need not be chunk-aligned; see `lineattn.ops.checkpoints`). Backends "chunk" and
-        "recurrent" ("auto" picks "chunk" where the rule has a chunk form); not with cu_seqlens.
+        from the same pass (need not be chunk-aligned; see `lineattn.ops.checkpoints`). Backends "chunk",
+        "pallas" and "recurrent" ("auto": "pallas" where it would run the kernels anyway, else "chunk" where the
+        rule has a chunk form, else "recurrent"); not with cu_seqlens.
 
     Returns:
       (o [B, T, H, V] in q's dtype, final_state or None), plus states [P, B, H, K, V] when checkpoint_positions
@@ -158,10 +159,11 @@ def linear_attention(
         if cu is not None:
             raise ValueError("checkpoint_positions: not supported with cu_seqlens (positions of which sequence?)")
         positions = checkpoints.check_positions(checkpoint_positions, T)
-        if backend == "auto":
+        if backend == "auto" and name != "pallas":
             name = "chunk" if rule.has_chunk_form else "recurrent"
-        elif name not in ("chunk", "recurrent"):
-            raise ValueError(f"checkpoint_positions: backend {name!r} cannot export states; use 'chunk' or 'recurrent'")
+        elif name not in ("chunk", "recurrent", "pallas"):
+            raise ValueError(f"checkpoint_positions: backend {name!r} cannot export states; use 'chunk', 'pallas' "
+                             "or 'recurrent'")
     f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
     if name == "pallas":  # the kernels take q, k, v, beta in one dtype (bf16 or fp32) and an fp32 gate
         q, k, v, beta = (None if x is None else jnp.asarray(x, out_dtype) for x in (q, k, v, beta))
@@ -186,7 +188,8 @@ def linear_attention(
           "pallas": functools.partial(pallas_api.run, chunk_size=chunk_size)}[name]
     if positions is not None:
         fn = {"recurrent": functools.partial(checkpoints.recurrent_checkpoints, positions=positions),
-              "chunk": functools.partial(checkpoints.chunk_checkpoints, chunk_size=chunk_size, positions=positions)}[name]
+              "chunk": functools.partial(checkpoints.chunk_checkpoints, chunk_size=chunk_size, positions=positions),
+              "pallas": functools.partial(pallas_api.run_checkpoints, chunk_size=chunk_size, positions=positions)}[name]
         o, final_state, states = fn(q, k, v, g, beta, scale=scale, initial_state=f32(initial_state))
     else:
         o, final_state = fn(q, k, v, g, beta, scale=scale, initial_state=f32(initial_state))

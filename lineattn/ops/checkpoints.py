@@ -32,6 +32,35 @@ def check_positions(positions, T: int) -> np.ndarray:
     return p.astype(np.int64)
 
 
+def chunk_of(positions: np.ndarray, C: int) -> tuple[np.ndarray, np.ndarray]:
+    """Position p > 0 ends inside chunk n = (p - 1) // C after r = p - n C of its tokens (1 <= r <= C); p = 0 is
+    read from chunk 0 (and replaced by the initial state)."""
+    p = np.maximum(positions, 1)
+    n = (p - 1) // C
+    return n, p - n * C
+
+
+def advance_in_chunk(positions, C, S0_PBHKV, E_PBHCV, k_padded, g_padded, initial_state):
+    """States [P, B, H, K, V] after each position, from the incoming state S0 of its chunk and the chunk's
+    residuals E (the closed form in the module docstring). k_padded [B, Tp, H, K] and g_padded (None, [B, Tp, H]
+    or [B, Tp, H, K]) are the inputs padded to whole chunks."""
+    n, r = chunk_of(positions, C)
+    k_PBHCK = jnp.moveaxis(chunk_form._to_chunks(k_padded, C)[:, :, n], 2, 0)
+    before_PC = jnp.asarray(np.arange(C)[None, :] < r[:, None])
+    if g_padded is None:
+        weights_PBHCK = k_PBHCK * before_PC[:, None, None, :, None]
+        states = S0_PBHKV + einsum("pbhck,pbhcv->pbhkv", weights_PBHCK, E_PBHCV)
+    else:
+        G = jnp.moveaxis(jnp.cumsum(chunk_form._to_chunks(g_padded, C), axis=3)[:, :, n], 2, 0)  # [P, B, H, C(, K)]
+        G_r = jnp.take_along_axis(G, jnp.asarray(r - 1).reshape(-1, 1, 1, 1, *(1,) * (G.ndim - 4)), axis=3)
+        mask = before_PC.reshape(-1, 1, 1, C, *(1,) * (G.ndim - 4))
+        decay_CK = jnp.exp(jnp.where(mask, G_r - G, -jnp.inf))  # e^(G_r - G_j), j < r
+        weights_PBHCK = k_PBHCK * (decay_CK[..., None] if G.ndim == 4 else decay_CK)
+        S0_decayed = S0_PBHKV * (jnp.exp(G_r)[..., 0, None, None] if G.ndim == 4 else jnp.exp(G_r)[..., 0, :, None])
+        states = S0_decayed + einsum("pbhck,pbhcv->pbhkv", weights_PBHCK, E_PBHCV)
+    return jnp.where(jnp.asarray(positions == 0)[:, None, None, None, None], initial_state[None], states)
+
+
 def chunk_checkpoints(q, k, v, g, beta, *, scale, initial_state, chunk_size, positions):
     """(o [B, T, H, V], final state, states [P, B, H, K, V]) by the chunk form plus the closed form above."""
     T, C = q.shape[1], chunk_size
@@ -40,25 +69,9 @@ def chunk_checkpoints(q, k, v, g, beta, *, scale, initial_state, chunk_size, pos
     S0_BHNKV, final_state = chunk_form.chunk_states_sequential(terms, initial_state)
     o = chunk_form.chunk_outputs(terms, S0_BHNKV)[:, :T]
     E_BHNCV = chunk_form.chunk_residual(terms, S0_BHNKV)
-
-    # Position p > 0 ends inside chunk n = (p - 1) // C after r = p - n C of its tokens (1 <= r <= C).
-    p = np.maximum(positions, 1)
-    n, r = (p - 1) // C, p - (p - 1) // C * C
-    k_PBHCK = jnp.moveaxis(chunk_form._to_chunks(padded[1], C)[:, :, n], 2, 0)
+    n, _ = chunk_of(positions, C)
     S0_PBHKV, E_PBHCV = (jnp.moveaxis(x[:, :, n], 2, 0) for x in (S0_BHNKV, E_BHNCV))
-    before_PC = jnp.asarray(np.arange(C)[None, :] < r[:, None])
-    if g is None:
-        weights_PBHCK = k_PBHCK * before_PC[:, None, None, :, None]
-        states = S0_PBHKV + einsum("pbhck,pbhcv->pbhkv", weights_PBHCK, E_PBHCV)
-    else:
-        G = jnp.moveaxis(jnp.cumsum(chunk_form._to_chunks(padded[3], C), axis=3)[:, :, n], 2, 0)  # [P, B, H, C(, K)]
-        G_r = jnp.take_along_axis(G, jnp.asarray(r - 1).reshape(-1, 1, 1, 1, *(1,) * (G.ndim - 4)), axis=3)
-        mask = before_PC.reshape(-1, 1, 1, C, *(1,) * (G.ndim - 4))
-        decay_CK = jnp.exp(jnp.where(mask, G_r - G, -jnp.inf))  # e^(G_r - G_j), j < r
-        weights_PBHCK = k_PBHCK * (decay_CK[..., None] if G.ndim == 4 else decay_CK)
-        S0_decayed = S0_PBHKV * (jnp.exp(G_r)[..., 0, None, None] if G.ndim == 4 else jnp.exp(G_r)[..., 0, :, None])
-        states = S0_decayed + einsum("pbhck,pbhcv->pbhkv", weights_PBHCK, E_PBHCV)
-    states = jnp.where(jnp.asarray(positions == 0)[:, None, None, None, None], initial_state[None], states)
+    states = advance_in_chunk(positions, C, S0_PBHKV, E_PBHCV, padded[1], padded[3], initial_state)
     return o, final_state, states
 
 

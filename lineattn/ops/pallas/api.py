@@ -45,14 +45,25 @@ def auto_ok(rule, dtype, K, V, chunk_size) -> bool:
             and chunk_size in AUTO_CHUNKS and unsupported(rule, dtype, K, V, chunk_size) is None)
 
 
+def _channel_gate(g, shape):
+    """The kernels' gate: [B, T, H, K] fp32 (no gate: zeros; a head gate: equal across K)."""
+    if g is None:
+        return jnp.zeros(shape, jnp.float32)
+    return jnp.broadcast_to(g[..., None] if g.ndim == 3 else g, shape).astype(jnp.float32)
+
+
 def run(q, k, v, g, beta, *, scale: float, initial_state, chunk_size: int = 64):
     """Backend entry (`lineattn.ops.common` shapes; q, k, v, beta in one dtype, g fp32 or None)."""
     from lineattn.ops.pallas.chunk import chunk_pallas
 
-    B, T, H, K = q.shape
-    if g is None:
-        g = jnp.zeros((B, T, H, K), jnp.float32)
-    elif g.ndim == 3:
-        g = jnp.broadcast_to(g[..., None], (B, T, H, K))
-    return chunk_pallas(q, k, v, g.astype(jnp.float32), beta, initial_state, float(scale), chunk_size, None,
+    return chunk_pallas(q, k, v, _channel_gate(g, q.shape), beta, initial_state, float(scale), chunk_size, None,
                         BACKWARD, INTRA)
+
+
+def run_checkpoints(q, k, v, g, beta, *, scale: float, initial_state, positions, chunk_size: int = 64):
+    """`run` that also returns the states after `positions` tokens, [P, B, H, K, V] fp32 (see
+    `lineattn.ops.pallas.checkpoints`)."""
+    from lineattn.ops.pallas.checkpoints import chunk_pallas_checkpoints
+
+    return chunk_pallas_checkpoints(q, k, v, _channel_gate(g, q.shape), beta, initial_state, float(scale),
+                                    chunk_size, tuple(int(p) for p in positions), None, INTRA)

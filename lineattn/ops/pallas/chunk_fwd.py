@@ -240,8 +240,14 @@ def _intra_split(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, inter
     return qin, kg, w, u, m, dend
 
 
-def _state_pass_kernel(qin_ref, kg_ref, w_ref, u_ref, m_ref, dend_ref, h0_ref, o_ref, ht_ref, *, C, N, prec, delta):
+def _state_pass_kernel(qin_ref, kg_ref, w_ref, u_ref, m_ref, dend_ref, h0_ref, o_ref, ht_ref, *s0_ref, C, N, prec,
+                       delta, export):
     def body(n, S):
+        for slot, chunk in enumerate(export):  # the incoming state of chosen chunks (serving checkpoints)
+            @pl.when(n == chunk)
+            def _(slot=slot):
+                s0_ref[0][slot] = S
+
         t = pl.ds(n * C, C)
         U = u_ref[t, :].astype(f32)
         E = U - dot(w_ref[t, :], S, prec) if delta else U
@@ -268,16 +274,20 @@ def pick_block_v(programs: int, V: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "interpret", "block_v", "warps", "only_intra",
-                                             "intra"))
+                                             "intra", "export_chunks"))
 def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpret: bool | None = None,
             block_v: int | None = None, warps: tuple[int, int] = (4, 4), only_intra: bool = False,
-            intra: str = "fused"):
+            intra: str = "fused", export_chunks: tuple[int, ...] = ()):
     """o [B, T, H, V] (q's dtype) and final state [B, H, K, V] fp32 of the delta rule with a per-channel gate.
 
     q, k [B, T, H, K] and v [B, T, H, V] (bf16 or fp32, one dtype), g [B, T, H, K] log decay (fp32; zeros for
     no gate), beta [B, T, H] or None (additive write), h0 [B, H, K, V] fp32. block_v, warps (intra, state
     pass) and only_intra (return kernel 1's outputs) are for tuning and timing. intra: "fused" (one program per
     chunk: `_intra_kernel`, the GPU-tested default) or "split" (`_intra_split`: not yet run on a GPU).
+    export_chunks: chunk indices n whose incoming fp32 state the state pass also writes; when given, the
+    return is (o, final state, S0 [B, H, len(export_chunks), K, V], w [B, H, Tp, K], u [B, H, Tp, V]) with w, u
+    kernel 1's WY terms (None for the additive write), from which `lineattn.ops.checkpoints` advances S0
+    inside the chunk.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -324,15 +334,21 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     whole = lambda D: pl.BlockSpec((None, None, Tp, D), lambda b, h, j: (b, h, 0, 0))
     vtile = pl.BlockSpec((None, None, Tp, BV), lambda b, h, j: (b, h, 0, j))
     state = pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j))
-    o, ht = pl.pallas_call(
-        functools.partial(_state_pass_kernel, C=C, N=N, prec="ieee" if exact else "bf16", delta=delta),
+    n_slots = 1 << max(len(export_chunks) - 1, 0).bit_length()  # Triton blocks: powers of two
+    exported = ([pl.BlockSpec((None, None, n_slots, K, BV), lambda b, h, j: (b, h, 0, 0, j))],
+                [jax.ShapeDtypeStruct((B, H, n_slots, K, V), f32)]) if export_chunks else ([], [])
+    o, ht, *s0 = pl.pallas_call(
+        functools.partial(_state_pass_kernel, C=C, N=N, prec="ieee" if exact else "bf16", delta=delta,
+                          export=export_chunks),
         grid=(B, H, V // BV),
         in_specs=[whole(K), whole(K), whole(K), vtile, whole(C),
                   pl.BlockSpec((None, None, K, N), lambda b, h, j: (b, h, 0, 0)), state],
-        out_specs=[pl.BlockSpec((None, Tp, None, BV), lambda b, h, j: (b, 0, h, j)), state],
-        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), dt), jax.ShapeDtypeStruct((B, H, K, V), f32)],
+        out_specs=[pl.BlockSpec((None, Tp, None, BV), lambda b, h, j: (b, 0, h, j)), state] + exported[0],
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), dt), jax.ShapeDtypeStruct((B, H, K, V), f32)] + exported[1],
         compiler_params=compiler_params(num_warps=warps[1], num_stages=2),
         interpret=interpret,
         name="lineattn_chunk_state_pass",
     )(qin, kg, w, u, m, dend, h0.astype(f32))
+    if export_chunks:
+        return o[:, :T], ht, s0[0][:, :, :len(export_chunks)], (w if delta else None), (u if delta else None)
     return o[:, :T], ht
