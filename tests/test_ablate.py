@@ -11,9 +11,8 @@ TINY = {
     "name": "tiny",
     "task": "tiny MQAR",
     "metric": "val_accuracy",
-    "no_mlp": True,
     "base": {
-        "model": {"vocab_size": 32, "width": 16, "num_layers": 1, "num_heads": 1, "conv_size": 0},
+        "model": {"vocab_size": 32, "width": 16, "num_layers": 1, "num_heads": 1, "conv_size": 0, "mlp_ratio": 0},
         "data": {"source": "mqar", "seq_len": 16, "batch_size": 4, "eval_rows": 8,
                  "mqar": {"vocab_size": 32, "num_kv_pairs": 2}},
         "schedule": {"warmup_steps": 1},
@@ -43,12 +42,15 @@ def test_cells_and_run_configs(config):
     assert [c.key for c in ablate.select(ablate.cells(cfg), only="*/attention/*")] == keys[1:]
 
 
-def test_bad_config_names_the_key(tmp_path, capsys):
-    bad = dict(TINY, grid=dict(TINY["grid"], gates=["per-row"]))
+@pytest.mark.parametrize("bad, message", [
+    (dict(TINY, grid=dict(TINY["grid"], gates=["per-row"])), "grid.gates: 'per-row' is not one of"),
+    (dict(TINY, no_mlp=True), "no_mlp: replaced by base.model.mlp_ratio: 0"),
+])
+def test_bad_config_names_the_key(tmp_path, capsys, bad, message):
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(bad))
     assert ablate.main(["--config", str(path), "--list"]) == 2
-    assert "grid.gates: 'per-row' is not one of" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 def test_grid_runs_resumes_and_writes_outputs(config, tmp_path, monkeypatch, capsys):
@@ -88,3 +90,35 @@ def test_summary_picks_best_lr_by_seed_mean():
     assert s["best_lr"] == 1e-3 and s["mean"] == pytest.approx(2.1) and s["std"] == pytest.approx(0.1)
     acc = [rec(1e-3, 0, 0.5, "val_accuracy"), rec(3e-3, 0, 0.9, "val_accuracy")]
     assert ablate.summarize(acc, "val_accuracy")[("t", "delta", "channel")]["best_lr"] == 3e-3
+
+
+def test_cells_without_mlp_build_models_without_mlp(config):
+    from flax import nnx
+    from lineattn.models import HybridLM, ModelConfig
+    cfg = ablate.load_ablate_config(config)
+    for cell in ablate.cells(cfg):
+        mcfg = ablate.run_config(cfg, cell).model_config(ModelConfig)
+        assert mcfg.mlp_ratio == 0 and all(b.mlp is None for b in HybridLM(mcfg, rngs=nnx.Rngs(0)).blocks)
+
+
+LM_CPU_REDUCTION = ("model.width=64", "model.num_layers=2", "data.seq_len=128", "data.batch_size=16",
+                    "data.eval_rows=128", "train.steps=300", "train.eval_every=100", "schedule.warmup_steps=30",
+                    "train.checkpoint_every=100")
+
+
+def test_fingerprints_of_committed_runs():
+    # The committed LM runs (with MLP) keep their fingerprints, so their grid can be resumed; the committed MQAR
+    # runs (made with the old zero-MLP swap, which drew initialisation keys for the unused MLPs) do not match
+    # the mlp_ratio-0 config, so they are never mixed into a resumed grid as if they were the same runs.
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    lm = ablate.load_ablate_config(root / "configs/ablate_lm.yaml", LM_CPU_REDUCTION)
+    cell = next(c for c in ablate.cells(lm) if c.key == "shakespeare_T256/delta-channel/lr0.003/seed1")
+    saved = json.loads((root / "experiments/results/ablate_lm/runs" / cell.key / "result.json").read_text())
+    assert ablate._fingerprint(ablate.run_config(lm, cell)) == saved["config"]
+
+    mqar = ablate.load_ablate_config(root / "configs/ablate_mqar.yaml", ("train.checkpoint_every=0",))
+    cell = next(c for c in ablate.cells(mqar) if c.key == "T256_kv16/delta-none/lr0.003/seed0")
+    saved = json.loads((root / "experiments/results/ablate_mqar/runs" / cell.key / "result.json").read_text())
+    fp = ablate._fingerprint(ablate.run_config(mqar, cell))
+    assert fp != saved["config"] and fp["no_mlp"] and fp["model"]["mlp_ratio"] == 0

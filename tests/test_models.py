@@ -114,6 +114,35 @@ def test_param_count_and_flops():
     assert flops_per_token(cfg, 2048) - flops_per_token(cfg, 1024) == pytest.approx(3 * 4 * H * K * 1024 / 2)
 
 
+def test_mlp_ratio_zero_means_no_mlp():
+    # mlp_ratio 0: blocks are norm + mixer only. No MLP (or MLP norm) parameters, FLOPs without the MLP matmuls,
+    # and the forward of a model with an MLP whose output projection is zero (the ablation runner's old zero MLP).
+    pattern, x = ("gdn", "attention"), tokens(2, 40)
+    bare = HybridLM(tiny(pattern, mlp_ratio=0), rngs=nnx.Rngs(1))
+    full = HybridLM(tiny(pattern, mlp_ratio=2.0), rngs=nnx.Rngs(0))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(nnx.state(bare, nnx.Param))]
+    assert paths and not any("mlp" in p for p in paths)
+    D, F, L = 32, 64, 2
+    assert count_params(full) - count_params(bare) == L * (3 * D * F + D)   # SwiGLU and its norm, per block
+    assert flops_per_token(full.cfg, 128) - flops_per_token(bare.cfg, 128) == pytest.approx(3 * L * 2 * 3 * D * F)
+
+    nnx.update(full, nnx.state(bare, nnx.Param))                 # every shared parameter from the bare model
+    for block in full.blocks:
+        block.mlp.down.kernel[...] = 0.0
+    want = forward(full, x)
+    assert rel_err(forward(bare, x), want) == 0.0
+    assert rel_err(forward(HybridLM(tiny(pattern, mlp_ratio=2.0), rngs=nnx.Rngs(0)), x), want) > 1e-2
+
+    grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2))(bare)        # the mixers still train
+    assert all(np.max(np.abs(g)) > 0 for g in jax.tree.leaves(grads))
+
+
+def test_mlp_hidden():
+    assert tiny(["kda"], mlp_ratio=0).mlp_hidden == 0 and not tiny(["kda"], mlp_ratio=0).has_mlp
+    assert tiny(["kda"], mlp_ratio=8 / 3).mlp_hidden == 88          # 85.3 rounded up to a multiple of 8
+    assert tiny(["kda"], mlp_ratio=0.001).mlp_hidden == 8           # a tiny positive ratio still has an MLP
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -124,6 +153,8 @@ def test_param_count_and_flops():
         (dict(num_kv_heads=3), "multiple of num_kv_heads"),
         (dict(num_layers=0), "num_layers must be a positive int"),
         (dict(gate_fn="relu"), "gate_fn"),
+        (dict(mlp_ratio=-1.0), "mlp_ratio must be a number >= 0"),
+        (dict(mlp_ratio=float("nan")), "mlp_ratio must be a number >= 0"),
         (dict(dtype="float8"), "dtype must be one of"),
         (dict(backend="cuda"), "backend must be one of"),
     ],

@@ -17,8 +17,8 @@ workers); every invocation ends by collecting all finished runs into `--out`:
     runs/<task>/<cell>/lr<lr>/seed<s>/metrics.jsonl   the per-run metrics (small; checkpoints stay in runs-dir)
 
 The ablation config (YAML) has `name`, `task`, `metric` ("val_accuracy" | "val_loss" | "val_bpb"), `base` (a
-`lineattn train` config: model, data, optim, schedule, train, log), `no_mlp` (drop every block's MLP, as in
-Zoology's MQAR models) and `grid` (writes, gates, attention, seeds, lrs, settings: a list of {name, set: [KEY=VALUE
+`lineattn train` config: model, data, optim, schedule, train, log; `model.mlp_ratio: 0` builds blocks without an
+MLP, as in Zoology's MQAR models) and `grid` (writes, gates, attention, seeds, lrs, settings: a list of {name, set: [KEY=VALUE
 overrides of base]}). The model of a linear cell is `base.model` with `layer_pattern: [[write, gate]]` (every layer
 the same rule); the reference row uses `layer_pattern: [attention]`.
 """
@@ -90,7 +90,6 @@ class AblateConfig:
     metric: Literal["val_accuracy", "val_loss", "val_bpb"]
     base: dict[str, Any] = field(default_factory=dict)
     grid: GridConfig = field(default_factory=GridConfig)
-    no_mlp: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,6 +114,8 @@ def load_ablate_config(path: str | Path, overrides: tuple[str, ...] = ()) -> Abl
     """Read the ablation YAML; `overrides` (KEY=VALUE) apply to the base train config."""
     raw = read_file(path)
     raw.setdefault("name", Path(path).stem)
+    if "no_mlp" in raw:
+        raise ConfigError("no_mlp: replaced by base.model.mlp_ratio: 0 (blocks without an MLP)")
     if "base" in raw:
         raw["base"] = apply_overrides(raw["base"] or {}, overrides)
     elif overrides:
@@ -150,38 +151,22 @@ def run_config(cfg: AblateConfig, cell: Cell):
 # Running
 # ---------------------------------------------------------------------------------------------------------------
 
-def model_factory(no_mlp: bool):
-    """The trainer's default hybrid LM, optionally with every block's MLP removed (the block adds zero)."""
-    from flax import nnx
-    import jax.numpy as jnp
-    from lineattn.train.trainer import default_model_factory
-
-    class NoMLP(nnx.Module):
-        def __call__(self, x):
-            return jnp.zeros_like(x)
-
-    def factory(train_cfg):
-        bundle = default_model_factory(train_cfg)
-        if no_mlp:
-            for block in bundle.model.blocks:
-                block.mlp = NoMLP()
-        return bundle
-
-    return factory
-
-
 def run_dir_of(runs_dir: Path, cell: Cell) -> Path:
     return runs_dir / cell.key
 
 
-def _fingerprint(train_cfg, no_mlp: bool) -> dict[str, Any]:
+def _fingerprint(train_cfg) -> dict[str, Any]:
+    """What a run computes (compared before a finished run is reused). "no_mlp" is kept so that runs made before
+    `model.mlp_ratio: 0` existed (when the runner swapped every MLP for a zero module and said so under this key)
+    keep their fingerprints where they had an MLP; those without one differ (their model config had no
+    mlp_ratio, and their initialisation drew keys for the unused MLPs), so they are not resumed."""
     d = train_cfg.to_dict()
     for volatile in ("log", "mesh"):
         d.pop(volatile, None)
     d["data"].pop("cache_dir", None)
     for k in ("checkpoint_every", "keep_checkpoints", "async_checkpoint"):   # do not change what a run computes
         d["train"].pop(k, None)
-    d["no_mlp"] = no_mlp
+    d["no_mlp"] = float(d["model"].get("mlp_ratio", 1.0)) == 0
     return d
 
 
@@ -191,7 +176,7 @@ def run_cell(cfg: AblateConfig, cell: Cell, runs_dir: Path, log=print) -> dict[s
     train_cfg = run_config(cfg, cell)
     rd = run_dir_of(runs_dir, cell)
     done = rd / "result.json"
-    fp = _fingerprint(train_cfg, cfg.no_mlp)
+    fp = _fingerprint(train_cfg)
     if done.exists():
         saved = json.loads(done.read_text())
         if saved.get("config") != fp:
@@ -199,7 +184,7 @@ def run_cell(cfg: AblateConfig, cell: Cell, runs_dir: Path, log=print) -> dict[s
                               "(or delete that run)")
         return saved
     t0 = time.perf_counter()
-    trainer = Trainer(train_cfg, rd, model_factory=model_factory(cfg.no_mlp), log_fn=lambda s: None)
+    trainer = Trainer(train_cfg, rd, log_fn=lambda s: None)
     try:
         last = trainer.run()
         num_params = trainer.num_params

@@ -40,7 +40,8 @@ class ModelConfig:
       head_dim: key dim of linear heads and head dim of attention (default width // num_heads).
       head_v_dim: value dim of linear heads (default head_dim).
       num_kv_heads: attention key/value heads, GQA (default num_heads).
-      mlp_ratio: SwiGLU hidden size = mlp_ratio * width rounded up to a multiple of 8.
+      mlp_ratio: SwiGLU hidden size = mlp_ratio * width rounded up to a multiple of 8; 0 means no MLP (every block
+        is only norm + mixer, as in Zoology's MQAR models).
       conv_size: short-conv kernel of linear layers (0 disables it).
       gate_fn, lower_bound: forget-gate parameterisation ("safe" = lower_bound * sigmoid(.), or "softplus").
       rope, rope_theta: rotary embeddings for "attention" layers.
@@ -86,8 +87,8 @@ class ModelConfig:
         if isinstance(pattern, str) or not isinstance(pattern, (tuple, list)) or not pattern:
             raise ValueError(f"layer_pattern must be a non-empty list of mixers, got {pattern!r}")
         object.__setattr__(self, "layer_pattern", tuple(_as_mixer(e) for e in pattern))
-        if not self.mlp_ratio > 0:
-            raise ValueError(f"mlp_ratio must be positive, got {self.mlp_ratio!r}")
+        if isinstance(self.mlp_ratio, bool) or not isinstance(self.mlp_ratio, (int, float)) or not self.mlp_ratio >= 0:
+            raise ValueError(f"mlp_ratio must be a number >= 0 (0 = no MLP), got {self.mlp_ratio!r}")
         if not isinstance(self.conv_size, int) or self.conv_size < 0:
             raise ValueError(f"conv_size must be an int >= 0, got {self.conv_size!r}")
         if self.gate_fn not in ("safe", "softplus"):
@@ -115,8 +116,15 @@ class ModelConfig:
         return self.num_kv_heads or self.num_heads
 
     @property
+    def has_mlp(self) -> bool:
+        return self.mlp_ratio > 0
+
+    @property
     def mlp_hidden(self) -> int:
-        return -(-int(round(self.mlp_ratio * self.width)) // 8) * 8
+        """The SwiGLU hidden size (0 without an MLP; at least 8 with one)."""
+        if not self.has_mlp:
+            return 0
+        return -(-max(1, int(round(self.mlp_ratio * self.width))) // 8) * 8
 
     @property
     def mixers(self) -> tuple:

@@ -1,4 +1,5 @@
-"""The hybrid LM: embedding, pre-norm residual blocks (mixer + SwiGLU), final norm, tied or separate head."""
+"""The hybrid LM: embedding, pre-norm residual blocks (mixer + SwiGLU, or mixer only when mlp_ratio is 0), final
+norm, tied or separate head."""
 
 from __future__ import annotations
 
@@ -23,13 +24,14 @@ def _make_mixer(cfg: ModelConfig, mixer, rngs: nnx.Rngs):
 
 
 class Block(nnx.Module):
-    """x + mixer(norm(x)), then x + mlp(norm(x))."""
+    """x + mixer(norm(x)), then x + mlp(norm(x)); without an MLP (mlp_ratio 0) mlp and mlp_norm are None."""
 
     def __init__(self, cfg: ModelConfig, mixer, *, rngs: nnx.Rngs):
         kw = dict(rngs=rngs, dtype=cfg.compute_dtype, param_dtype=jnp.dtype(cfg.param_dtype))
-        self.mixer_norm, self.mlp_norm = rms_norm(cfg.width, **kw), rms_norm(cfg.width, **kw)
+        self.mixer_norm = rms_norm(cfg.width, **kw)
+        self.mlp_norm = nnx.data(rms_norm(cfg.width, **kw) if cfg.has_mlp else None)
         self.mixer = _make_mixer(cfg, mixer, rngs)
-        self.mlp = SwiGLU(cfg.width, cfg.mlp_hidden, **kw)
+        self.mlp = nnx.data(SwiGLU(cfg.width, cfg.mlp_hidden, **kw) if cfg.has_mlp else None)
 
     def __call__(self, x_BTD, *, positions, segment_ids, state=None, slot=None, start=None, checkpoints=(),
                  context_axis=None):
@@ -37,7 +39,9 @@ class Block(nnx.Module):
                                          state=state, slot=slot, start=start, checkpoints=checkpoints,
                                          context_axis=context_axis)
         x_BTD = x_BTD + y
-        return x_BTD + self.mlp(self.mlp_norm(x_BTD)), state, snapshots
+        if self.mlp is not None:
+            x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD))
+        return x_BTD, state, snapshots
 
 
 def _check_tokens(tokens, vocab_size):
