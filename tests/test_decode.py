@@ -167,3 +167,19 @@ def test_pallas_decode_kernel_step_equals_the_oracle_step(mixer):
     got_logits, got = decode.step(kernel, x[:, 8], state)
     assert rel_err(got_logits, want_logits) <= 1e-5
     assert rel_err(got.layers[0].recurrent, want.layers[0].recurrent) <= 1e-5
+
+
+def test_pallas_prefill_snapshots_equal_the_oracle_models():
+    # backend="pallas": the prefill's chunk kernels export the linear layers' states at the checkpoints (interpret
+    # mode on CPU); they equal the oracle model's states after that many tokens, conv windows included.
+    cfg = tiny(["kda", "attention"], head_dim=16)
+    oracle = HybridLM(ModelConfig(**{**cfg.__dict__, "backend": "recurrent"}), rngs=nnx.Rngs(0))
+    kernel = HybridLM(ModelConfig(**{**cfg.__dict__, "backend": "pallas"}), rngs=nnx.Rngs(0))
+    x = tokens(2, 100)
+    checkpoints = (0, 7, 64, 83, 100)  # chunk 64: inside the first chunk, its end, inside the ragged second one
+    got_logits, _, got = decode.prefill_with_snapshots(kernel, x, decode.init_state(kernel, 2, 100), checkpoints)
+    want_logits, _, want = decode.prefill_with_snapshots(oracle, x, decode.init_state(oracle, 2, 100), checkpoints)
+    assert rel_err(got_logits, want_logits) <= 1e-4
+    for i, p in enumerate(checkpoints):
+        assert rel_err(got[0].recurrent[i], want[0].recurrent[i]) <= 1e-4, f"recurrent state after {p} tokens"
+        assert rel_err(got[0].conv[i], want[0].conv[i]) == 0.0, f"conv window after {p} tokens"
