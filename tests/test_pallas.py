@@ -42,10 +42,11 @@ def test_pallas_matches_oracle_fp32(rule):
 
 @pytest.mark.parametrize("rule,intra,backward,chunk_size", [("kda", "fused", "passes", 64),
                                                             ("kda", "split", "kernels", 64),
-                                                            ("gla", "split", "kernels", 32)])
+                                                            ("gla", "split", "kernels", 32),
+                                                            ("gdn", "fused", "xla", 32)])
 def test_pallas_variants_chunk_64_unequal_dims(rule, intra, backward, chunk_size, monkeypatch):
-    # Chunk 64, K != V, and the variants besides the default (fused, xla): the split intra-chunk programs and the
-    # two backwards with Pallas kernels (CPU-tested only so far).
+    # Chunk 64, K != V, and the variants: the defaults (split, kernels) and the others (the fused intra-chunk
+    # kernel, the XLA and "passes" backwards).
     monkeypatch.setattr(pallas_api, "INTRA", intra)
     monkeypatch.setattr(pallas_api, "BACKWARD", backward)
     _compare(rule, make_inputs(rule, B=1, T=80, H=2, K=32, V=64, seed=9), chunk_size=chunk_size)
@@ -59,7 +60,7 @@ def test_pallas_gate_extremes(gate, monkeypatch):
     inputs = make_inputs("kda", B=1, **SMALL, g_low=low, g_high=high, seed=5)
     if gate == "cut":
         inputs["g"] = inputs["g"].at[:, jnp.array([3, 20, 32, 61])].set(-1000.0)
-        monkeypatch.setattr(pallas_api, "INTRA", "split")  # the cut case runs the all-kernel variant
+        monkeypatch.setattr(pallas_api, "INTRA", "split")  # the cut case runs the all-kernel variant (the default)
         monkeypatch.setattr(pallas_api, "BACKWARD", "kernels")
     _compare("kda", inputs, tol=1e-3 if gate == "cut" else TOL)
 

@@ -15,13 +15,14 @@ AUTO_RULES = (("delta", "channel"), ("delta", "head"), ("delta", "none"), ("addi
 AUTO_DIMS = (32, 128)  # head dims the GPU tests ran: K = V = 32 (fp32, bf16), K = V = 128 (bf16, T = 16384)
 AUTO_CHUNKS = (32, 64)
 
-# The backward `backend="pallas"` uses (see `lineattn.ops.pallas.chunk`): "xla" (GPU-tested), "passes" (Pallas
-# state passes, XLA autodiff of the intra-chunk terms) or "kernels" (no XLA autodiff); the last two CPU-tested only.
-# Read when a call is traced.
-BACKWARD = "xla"
-# The forward's intra-chunk stage: "fused" (one program per chunk; GPU-tested) or "split" (a program per 16-row
-# block, then one per chunk for the solve; CPU-tested only, see `chunk_fwd._intra_split`).
-INTRA = "fused"
+# The backward `backend="pallas"` uses (see `lineattn.ops.pallas.chunk`): "kernels" (no XLA autodiff; the
+# fastest on the H200, 29.8 vs 40.7 ms fwd+bwd at 8 x 4096), "xla" (autodiff of the XLA chunk form) or "passes"
+# (Pallas state passes, XLA autodiff of the intra-chunk terms; timed on the H200, not in its tests). Read when a
+# call is traced.
+BACKWARD = "kernels"
+# The forward's intra-chunk stage: "split" (a program per 16-row block, then one per chunk for the solve, 2 warps;
+# the faster on the H200: 5.0 vs 8.3 ms at 8 x 4096) or "fused" (one program per chunk). Both GPU-tested.
+INTRA = "split"
 
 
 def unsupported(rule, dtype, K: int, V: int, chunk_size) -> str | None:

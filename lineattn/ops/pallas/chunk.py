@@ -31,9 +31,10 @@ f32 = jnp.float32
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def chunk_pallas(q, k, v, g, beta, h0, scale, chunk_size=64, interpret=None, backward="xla", intra="fused"):
+def chunk_pallas(q, k, v, g, beta, h0, scale, chunk_size=64, interpret=None, backward="kernels", intra="split"):
     """(o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32). Arguments as `chunk_fwd.forward`;
-    backward: "xla" or "passes" (see the module docstring); intra: "fused" or "split" (`chunk_fwd.forward`)."""
+    backward: "kernels", "xla" or "passes" (see the module docstring); intra: "split" or "fused"
+    (`chunk_fwd.forward`)."""
     return forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret, intra=intra)
 
 

@@ -124,7 +124,7 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
         u_ref[t, :] = u.astype(u_ref.dtype)
         w_ref[t, :] = w.astype(w_ref.dtype)
 
-# ---- The same stage as several smaller programs ("split"): not yet compiled or timed on a GPU. ----
+# ---- The same stage as several smaller programs ("split"): the default (GPU-tested; faster on the H200). ----
 # The single-program `_intra_kernel` keeps a whole chunk's tiles live (register spills) and assembles the
 # diagonal blocks column by column in registers; on the H200 it took 8.2 of the forward's 9 ms at 8 x 4096.
 # Here the in-chunk cumsum G is done by XLA, `_gram_kernel` runs one program per (chunk, 16-row block a) and stores
@@ -276,14 +276,15 @@ def pick_block_v(programs: int, V: int) -> int:
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "interpret", "block_v", "warps", "only_intra",
                                              "intra", "export_chunks"))
 def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpret: bool | None = None,
-            block_v: int | None = None, warps: tuple[int, int] = (4, 4), only_intra: bool = False,
-            intra: str = "fused", export_chunks: tuple[int, ...] = ()):
+            block_v: int | None = None, warps: tuple[int, int] | None = None, only_intra: bool = False,
+            intra: str = "split", export_chunks: tuple[int, ...] = ()):
     """o [B, T, H, V] (q's dtype) and final state [B, H, K, V] fp32 of the delta rule with a per-channel gate.
 
     q, k [B, T, H, K] and v [B, T, H, V] (bf16 or fp32, one dtype), g [B, T, H, K] log decay (fp32; zeros for
     no gate), beta [B, T, H] or None (additive write), h0 [B, H, K, V] fp32. block_v, warps (intra, state
-    pass) and only_intra (return kernel 1's outputs) are for tuning and timing. intra: "fused" (one program per
-    chunk: `_intra_kernel`, the GPU-tested default) or "split" (`_intra_split`: not yet run on a GPU).
+    pass; default (2, 4) for split, (4, 4) for fused: the fastest on the H200) and only_intra (return kernel 1's
+    outputs) are for tuning and timing. intra: "split" (`_intra_split`, the default) or "fused" (one program per
+    chunk: `_intra_kernel`); both GPU-tested.
     export_chunks: chunk indices n whose incoming fp32 state the state pass also writes; when given, the
     return is (o, final state, S0 [B, H, len(export_chunks), K, V], w [B, H, Tp, K], u [B, H, Tp, V]) with w, u
     kernel 1's WY terms (None for the additive write), from which `lineattn.ops.checkpoints` advances S0
@@ -294,6 +295,8 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     C = chunk_size
     check_shapes(K, V, C)
     interpret = interpret_mode(interpret)
+    if warps is None:
+        warps = (2, 4) if intra == "split" else (4, 4)
     delta = beta is not None
     pad = -T % C
     if pad:
