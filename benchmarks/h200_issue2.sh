@@ -4,6 +4,7 @@
 # the device tool with `.whl` carried (see ../shared/BENCHMARKING.md); writes into $OUT.
 #   SKIP_TESTS=1 / SKIP_BENCH=1   one part only        TESTS_K="expr"   a subset of the tests (pytest -k)
 #   BENCH_ARGS="..."   replaces the bench flags below; TEST_TIMEOUT / BENCH_TIMEOUT in seconds.
+#   PARTS=1 [PARTS_ARGS="..."]   bench_pallas_parts.py (every stage timed apart) instead of bench_pallas_kda.py
 # Tests take 2-3 minutes, the bench 6-8 (FLA autotunes on first use): one device call for each part.
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .site .whl/*.whl || exit 1
@@ -14,6 +15,11 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee $OUT/gpu_tests.log | grep -v "^$" | tail -12
 fi
 [ -n "${SKIP_BENCH:-}" ] && exit 0
+if [ -n "${PARTS:-}" ]; then  # the per-stage timings instead (bench_pallas_parts.py; PARTS_ARGS: its flags)
+  timeout ${BENCH_TIMEOUT:-500} python3 benchmarks/bench_pallas_parts.py --out $OUT ${PARTS_ARGS:---jla} 2>&1 \
+    | grep -v "slow_operation_alarm\|Constant folding\|^$" | tee $OUT/parts.log
+  exit 0
+fi
 timeout ${BENCH_TIMEOUT:-500} python3 benchmarks/bench_pallas_kda.py --out $OUT ${BENCH_ARGS:---iters 10 --gdn \
   --fla fwd --fla-shapes 8x4096 --skip lineattn-chunk lineattn-pallas-split-passes --tune --tune-shapes 8x4096 \
   --warps 4x4,2x4 --block-vs 0 --long 262144} 2>&1 | grep -v "slow_operation_alarm\|Constant folding\|^$" \

@@ -43,7 +43,9 @@ def test_pallas_matches_oracle_fp32(rule):
 @pytest.mark.parametrize("rule,intra,backward,chunk_size", [("kda", "fused", "passes", 64),
                                                             ("kda", "split", "kernels", 64),
                                                             ("gla", "split", "kernels", 32),
-                                                            ("gdn", "fused", "xla", 32)])
+                                                            ("gdn", "fused", "xla", 32),
+                                                            ("kda", "split-mm", "kernels-mm", 64),
+                                                            ("gdn", "split-bcast", "kernels-bcast", 32)])
 def test_pallas_variants_chunk_64_unequal_dims(rule, intra, backward, chunk_size, monkeypatch):
     # Chunk 64, K != V, and the variants: the defaults (split, kernels) and the others (the fused intra-chunk
     # kernel, the XLA and "passes" backwards).
@@ -52,16 +54,20 @@ def test_pallas_variants_chunk_64_unequal_dims(rule, intra, backward, chunk_size
     _compare(rule, make_inputs(rule, B=1, T=80, H=2, K=32, V=64, seed=9), chunk_size=chunk_size)
 
 
-@pytest.mark.parametrize("gate", ["lower_bound", "zero", "cut"])
-def test_pallas_gate_extremes(gate, monkeypatch):
-    # Every token at -5 (a chunk's cumulative decay reaches -160 at chunk 32), at 0, or -1000 at a few tokens (cuts:
-    # the in-chunk cumsum then rounds at ulp(1000) ~ 6e-5, hence 1e-3 as for the chunk backend).
+@pytest.mark.parametrize("gate,variant", [("lower_bound", "split-mm/kernels-mm"), ("zero", None), ("cut", None),
+                                          ("cut", "split-mm/kernels-mm"), ("cut", "split-bcast/kernels-bcast")])
+def test_pallas_gate_extremes(gate, variant, monkeypatch):
+    # Every token at -5 (a chunk's cumulative decay reaches -160 at chunk 32; a 16-row block's rows are then exactly
+    # 40 nats from its middle row: the "mm" Gram kernels' fast path at its limit), at 0, or -1000 at a few tokens
+    # (cuts: the in-chunk cumsum then rounds at ulp(1000) ~ 6e-5, hence 1e-3 as for the chunk backend; the "mm"
+    # kernels take their exact path in the blocks that hold a cut).
     low, high = {"lower_bound": (-5.0, -5.0), "zero": (0.0, 0.0), "cut": (-1.0, 0.0)}[gate]
     inputs = make_inputs("kda", B=1, **SMALL, g_low=low, g_high=high, seed=5)
     if gate == "cut":
         inputs["g"] = inputs["g"].at[:, jnp.array([3, 20, 32, 61])].set(-1000.0)
-        monkeypatch.setattr(pallas_api, "INTRA", "split")  # the cut case runs the all-kernel variant (the default)
-        monkeypatch.setattr(pallas_api, "BACKWARD", "kernels")
+    if variant is not None:
+        monkeypatch.setattr(pallas_api, "INTRA", variant.split("/")[0])
+        monkeypatch.setattr(pallas_api, "BACKWARD", variant.split("/")[1])
     _compare("kda", inputs, tol=1e-3 if gate == "cut" else TOL)
 
 

@@ -28,7 +28,8 @@ def fake_h200(monkeypatch):
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: info)
 
 
-@pytest.mark.parametrize("intra,backward", [("fused", "passes"), ("split", "kernels")])
+@pytest.mark.parametrize("intra,backward", [("fused", "passes"), ("split", "kernels"), ("split-mm", "kernels-mm"),
+                                            ("split-bcast", "kernels-bcast")])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_chunk_kernels_lower_for_sm90(fake_h200, dtype, intra, backward):
     B, T, H, K, V = 1, 100, 2, 128, 128
@@ -40,9 +41,10 @@ def test_chunk_kernels_lower_for_sm90(fake_h200, dtype, intra, backward):
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
 
     text = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    # forward: intra (fused: 1 kernel; split: gram + solve) and the state pass; backward "passes": states and
-    # reverse; "kernels": gram, states, reverse, Gram-gradient rows and columns
-    expected = (2 if intra == "fused" else 3) + (2 if backward == "passes" else 5)
+    # forward: intra (fused: 1 kernel; split*: gram + solve) and the state pass; backward "passes": states and
+    # reverse; "kernels": gram, states, reverse, Gram-gradient rows and columns; "kernels-mm" / "kernels-bcast":
+    # gram, states, reverse and one Gram-gradient kernel
+    expected = (2 if intra == "fused" else 3) + {"passes": 2, "kernels": 5}.get(backward, 4)
     assert text.count("__gpu$xla.gpu.triton") == expected
 
 

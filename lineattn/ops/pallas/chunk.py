@@ -47,9 +47,9 @@ def _bwd(scale, chunk_size, interpret, backward, intra, residuals, cotangents):
     do, dht = cotangents
     if backward == "passes":
         return chunk_bwd.backward(*residuals, do, dht, scale=scale, chunk_size=chunk_size, interpret=interpret)
-    if backward == "kernels":
+    if backward in chunk_bwd.KERNELS_DIAG:
         return chunk_bwd.backward_kernels(*residuals, do, dht, scale=scale, chunk_size=chunk_size,
-                                          interpret=interpret)
+                                          interpret=interpret, diag=chunk_bwd.KERNELS_DIAG[backward])
     as_f32 = lambda x: None if x is None else x.astype(f32)
 
     def xla(q, k, v, g, beta, h0):

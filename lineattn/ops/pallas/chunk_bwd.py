@@ -26,6 +26,7 @@ from lineattn.ops.pallas.chunk_fwd import pick_block_v
 from lineattn.ops.pallas.common import SUB, compiler_params, dot, interpret_mode
 
 f32 = jnp.float32
+KERNELS_DIAG = {"kernels": "loop", "kernels-mm": "mm", "kernels-bcast": "bcast"}  # backward -> Gram kernels' diag
 
 
 def _states_kernel(kg_ref, w_ref, u_ref, dend_ref, h0_ref, s0_ref, *, C, K, N, prec, delta):
@@ -253,9 +254,107 @@ def gram_grads(q, k, G, dM, dKK, *, C, scale, exact, interpret):
     return dxq, dxk, dkq, dkk
 
 
-def backward_kernels(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: int, interpret=None):
-    """Same result as `backward`, with the Gram gradients as Pallas kernels instead of XLA autodiff."""
-    from lineattn.ops.pallas.chunk_fwd import _gram_kernel
+# The same four Gram gradients in ONE kernel, `_gram_bwd_kernel` (one program per 16-row block a: its row side
+# and the column side of column block a), with no column loop (see `chunk_fwd._gram_rows_kernel`): "mm" takes,
+# when the block's rows are within LIMIT nats of its middle row r, one product per K tile for each side,
+#     row:    dx_a = e^(G_a - G_r) (dP[a, :] @ (k e^(min(G_r - G, 40))))
+#     column: dk_a = e^(G_r - G_a) (dP[:, a]^T @ (x e^(min(G - G_r, 40))))
+# (dP is zero above the diagonal; clamped factors stay finite and meet only those zeros); otherwise, and always
+# for "bcast", the exact path: off-diagonal blocks through the first row of block a (row side) or the last row of
+# block a (column side), both factors <= 1, and the diagonal 16 x 16 block pair by pair as a 3-D broadcast masked
+# before the exp.
+
+
+def _gram_bwd_kernel(q_ref, k_ref, G_ref, dm_ref, dkk_ref, dxq_ref, dxk_ref, dkq_ref, dkk_out_ref, *, C, scale,
+                     prec, diag, bk, bk3):
+    from lineattn.ops.pallas.chunk_fwd import LIMIT
+
+    s = SUB
+    a = pl.program_id(2) % (C // s)
+    r0 = a * s
+    K = k_ref.shape[-1]
+    blk = pl.ds(r0, s)
+    iota = lambda shape, d: jax.lax.broadcasted_iota(jnp.int32, shape, d)
+    spread = jnp.float32(0.0)
+    for t in range(K // bk):
+        d = pl.ds(t * bk, bk)
+        spread = jnp.maximum(spread, jnp.max(jnp.abs(G_ref[blk, d] - G_ref[pl.ds(r0 + s // 2, 1), d])))
+    dM_row, dKK_row = dm_ref[blk, :], dkk_ref[blk, :]  # [s, C]
+    dM_col, dKK_col = dm_ref[:, blk], dkk_ref[:, blk]  # [C, s]
+
+    def fast():
+        Gr_row = pl.ds(r0 + s // 2, 1)
+        for t in range(K // bk):
+            d = pl.ds(t * bk, bk)
+            Gr, Ga, G = G_ref[Gr_row, d], G_ref[blk, d], G_ref[:, d]
+            kc = k_ref[:, d].astype(f32) * jnp.exp(jnp.minimum(Gr - G, LIMIT))
+            up = jnp.exp(jnp.minimum(G - Gr, LIMIT))
+            row, col = jnp.exp(Ga - Gr), jnp.exp(Gr - Ga)
+            dxq_ref[:, d] = row * dot(dM_row, kc, prec)
+            dxk_ref[:, d] = row * dot(dKK_row, kc, prec)
+            dkq_ref[:, d] = col * dot(dM_col, q_ref[:, d].astype(f32) * (scale * up), prec, trans_a=True)
+            dkk_out_ref[:, d] = col * dot(dKK_col, k_ref[:, d].astype(f32) * up, prec, trans_a=True)
+
+    def exact():
+        rows_C, cols_C = iota((s, C), 0) + r0, iota((s, C), 1)
+        cols_M = iota((C, s), 0)  # row index of the [C, s] column block
+        dM_off, dKK_off = jnp.where(cols_C < r0, dM_row, 0.0), jnp.where(cols_C < r0, dKK_row, 0.0)
+        dMc_off = jnp.where(cols_M >= r0 + s, dM_col, 0.0)
+        dKKc_off = jnp.where(cols_M >= r0 + s, dKK_col, 0.0)
+        dM_d, dKK_d = dm_ref[blk, blk], dkk_ref[blk, blk]  # [s, s] diagonal blocks (zero above the diagonal)
+        i3, j3 = iota((s, s, 1), 0), iota((s, s, 1), 1)
+        del rows_C
+        for t in range(K // bk3):
+            d = pl.ds(t * bk3, bk3)
+            Gn, Gm = G_ref[pl.ds(r0, 1), d], G_ref[pl.ds(r0 + s - 1, 1), d]
+            Ga, G = G_ref[blk, d], G_ref[:, d]
+            k_all, q_all = k_ref[:, d].astype(f32), q_ref[:, d].astype(f32) * scale
+            ka, qa = k_ref[blk, d].astype(f32), q_ref[blk, d].astype(f32) * scale
+            kc = k_all * jnp.exp(jnp.minimum(Gn - G, 0.0))
+            row = jnp.exp(Ga - Gn)
+            down = jnp.exp(jnp.minimum(G - Gm, 0.0))
+            col = jnp.exp(Gm - Ga)
+            e = jnp.exp(jnp.where(j3 <= i3, Ga[:, None, :] - Ga[None, :, :], -jnp.inf))  # [i, j, d]
+            ek = e * ka[None, :, :]
+            dxq_ref[:, d] = row * dot(dM_off, kc, prec) + jnp.sum(dM_d[:, :, None] * ek, axis=1)
+            dxk_ref[:, d] = row * dot(dKK_off, kc, prec) + jnp.sum(dKK_d[:, :, None] * ek, axis=1)
+            dkq_ref[:, d] = (col * dot(dMc_off, q_all * down, prec, trans_a=True)
+                             + jnp.sum(dM_d[:, :, None] * (e * qa[:, None, :]), axis=0))
+            dkk_out_ref[:, d] = (col * dot(dKKc_off, k_all * down, prec, trans_a=True)
+                                 + jnp.sum(dKK_d[:, :, None] * (e * ka[:, None, :]), axis=0))
+
+    if diag == "mm":
+        pl.when(spread <= LIMIT)(fast)
+        pl.when(spread > LIMIT)(exact)
+    else:
+        exact()
+
+
+def gram_grads_fused(q, k, G, dM, dKK, *, C, scale, exact, interpret, diag="mm", warps=4, bk=64, bk3=16):
+    """As `gram_grads`, by `_gram_bwd_kernel` (one kernel; no transposed copies of dM, dKK)."""
+    B, Tp, H, K = q.shape
+    N, nb = Tp // C, C // SUB
+    prec = "ieee" if exact else "tf32"
+    chunk_tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
+    chunk_mat = pl.BlockSpec((None, None, C, C), lambda b, h, i: (b, h, i // nb, 0))
+    out = pl.BlockSpec((None, None, SUB, K), lambda b, h, i: (b, h, i, 0))
+    return pl.pallas_call(
+        functools.partial(_gram_bwd_kernel, C=C, scale=scale, prec=prec, diag=diag, bk=min(bk, K),
+                          bk3=min(bk3, K)),
+        grid=(B, H, N * nb),
+        in_specs=[chunk_tok(K), chunk_tok(K), chunk_tok(K), chunk_mat, chunk_mat], out_specs=[out] * 4,
+        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, K), f32)] * 4,
+        compiler_params=compiler_params(num_warps=warps, num_stages=1), interpret=interpret,
+        name="lineattn_gram_bwd",
+    )(q, k, G, dM, dKK)
+
+
+def backward_kernels(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: int, interpret=None,
+                     diag: str = "loop"):
+    """Same result as `backward`, with the Gram gradients as Pallas kernels instead of XLA autodiff. diag: "loop"
+    (the column-loop kernels `_gram_kernel`, `_gram_rows_bwd`, `_gram_cols_bwd`), "mm" or "bcast"
+    (`chunk_fwd._gram_rows_kernel` and `_gram_bwd_kernel`)."""
+    from lineattn.ops.pallas.chunk_fwd import gram_rows
     from lineattn.ops.triangular import unit_lower_inverse
 
     C = chunk_size
@@ -268,19 +367,9 @@ def backward_kernels(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size:
     Tp = qf.shape[1]
     N, nb = Tp // C, C // SUB
     G = jnp.cumsum(gf.reshape(B, N, C, H, K), axis=2).reshape(B, Tp, H, K)
-    sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i, h, 0))
-    whole = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
-    row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, i, 0))
-    M, KK, Qin, Kg = pl.pallas_call(  # the key Gram unscaled: beta = 1
-        functools.partial(_gram_kernel, C=C, scale=scale, prec="ieee" if exact else "tf32", delta=True),
-        grid=(B, H, N * nb),
-        in_specs=[sub(K), whole(K), whole(K), pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i, h))],
-        out_specs=[row_out(C), row_out(C), row_out(K), row_out(K)],
-        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, C), f32)] * 2 + [jax.ShapeDtypeStruct((B, H, Tp, K), f32)] * 2,
-        compiler_params=compiler_params(num_warps=4, num_stages=1),
-        interpret=interpret,
-        name="lineattn_chunk_gram",
-    )(qf, kf, G, jnp.ones((B, Tp, H), f32))
+    M, KK, Qin, Kg = gram_rows(qf, kf, G, jnp.ones((B, Tp, H), f32), C=C, scale=scale, store=f32,  # KK: beta = 1
+                               prec="ieee" if exact else "tf32", delta=True, diag=diag, warps=4,
+                               interpret=interpret)
     bh = lambda x: jnp.moveaxis(x, 2, 1).reshape(B, H, N, C, *x.shape[3:])  # [B, Tp, H, ..] -> [B, H, N, C, ..]
     ch = lambda x: x.reshape(B, H, N, C, x.shape[-1])  # [B, H, Tp, D] -> [B, H, N, C, D]
     flat = lambda x: x.reshape(B, H, Tp, x.shape[-1])
@@ -320,8 +409,9 @@ def backward_kernels(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size:
         dG = dG + Kin * dKin
     else:
         dv, dbeta, dKK = cot.U_BHNCV, None, jnp.zeros_like(M)
-    dxq, dxk, dkq, dkk = gram_grads(qf, kf, G, flat(dM), flat(dKK), C=C, scale=scale, exact=exact,
-                                    interpret=interpret)
+    grads_of = gram_grads if diag == "loop" else functools.partial(gram_grads_fused, diag=diag)
+    dxq, dxk, dkq, dkk = grads_of(qf, kf, G, flat(dM), flat(dKK), C=C, scale=scale, exact=exact,
+                                  interpret=interpret)
     dxq, dxk, dkq, dkk = map(ch, (dxq, dxk, dkq, dkk))
     dq = dq + scale * dxq
     dk = dk + dkq + dxk + dkk

@@ -176,6 +176,107 @@ def _gram_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *
     jax.lax.fori_loop(0, s, column, 0)
 
 
+# ---- Gram rows with tensor-core diagonal blocks ("split-mm") or 3-D broadcast ones ("split-bcast") ----
+# `_gram_rows_kernel`: one program per (chunk, 16-row block a), K in tiles of `bk` channels, no column loop.
+#   - "mm": when every row of block a is within LIMIT (40) nats of the block's middle row r (max |G_a - G_r| <= 40:
+#     always for gates >= -5 per token), the whole row of M and A is ONE product per K tile,
+#     `(x_a e^(G_a - G_r)) (k e^(min(G_r - G, 40)))^T`: off-diagonal columns (j < a's rows) have G_r - G_j <= 0 and
+#     diagonal ones |G_r - G_j| <= 40, so no factor exceeds e^40 and no product e^80 (fp32 holds e^88); columns
+#     after the block are clamped, finite and masked away. Otherwise (a cut or reset gate inside the block: a
+#     block-uniform `lax.cond`) the exact path below runs, so gates down to -1000 stay exact and finite.
+#   - exact path ("bcast" always): off-diagonal columns by one product with the first-row reference n of block a
+#     (both factors <= 1, as before), the 16 x 16 diagonal block pair by pair as a 3-D broadcast [16, 16, bk3]
+#     masked before the exp (no column loop), placed into the row by an exact selection product.
+LIMIT = 40.0
+SPLIT_DIAG = {"split": "loop", "split-mm": "mm", "split-bcast": "bcast"}  # forward's intra -> gram_rows' diag
+
+
+def _diag_exact(x_tiles, k_tiles, G_tiles, s):
+    """sum_d x_id k_jd e^(G_id - G_jd) for j <= i inside one 16-row block (masked before the exp), for each x in
+    x_tiles (lists over K tiles of [s, bk3] values; G_tiles, k_tiles the block's own). Returns [s, s] per x."""
+    i3, j3 = _iota((s, s, 1), 0), _iota((s, s, 1), 1)
+    out = [jnp.zeros((s, s), f32) for _ in x_tiles]
+    for t, (k, G) in enumerate(zip(k_tiles, G_tiles)):
+        e = jnp.exp(jnp.where(j3 <= i3, G[:, None, :] - G[None, :, :], -jnp.inf)) * k[None, :, :]
+        out = [o + jnp.sum(x[t][:, None, :] * e, axis=2) for o, x in zip(out, x_tiles)]
+    return out
+
+
+def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta, diag,
+                      bk, bk3):
+    s = SUB
+    a = pl.program_id(2) % (C // s)
+    r0 = a * s
+    K = k_ref.shape[-1]
+    rows, cols = _iota((s, C), 0) + r0, _iota((s, C), 1)
+    blk = pl.ds(r0, s)
+    spread = jnp.float32(0.0)
+    for t in range(K // bk):
+        d = pl.ds(t * bk, bk)
+        Ga = G_ref[blk, d]
+        qin_ref[:, d] = (q_ref[:, d].astype(f32) * scale * jnp.exp(Ga)).astype(qin_ref.dtype)
+        kg_ref[:, d] = (k_ref[blk, d].astype(f32) * jnp.exp(G_ref[pl.ds(C - 1, 1), d] - Ga)).astype(kg_ref.dtype)
+        spread = jnp.maximum(spread, jnp.max(jnp.abs(Ga - G_ref[pl.ds(r0 + s // 2, 1), d])))
+
+    def products(ref_row, limit):  # [s, C] rows of (scale q) and k against all keys, reference row ref_row
+        Mx, Ax = jnp.zeros((s, C), f32), jnp.zeros((s, C), f32)
+        for t in range(K // bk):
+            d = pl.ds(t * bk, bk)
+            Gr = G_ref[pl.ds(ref_row, 1), d]
+            xr = jnp.exp(G_ref[blk, d] - Gr)
+            kc = k_ref[:, d].astype(f32) * jnp.exp(jnp.minimum(Gr - G_ref[:, d], limit))
+            Mx = Mx + dot(q_ref[:, d].astype(f32) * (scale * xr), kc, prec, trans_b=True)
+            if delta:
+                Ax = Ax + dot(k_ref[blk, d].astype(f32) * xr, kc, prec, trans_b=True)
+        return Mx, Ax
+
+    def exact():
+        Mx, Ax = products(r0, 0.0)
+        d3 = [pl.ds(t * bk3, bk3) for t in range(K // bk3)]
+        kt = [k_ref[blk, d].astype(f32) for d in d3]
+        xs = [[q_ref[:, d].astype(f32) * scale for d in d3]] + ([kt] if delta else [])
+        D = _diag_exact(xs, kt, [G_ref[blk, d] for d in d3], s)
+        place = (_iota((s, C), 1) == _iota((s, C), 0) + r0).astype(f32)  # [s, C]: column r0 + j <- column j
+        Mx = jnp.where(cols < r0, Mx, dot(D[0], place, "ieee"))
+        if delta:
+            Ax = jnp.where(cols < r0, Ax, dot(D[1], place, "ieee"))
+        return Mx, Ax
+
+    if diag == "mm":
+        Mx, Ax = jax.lax.cond(spread <= LIMIT, lambda: products(r0 + s // 2, LIMIT), exact)
+    else:
+        Mx, Ax = exact()
+    m_ref[...] = jnp.where(cols <= rows, Mx, 0.0).astype(m_ref.dtype)
+    if delta:
+        a_ref[...] = jnp.where(cols < rows, beta_ref[...].astype(f32)[:, None] * Ax, 0.0)
+
+
+def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, diag, warps, interpret, a_dtype=f32, bk=64, bk3=16):
+    """M, A (= Diag(beta) KK, strictly lower), Qin, Kg as [B, H, Tp, .] from q, k [B, Tp, H, K], the in-chunk
+    cumsum G (fp32) and beta [B, Tp, H]. diag: "loop" (`_gram_kernel`), "mm" or "bcast" (`_gram_rows_kernel`)."""
+    B, Tp, H, K = q.shape
+    N, nb = Tp // C, C // SUB
+    sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i, h, 0))
+    whole = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
+    row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, i, 0))
+    if diag == "loop":
+        kernel = functools.partial(_gram_kernel, C=C, scale=scale, prec=prec, delta=delta)
+    else:
+        kernel = functools.partial(_gram_rows_kernel, C=C, scale=scale, prec=prec, delta=delta, diag=diag,
+                                   bk=min(bk, K), bk3=min(bk3, K))
+    return pl.pallas_call(
+        kernel,
+        grid=(B, H, N * nb),
+        in_specs=[sub(K), whole(K), whole(K), pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i, h))],
+        out_specs=[row_out(C), row_out(C), row_out(K), row_out(K)],
+        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, C), store), jax.ShapeDtypeStruct((B, H, Tp, C), a_dtype),
+                   jax.ShapeDtypeStruct((B, H, Tp, K), store), jax.ShapeDtypeStruct((B, H, Tp, K), store)],
+        compiler_params=compiler_params(num_warps=warps, num_stages=1),
+        interpret=interpret,
+        name="lineattn_chunk_gram",
+    )(q, k, G, beta)
+
+
 def _solve_kernel(a_ref, k_ref, v_ref, G_ref, beta_ref, w_ref, u_ref, *, C, prec):
     s, nb = SUB, C // SUB
     rows_ss, cols_ss = _iota((s, s), 0), _iota((s, s), 1)
@@ -194,40 +295,21 @@ def _solve_kernel(a_ref, k_ref, v_ref, G_ref, beta_ref, w_ref, u_ref, *, C, prec
                 acc = acc + dot(A(i, c), X[c, j], prec)
             X[i, j] = -dot(X[i, i], acc, prec)
     rows = lambda j: pl.ds(j * s, s)
-    beta = lambda j: beta_ref[rows(j)].astype(f32)[:, None]
-    bv = lambda j: beta(j) * v_ref[rows(j), :].astype(f32)
-    bk = lambda j: beta(j) * k_ref[rows(j), :].astype(f32) * jnp.exp(G_ref[rows(j), :])
+    beta = [beta_ref[rows(j)].astype(f32)[:, None] for j in range(nb)]
+    bv = [beta[j] * v_ref[rows(j), :].astype(f32) for j in range(nb)]  # once per block, not once per (i, j)
+    bk = [beta[j] * k_ref[rows(j), :].astype(f32) * jnp.exp(G_ref[rows(j), :]) for j in range(nb)]
     for i in range(nb):
-        u_ref[rows(i), :] = sum(dot(X[i, j], bv(j), prec) for j in range(i + 1)).astype(u_ref.dtype)
-        w_ref[rows(i), :] = sum(dot(X[i, j], bk(j), prec) for j in range(i + 1)).astype(w_ref.dtype)
+        u_ref[rows(i), :] = sum(dot(X[i, j], bv[j], prec) for j in range(i + 1)).astype(u_ref.dtype)
+        w_ref[rows(i), :] = sum(dot(X[i, j], bk[j], prec) for j in range(i + 1)).astype(w_ref.dtype)
 
 
-def _intra_split(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret):
-    """Kernel 1's outputs (qin, kg, w, u, m, e^(G_C) as [B, H, K, N]) from the split programs."""
-    B, Tp, H, K = q.shape
-    V, N, nb = v.shape[-1], Tp // C, C // SUB
-    G = jnp.cumsum(g.reshape(B, N, C, H, K), axis=2)
-    dend = jnp.transpose(jnp.exp(G[:, :, -1]), (0, 2, 3, 1))  # [B, H, K, N]
-    G = G.reshape(B, Tp, H, K)
-    sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i, h, 0))
-    whole = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
-    row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, i, 0))
-    m, A, qin, kg = pl.pallas_call(
-        functools.partial(_gram_kernel, C=C, scale=scale, prec=prec, delta=delta),
-        grid=(B, H, N * nb),
-        in_specs=[sub(K), whole(K), whole(K), pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i, h))],
-        out_specs=[row_out(C), row_out(C), row_out(K), row_out(K)],
-        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, C), store), jax.ShapeDtypeStruct((B, H, Tp, C), f32),
-                   jax.ShapeDtypeStruct((B, H, Tp, K), store), jax.ShapeDtypeStruct((B, H, Tp, K), store)],
-        compiler_params=compiler_params(num_warps=warps, num_stages=1),
-        interpret=interpret,
-        name="lineattn_chunk_gram",
-    )(q, k, G, beta)
-    if not delta:
-        return qin, kg, None, None, m, dend
+def solve_wu(A, k, v, G, beta, *, C, store, prec, warps, interpret):
+    """W, U [B, H, Tp, .] from A [B, H, Tp, C] (strictly lower, fp32) and k, v, G, beta [B, Tp, H, .]."""
+    B, Tp, H, K = k.shape
+    V, N = v.shape[-1], Tp // C
     tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
     chunk_out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
-    w, u = pl.pallas_call(
+    return pl.pallas_call(
         functools.partial(_solve_kernel, C=C, prec=prec),
         grid=(B, H, N),
         in_specs=[chunk_out(C), tok(K), tok(V), tok(K), pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))],
@@ -237,6 +319,20 @@ def _intra_split(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, inter
         interpret=interpret,
         name="lineattn_chunk_solve",
     )(A, k, v, G, beta)
+
+
+def _intra_split(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, diag="loop"):
+    """Kernel 1's outputs (qin, kg, w, u, m, e^(G_C) as [B, H, K, N]) from the split programs."""
+    B, Tp, H, K = q.shape
+    V, N, nb = v.shape[-1], Tp // C, C // SUB
+    G = jnp.cumsum(g.reshape(B, N, C, H, K), axis=2)
+    dend = jnp.transpose(jnp.exp(G[:, :, -1]), (0, 2, 3, 1))  # [B, H, K, N]
+    G = G.reshape(B, Tp, H, K)
+    m, A, qin, kg = gram_rows(q, k, G, beta, C=C, scale=scale, store=store, prec=prec, delta=delta, diag=diag,
+                              warps=warps, interpret=interpret)
+    if not delta:
+        return qin, kg, None, None, m, dend
+    w, u = solve_wu(A, k, v, G, beta, C=C, store=store, prec=prec, warps=warps, interpret=interpret)
     return qin, kg, w, u, m, dend
 
 
@@ -296,7 +392,7 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     check_shapes(K, V, C)
     interpret = interpret_mode(interpret)
     if warps is None:
-        warps = (2, 4) if intra == "split" else (4, 4)
+        warps = (4, 4) if intra == "fused" else (2, 4)
     delta = beta is not None
     pad = -T % C
     if pad:
@@ -314,7 +410,7 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     chunk_out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
     split = functools.partial(_intra_split, C=C, scale=scale, store=store, prec="ieee" if exact else "tf32",
                               delta=delta, warps=warps[0], interpret=interpret)
-    qin, kg, w, u, m, dend = split(q, k, v, g, beta) if intra == "split" else pl.pallas_call(
+    qin, kg, w, u, m, dend = split(q, k, v, g, beta, diag=SPLIT_DIAG[intra]) if intra in SPLIT_DIAG else pl.pallas_call(
         functools.partial(_intra_kernel, C=C, scale=scale, prec="ieee" if exact else "tf32", delta=delta),
         grid=(B, H, N),
         in_specs=[tok(K), tok(K), tok(V), tok(K), pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))],

@@ -1,0 +1,210 @@
+"""Every stage of lineattn's Pallas KDA forward and backward timed apart, for the current kernels and variants.
+
+    python benchmarks/bench_pallas_parts.py --out $OUT        # on the H200 (see benchmarks/h200_issue2.sh)
+
+Shape (default B = 8, T = 4096, H = 16, K = V = 128): bf16 q, k (L2-normalised), v, beta; fp32 g in (-5, 0).
+First each forward variant's o and each backward variant's six gradients are compared with the XLA chunk form
+in fp32 on the same rounded inputs (relative RMS error; a variant over the bf16 budget is marked). Then, each
+a jitted call timed as the median of --iters calls ended by block_until_ready:
+  forward:  XLA cumsum of the gate; the Gram kernel (M, A, Qin, Kg) per diagonal-block method and warps; the
+            solve kernel (W, U); the whole intra stage; the whole forward (the state pass = forward - intra);
+  backward: the Gram recompute in fp32, the two state passes (states, reverse), the Gram-gradient kernels per
+            method, the whole backward (`backward_kernels`; the XLA algebra = the rest), and forward+backward.
+Writes <out>/<date>-h200-pallas-parts.json (a list of {"stage", "variant", "ms", ...}), rewritten after each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_kda import make_inputs, time_jax, versions  # noqa: E402
+
+from lineattn.ops import chunk as xla_chunk_mod  # noqa: E402
+from lineattn.ops.chunk import ChunkTerms  # noqa: E402
+from lineattn.ops.pallas import chunk_bwd, chunk_fwd  # noqa: E402
+from lineattn.ops.pallas.chunk import chunk_pallas  # noqa: E402
+from lineattn.ops.pallas.common import interpret_mode  # noqa: E402
+
+IT = interpret_mode(None)  # compiled on a GPU, interpreted (slow; a smoke test) on CPU
+
+f32 = jnp.float32
+RECORDS: list[dict] = []
+BUDGET = {"o": 5e-3, "ht": 5e-3, "dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dh0": 8e-3, "dg": 2e-2, "dbeta": 2e-2}
+
+
+def rel_rms(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.sqrt(np.mean((a - b) ** 2)) / max(np.sqrt(np.mean(b**2)), 1e-30))
+
+
+def record(a, **rec):
+    rec = dict(rec, B=a.B, T=a.T, H=a.H, K=a.K, V=a.K, device=str(jax.devices()[0].device_kind))
+    RECORDS.append(rec)
+    extra = {k: v for k, v in rec.items() if k not in ("stage", "variant", "ms", "B", "T", "H", "K", "V", "device")}
+    ms = f"{rec['ms']:8.3f} ms" if rec.get("ms") is not None else " " * 11
+    print(f"  {rec['stage']:18s} {rec['variant']:34s} {ms}  {extra if extra else ''}", flush=True)
+    if a.out:
+        a.out.mkdir(parents=True, exist_ok=True)
+        path = a.out / f"{datetime.date.today().isoformat()}-h200-pallas-parts.json"
+        path.write_text(json.dumps({"versions": versions(), "records": RECORDS}, indent=1))
+
+
+def timed(a, stage, variant, fn, args, **extra):
+    try:
+        ms = time_jax(jax.jit(fn), args, a.iters)
+    except Exception as exc:  # a variant that does not compile is reported, not fatal
+        print(f"  {stage} {variant}: failed: {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+        return None
+    record(a, stage=stage, variant=variant, ms=ms, **extra)
+    return ms
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--shape", default="8x4096")
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--grams", default="loop:2,mm:2,mm:4,bcast:2,bcast:4", help="forward Gram kernels diag:warps")
+    p.add_argument("--bwd-grams", default="loop:4,mm:4,mm:2,bcast:4", help="Gram-gradient kernels diag:warps")
+    p.add_argument("--intras", default="split:2,split-mm:2,split-mm:4,split-bcast:2",
+                   help="forward variants (intra stage) and the intra kernels' warps")
+    p.add_argument("--backwards", default="split/kernels,split-mm/kernels-mm,split-bcast/kernels-bcast",
+                   help="intra/backward pairs timed forward+backward")
+    p.add_argument("--jla", action="store_true", help="also time jax-linear-attention's Mosaic GPU KDA")
+    p.add_argument("--no-check", action="store_true")
+    a = p.parse_args()
+    a.B, a.T = map(int, a.shape.split("x"))
+    a.H, a.K = a.heads, a.dim
+    B, T, H, K = a.B, a.T, a.H, a.K
+    C, scale = 64, K**-0.5
+    print(f"{jax.devices()[0].device_kind}; {versions()}; B={B} T={T} H={H} K=V={K}", flush=True)
+
+    x, _ = make_inputs(B, T, H, K, K, "bfloat16")
+    bf = lambda n: jnp.asarray(x[n], jnp.bfloat16)
+    q, k, v, beta = bf("q"), bf("k"), bf("v"), bf("beta")
+    g = jnp.asarray(x["g"])
+    h0 = jnp.zeros((B, H, K, K), f32)
+    do = jnp.asarray(x["do"], jnp.bfloat16)
+    args = (q, k, v, g, beta, h0)
+    pairs = [tuple(s.split("/")) for s in a.backwards.split(",") if s]
+    intras = [s.split(":") for s in a.intras.split(",") if s]
+
+    # ---- correctness of every variant against the XLA chunk form (fp32, same rounded inputs) ----
+    if not a.no_check:
+        r32 = [y.astype(f32) for y in args]
+
+        def xla_loss(*xs):
+            o, ht = xla_chunk_mod.chunk(*xs[:5], scale=scale, initial_state=xs[5], chunk_size=C)
+            return jnp.sum(o * do.astype(f32)), o
+
+        (_, o_ref), g_ref = jax.jit(jax.value_and_grad(xla_loss, argnums=tuple(range(6)), has_aux=True))(*r32)
+        for intra in sorted({i for i, _ in intras}):
+            o, _ = jax.jit(functools.partial(chunk_fwd.forward, scale=scale, intra=intra))(*args)
+            e = rel_rms(o.astype(f32), o_ref)
+            record(a, stage="check-fwd", variant=intra, ms=None, rel_rms_o=e, ok=e <= BUDGET["o"])
+        names = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+        for intra, bwd in pairs:
+            def loss(*xs, intra=intra, bwd=bwd):
+                o, _ = chunk_pallas(*xs, scale, C, None, bwd, intra)
+                return jnp.sum(o.astype(f32) * do.astype(f32))
+
+            grads = jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*args)
+            errs = {n: rel_rms(gr.astype(f32), gw) for n, gr, gw in zip(names, grads, g_ref)}
+            finite = all(bool(jnp.all(jnp.isfinite(gr.astype(f32)))) for gr in grads)
+            record(a, stage="check-bwd", variant=f"{intra}/{bwd}", ms=None, finite=finite,
+                   ok=finite and all(errs[n] <= BUDGET[n] for n in errs), **{f"rel_rms_{n}": e for n, e in errs.items()})
+        del g_ref, o_ref
+
+    # ---- headline: whole forward and forward+backward of each pair, jla beside them ----
+    for intra, bwd in pairs:
+        def loss(*xs, intra=intra, bwd=bwd):
+            o, _ = chunk_pallas(*xs, scale, C, None, bwd, intra)
+            return jnp.sum(o.astype(f32) * do.astype(f32))
+
+        timed(a, "fwd", f"{intra} (chunk_pallas)", lambda *xs, intra=intra, bwd=bwd: chunk_pallas(
+            *xs, scale, C, None, bwd, intra)[0], args)
+        timed(a, "fwdbwd", f"{intra}/{bwd}", jax.grad(loss, argnums=tuple(range(5))), args)
+    if a.jla:
+        try:
+            import jla.ops as jla_ops
+            f = lambda q, k, v, g, b: jla_ops.linear_attention("kda", q, k, v, g=g, beta=b, impl="mosaic_gpu")[0]
+            loss = lambda *xs: jnp.sum(f(*xs).astype(f32) * do.astype(f32))
+            timed(a, "fwd", "jla-mosaic_gpu", f, args[:5])
+            timed(a, "fwdbwd", "jla-mosaic_gpu", jax.grad(loss, argnums=tuple(range(5))), args[:5])
+        except ImportError as err:
+            print(f"jla unavailable: {err}")
+
+    # ---- forward stages ----
+    N = T // C
+    cumsum = lambda g: jnp.cumsum(g.reshape(B, N, C, H, K), axis=2).reshape(B, T, H, K)
+    timed(a, "fwd-cumsum", "xla", lambda g: (cumsum(g), jnp.exp(cumsum(g)[:, C - 1::C])), (g,))
+    G = jax.jit(cumsum)(g)
+    for spec in a.grams.split(","):
+        diag, w = spec.split(":")
+        timed(a, "fwd-gram", f"{diag}-w{w}", functools.partial(
+            chunk_fwd.gram_rows, C=C, scale=scale, store=jnp.bfloat16, prec="tf32", delta=True, diag=diag,
+            warps=int(w), interpret=IT), (q, k, G, beta))
+    A = jax.jit(functools.partial(chunk_fwd.gram_rows, C=C, scale=scale, store=jnp.bfloat16, prec="tf32",
+                                  delta=True, diag="mm", warps=2, interpret=IT))(q, k, G, beta)[1]
+    for w in (2, 4):
+        timed(a, "fwd-solve", f"w{w}", functools.partial(chunk_fwd.solve_wu, C=C, store=jnp.bfloat16, prec="tf32",
+                                                         warps=w, interpret=IT), (A, k, v, G, beta))
+    for intra, w in intras:
+        for w in [(int(w), 4)]:
+            intra_ms = timed(a, "fwd-intra", f"{intra}-w{w[0]}", functools.partial(
+                chunk_fwd.forward, scale=scale, intra=intra, warps=w, only_intra=True), args)
+            fwd_ms = timed(a, "fwd", f"{intra}-w{w[0]}x{w[1]}", functools.partial(
+                chunk_fwd.forward, scale=scale, intra=intra, warps=w), args)
+            if intra_ms and fwd_ms:
+                record(a, stage="fwd-state-pass", variant=f"{intra}-w{w[0]}x{w[1]} (fwd - intra)",
+                       ms=fwd_ms - intra_ms)
+
+    # ---- backward stages (fp32 operands, as `backward_kernels` runs them) ----
+    qf, kf = q.astype(f32), k.astype(f32)
+    ones = jnp.ones((B, T, H), f32)
+    for spec in ("loop:4", "mm:4", "bcast:4"):
+        diag, w = spec.split(":")
+        timed(a, "bwd-gram-recompute", f"{diag}-w{w}", functools.partial(
+            chunk_fwd.gram_rows, C=C, scale=scale, store=f32, prec="tf32", delta=True, diag=diag, warps=int(w),
+            interpret=IT), (qf, kf, G, ones))
+    rng = np.random.default_rng(2)
+    rnd = lambda *s: jnp.asarray(rng.standard_normal(s), f32) * 0.1
+    tril = jnp.tril(jnp.ones((C, C), bool))
+    terms = ChunkTerms(rnd(B, H, N, C, K), jnp.where(tril, rnd(B, H, N, C, C), 0.0), rnd(B, H, N, C, K),
+                       jnp.exp(-rng.uniform(0, 1, (B, H, N, K)).astype(np.float32)), rnd(B, H, N, C, K),
+                       rnd(B, H, N, C, K))
+    timed(a, "bwd-state-passes", "states+reverse", lambda t, h, d, dh: chunk_bwd.state_passes(
+        t, h, d, dh, exact=False), (terms, h0, do.astype(f32), h0))
+    flatC = lambda m: m.reshape(B, H, T, C)
+    dM = flatC(jnp.where(tril, rnd(B, H, N, C, C), 0.0))
+    dKK = flatC(jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), rnd(B, H, N, C, C), 0.0))
+    for spec in a.bwd_grams.split(","):
+        diag, w = spec.split(":")
+        if diag == "loop":
+            fn = functools.partial(chunk_bwd.gram_grads, C=C, scale=scale, exact=False, interpret=IT)
+        else:
+            fn = functools.partial(chunk_bwd.gram_grads_fused, C=C, scale=scale, exact=False, interpret=IT,
+                                   diag=diag, warps=int(w))
+        timed(a, "bwd-gram-grads", f"{diag}-w{w}", fn, (qf, kf, G, dM, dKK))
+
+    for intra, bwd in pairs:
+        diag = chunk_bwd.KERNELS_DIAG.get(bwd)
+        if diag is not None:
+            timed(a, "bwd", f"{bwd} (backward_kernels)", lambda *xs, diag=diag: chunk_bwd.backward_kernels(
+                *xs, scale=scale, chunk_size=C, diag=diag), (*args, do, h0))
+
+
+if __name__ == "__main__":
+    main()
