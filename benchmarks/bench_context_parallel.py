@@ -42,7 +42,7 @@ and the rest still runs, and each process's memory high-water mark belongs to it
 3. for each --cp-T without a comparison (one device did not fit), context parallel again at the largest
    --single-T that fitted, with the comparison, so that the equality is checked on these devices anyway;
 4. for each --cp-T where context parallel itself did not fit: the same T with fewer heads (--fallback-H, default
-   8 then 4; memory is linear in H), stopping at the first that runs.
+   8 then 4; memory is linear in H), stopping at the first that runs and is compared with one device.
 
 A crash or timeout in the one-device series ends it (the larger sizes are recorded as skipped).
 
@@ -432,9 +432,9 @@ def run_series(a, common: dict, *, isolate: bool, budget_s: float, on_record=Non
     for T in plan_fallbacks(cp, single):
         execute({"kind": "cp", "T": T, "P": a.cp_devices})
     for T in [r["T"] for r in cp if r["status"] in ("oom", "oom-predicted")]:
-        for H in [h for h in a.fallback_H if h < a.H]:
+        for H in [h for h in a.fallback_H if h < a.H]:  # until one runs and equals one device
             new = execute({"kind": "cp", "T": T, "P": a.cp_devices, "H": H})
-            if any(r["impl"] == "context_parallel" and r["status"] == "ok" for r in new):
+            if any(r["impl"] == "context_parallel" and r.get("compare_status") == "ok" for r in new):
                 break
     return records
 
@@ -492,15 +492,15 @@ def main_series(a) -> int:
     if isolate and a.compile_cache:
         cache = tempfile.mkdtemp(prefix="jax-cache-")
         os.environ["JAX_COMPILATION_CACHE_DIR"] = cache  # read by the children's jax
-    n_dev = len(jax.devices())
+    # With --isolate the jobs' processes own the devices: this one does not start a backend (it would hold memory).
+    where = "devices in the jobs' processes" if isolate else \
+        f"{len(jax.devices())} {jax.devices()[0].platform} device(s) ({jax.devices()[0].device_kind})"
     common = dict(H=a.H, K=a.K, V=a.V, dtype=a.dtype, chunk=a.chunk, backend=a.backend, iters=a.iters, seed=a.seed,
                   g_low=a.g_low, check_memory=a.check_memory, memory_limit_gib=a.memory_limit_gib)
-    print(f"KDA fwd+bwd B=1 H={a.H} K={a.K} V={a.V} chunk={a.chunk} {a.dtype}; {n_dev} {jax.devices()[0].platform} "
-          f"device(s) ({jax.devices()[0].device_kind}); context parallel on {a.cp_devices} at T={a.cp_T}; one device "
+    print(f"KDA fwd+bwd B=1 H={a.H} K={a.K} V={a.V} chunk={a.chunk} {a.dtype}; {where}; "
+          f"context parallel on {a.cp_devices} at T={a.cp_T}; one device "
           f"({a.backend}) at T={a.single_T}; {'each job in its own process' if isolate else 'in this process'}; "
           f"budget {a.budget_s:.0f} s, {a.job_timeout:.0f} s per job", flush=True)
-    if n_dev < a.cp_devices:
-        print(f"warning: {n_dev} device(s), context parallel needs {a.cp_devices}", flush=True)
     name = a.name or f"{a.platform}-context-parallel-series"
     write = (lambda recs: write_results(a.out, name, recs)) if a.out else None
     records = run_series(a, common, isolate=isolate, budget_s=a.budget_s, on_record=write)
