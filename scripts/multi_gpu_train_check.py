@@ -228,9 +228,10 @@ def train_check(cfg, meshes, steps: int, *, branch: int = 4, data_seed: int = 0,
             c = compare(ref, rec, ref_params, params, rtol)
             report["comparisons"][spec] = c
             if c["status"] == "ok":
-                log(f"  vs {ref['mesh']}: max |loss diff| {c['max_abs_loss_diff']:.2e} (rel {c['max_rel_loss_diff']:.2e}, "
-                    f"first step {c['first_step_abs_loss_diff']:.2e}), params rel {c.get('max_rel_param_diff', 0):.2e},"
-                    f" speedup {c['speedup']:.2f}x, scaling efficiency {c['scaling_efficiency']:.1%}")
+                log(f"  vs {ref['mesh']}: max |loss diff| {c['max_abs_loss_diff']:.2e} "
+                    f"(rel {c['max_rel_loss_diff']:.2e}, first step {c['first_step_abs_loss_diff']:.2e}), "
+                    f"params rel {c.get('max_rel_param_diff', 0):.2e}, speedup {c['speedup']:.2f}x, "
+                    f"scaling efficiency {c['scaling_efficiency']:.1%}")
         del params
         if on_update:
             on_update(report)
