@@ -28,8 +28,10 @@ set -uo pipefail
 START=$SECONDS
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-# With preallocation off the allocator still stops at a fraction of the GPU (75% by default): allow more.
-export XLA_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95} XLA_PYTHON_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95}
+# With preallocation off the allocator still stops at a fraction of the GPU (75% by default): allow more. Only the
+# new name: jaxlib 0.11.2 refuses XLA_CLIENT_MEM_FRACTION together with the deprecated XLA_PYTHON_CLIENT_MEM_FRACTION.
+unset XLA_PYTHON_CLIENT_MEM_FRACTION
+export XLA_CLIENT_MEM_FRACTION=${MEM_FRACTION:-0.95}
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 PARTS=${PARTS:-train cp}
