@@ -47,8 +47,11 @@ and the rest still runs, and each process's memory high-water mark belongs to it
 A crash or timeout in the one-device series ends it (the larger sizes are recorded as skipped).
 
 Before running a job, its compiled program's memory (XLA's `memory_analysis`) is checked against the device's
-free memory (`memory_stats()`): a job that cannot fit is recorded as "oom-predicted" without running; a job that
-runs out of memory anyway is "oom"; other failures "error", "crashed" (the process died) or "timeout"; jobs past
+free memory (`memory_stats()`): a job that cannot fit is recorded as "oom-predicted" without running. That memory
+is linear in T and H, so a size whose extrapolation (from the sizes compiled before, per token x head) does not
+fit is "oom-predicted" without even compiling (the larger one-device sizes, the one-device reference of a
+fewer-heads job, a fewer-heads job itself), which saves the compile time. A job that runs out of memory anyway is
+"oom"; other failures "error", "crashed" (the process died) or "timeout"; jobs past
 --budget-s are "skipped". A JAX compilation cache shared by the jobs (a temporary folder) saves compiling the
 one-device program twice. Every record has "status"; the JSON is rewritten after every job.
 
@@ -57,6 +60,10 @@ compile_s; XLA's per-device memory (peak_bytes_per_device = arguments + outputs 
 device_memory, per device used: `memory_stats()` peak_bytes_in_use (the process high-water mark), bytes_in_use,
 bytes_limit, where the platform has them (GPUs do, CPUs do not); for context parallel, max_rel_err and
 rel_rms_err per output (o, dq, dk, dv, dg, dbeta) against one device.
+
+--compile-only stops each job after compiling (status "compiled", no fallbacks): XLA's memory figures without
+running anything, e.g. the GPU defaults on simulated CPU devices (`--mode series --H 16 --K 128 --dtype bfloat16
+--single-T 65536 131072 262144 524288 --cp-T 524288 --compile-only`; XLA:CPU's buffer accounting, not the GPU's).
 
 Writes <out>/<date>-<platform>-context-parallel-series.json (--name to change) and prints a table.
 """
@@ -197,6 +204,31 @@ def free_bytes(devices) -> int | None:
     return min(s["bytes_limit"] - (s.get("bytes_in_use") or 0) for s in stats)
 
 
+def available_bytes(devices, memory_limit_gib: float | None = None) -> int | None:
+    """Free bytes on the fullest of `devices`, capped at --memory-limit-gib; None when unknown (CPU, no limit)."""
+    free = free_bytes(devices)
+    if memory_limit_gib is not None:
+        free = min(free, int(memory_limit_gib * GIB)) if free is not None else int(memory_limit_gib * GIB)
+    return free
+
+
+def bytes_per_token_head(records, impl: str, devices: int) -> float | None:
+    """XLA's per-device bytes per (token x head) of the compiled programs of `impl` on `devices` devices (the
+    largest seen). The memory of these programs is linear in T and in H (51, 102, 204, 409 GiB for T = 64K .. 512K
+    at H=16 on XLA:CPU), so this extrapolates to sizes not compiled yet."""
+    units = [r["peak_bytes_per_device"] / (r["T"] * r["H"]) for r in records
+             if r.get("impl") == impl and r.get("devices") == devices and r.get("peak_bytes_per_device")]
+    return max(units) if units else None
+
+
+def predicted_oom(kind, T, estimate, free, basis, **kw) -> dict:
+    """The record of a job not compiled because its extrapolated memory exceeds the free memory."""
+    rec = skipped(kind, T, f"extrapolated from {basis}: needs ~{fmt_bytes(estimate)} per device, {fmt_bytes(free)} "
+                  f"free: not compiled", **kw)
+    rec.update(status="oom-predicted", peak_bytes_per_device_estimate=int(estimate), free_bytes_before=free)
+    return rec
+
+
 def failure_status(err: BaseException) -> str:
     text = f"{type(err).__name__} {err}".lower()
     return "oom" if ("resource_exhausted" in text or "out of memory" in text or "oom" in text.split()) else "error"
@@ -204,7 +236,7 @@ def failure_status(err: BaseException) -> str:
 
 def run_case(kind: str, T: int, *, P: int = 1, H: int, K: int, V: int, dtype: str, chunk: int = 64,
              backend: str = "chunk", iters: int = 5, seed: int = 0, g_low: float = -0.1, keep_outputs: bool = False,
-             check_memory: bool = True, memory_limit_gib: float | None = None,
+             check_memory: bool = True, memory_limit_gib: float | None = None, compile_only: bool = False,
              devices=None) -> tuple[dict, tuple | None]:
     """One forward + backward job: compile (abstract inputs), check the memory, generate the inputs, time it.
 
@@ -233,9 +265,10 @@ def run_case(kind: str, T: int, *, P: int = 1, H: int, K: int, V: int, dtype: st
         compiled = fwd_bwd(f).lower(*input_structs(T, H, K, V, dtype, sharding)).compile()
         rec["compile_s"] = time.perf_counter() - start
         rec.update(memory(compiled))
-        free = free_bytes(devices)
-        if memory_limit_gib is not None:
-            free = min(free, int(memory_limit_gib * GIB)) if free is not None else int(memory_limit_gib * GIB)
+        if compile_only:
+            rec["status"] = "compiled"
+            return rec, None
+        free = available_bytes(devices, memory_limit_gib)
         rec["free_bytes_before"] = free
         if check_memory and free is not None and rec.get("peak_bytes_per_device", 0) > free:
             rec["status"] = "oom-predicted"
@@ -286,10 +319,12 @@ def compare(host_outputs, reference) -> tuple[dict, dict]:
     return max_rel, rms_rel
 
 
-def cp_job(T, *, P, compare_single=True, **kw) -> list[dict]:
+def cp_job(T, *, P, compare_single=True, reference_unit: float | None = None, **kw) -> list[dict]:
     """Context parallel at T on P devices; then (compare_single) one device at T, one call, and the errors.
 
-    The context-parallel outputs go to the host before the one-device run, so its memory is its own."""
+    The context-parallel outputs go to the host before the one-device run, so its memory is its own.
+    `reference_unit` (bytes per token x head of the one-device program, from other sizes) skips compiling the
+    one-device program when it cannot fit."""
     rec, outs = run_case("cp", T, P=P, keep_outputs=compare_single, **kw)
     records = [rec]
     if outs is None:
@@ -297,7 +332,12 @@ def cp_job(T, *, P, compare_single=True, **kw) -> list[dict]:
     host = jax.device_get(outs)
     del outs
     gc.collect()
-    ref_rec, ref = run_case("single", T, keep_outputs=True, **{**kw, "iters": 0})
+    free = available_bytes(jax.devices()[:1], kw.get("memory_limit_gib"))
+    estimate = reference_unit * T * kw["H"] if reference_unit else None
+    if estimate and kw.get("check_memory", True) and free is not None and estimate > free:
+        ref_rec, ref = predicted_oom("single", T, estimate, free, "the one-device series", **kw), None
+    else:
+        ref_rec, ref = run_case("single", T, keep_outputs=True, **{**kw, "iters": 0})
     ref_rec["role"] = f"reference for context_parallel T={T} (one untimed call after it, same process)"
     records.append(ref_rec)
     if ref is None:
@@ -319,7 +359,13 @@ def single_series(Ts, **kw) -> list[dict]:
         if too_big is not None:
             records.append(skipped("single", T, f"T={too_big} did not fit on one device", **kw))
             continue
-        rec, _ = run_case("single", T, **kw)
+        unit = bytes_per_token_head(records, f"single_device_{kw.get('backend', 'chunk')}", 1)
+        free = available_bytes(jax.devices()[:1], kw.get("memory_limit_gib"))
+        if unit and kw.get("check_memory", True) and not kw.get("compile_only") and free is not None \
+                and unit * T * kw["H"] > free:
+            rec = predicted_oom("single", T, unit * T * kw["H"], free, "the smaller sizes", **kw)
+        else:
+            rec, _ = run_case("single", T, **kw)
         records.append(rec)
         if rec["status"] in ("oom", "oom-predicted"):
             too_big = T
@@ -339,7 +385,8 @@ def job_kw(job: dict, common: dict) -> dict:
 
 def run_job(job: dict, common: dict) -> list[dict]:
     if job["kind"] == "cp":
-        return cp_job(job["T"], P=job["P"], compare_single=job.get("compare", True), **job_kw(job, common))
+        return cp_job(job["T"], P=job["P"], compare_single=job.get("compare", True),
+                      reference_unit=job.get("reference_unit"), **job_kw(job, common))
     return single_series(job["Ts"], **job_kw(job, common))
 
 
@@ -431,11 +478,23 @@ def run_series(a, common: dict, *, isolate: bool, budget_s: float, on_record=Non
     single = execute({"kind": "single", "Ts": a.single_T}) if a.single_T else []
     for T in plan_fallbacks(cp, single):
         execute({"kind": "cp", "T": T, "P": a.cp_devices})
+    single_unit = bytes_per_token_head(records, f"single_device_{a.backend}", 1)
     for T in [r["T"] for r in cp if r["status"] in ("oom", "oom-predicted")]:
         for H in [h for h in a.fallback_H if h < a.H]:  # until one runs and equals one device
-            new = execute({"kind": "cp", "T": T, "P": a.cp_devices, "H": H})
+            cp_unit = bytes_per_token_head(records, "context_parallel", a.cp_devices)
+            free = max((r["free_bytes_before"] for r in records if r.get("free_bytes_before")), default=None)
+            if cp_unit and free and a.check_memory and cp_unit * T * H > free:
+                rec = predicted_oom("cp", T, cp_unit * T * H, free, "the context-parallel sizes compiled",
+                                    **{**common, "H": H, "P": a.cp_devices})
+                rec["versions"] = versions()
+                print(summary_line(rec), flush=True)
+                records.append(rec)
+                continue
+            new = execute({"kind": "cp", "T": T, "P": a.cp_devices, "H": H, "reference_unit": single_unit})
             if any(r["impl"] == "context_parallel" and r.get("compare_status") == "ok" for r in new):
                 break
+    if on_record:
+        on_record(records)
     return records
 
 
@@ -496,7 +555,8 @@ def main_series(a) -> int:
     where = "devices in the jobs' processes" if isolate else \
         f"{len(jax.devices())} {jax.devices()[0].platform} device(s) ({jax.devices()[0].device_kind})"
     common = dict(H=a.H, K=a.K, V=a.V, dtype=a.dtype, chunk=a.chunk, backend=a.backend, iters=a.iters, seed=a.seed,
-                  g_low=a.g_low, check_memory=a.check_memory, memory_limit_gib=a.memory_limit_gib)
+                  g_low=a.g_low, check_memory=a.check_memory, memory_limit_gib=a.memory_limit_gib,
+                  compile_only=a.compile_only)
     print(f"KDA fwd+bwd B=1 H={a.H} K={a.K} V={a.V} chunk={a.chunk} {a.dtype}; {where}; "
           f"context parallel on {a.cp_devices} at T={a.cp_T}; one device "
           f"({a.backend}) at T={a.single_T}; {'each job in its own process' if isolate else 'in this process'}; "
@@ -601,6 +661,9 @@ def parser() -> argparse.ArgumentParser:
                    help="skip a job whose compiled memory exceeds the free device memory")
     g.add_argument("--memory-limit-gib", type=float,
                    help="treat each device as having at most this much free memory (default: its own)")
+    g.add_argument("--compile-only", action="store_true",
+                   help="compile and record XLA's memory analysis only (status 'compiled'): e.g. the full-size "
+                        "programs on simulated CPU devices, an estimate before a GPU run")
     g.add_argument("--budget-s", type=float, default=float("inf"), help="stop starting jobs after this many seconds")
     g.add_argument("--job-timeout", type=float, default=float("inf"), help="seconds per isolated job")
     g.add_argument("--name", help="results file <date>-<name>.json (default <platform>-context-parallel-series)")
