@@ -4,7 +4,8 @@
   (fp32, relative 1e-5) and the report's comparisons say so; FSDP really splits parameters.
 - benchmarks/bench_context_parallel.py (series mode, what `--platform gpu` runs): context parallel on 2 devices
   equals one device within 1e-5 for o and every gradient (fp32); a size that fails is recorded and the series goes
-  on (an error, an oom predicted under --memory-limit-gib, the larger sizes skipped); a job in its own process.
+  on (an error; an oom predicted under --memory-limit-gib from the compiled program, or extrapolated from a smaller
+  size without compiling; the larger sizes skipped); a job in its own process.
 
 The device count must be fixed before JAX starts, so everything runs in one subprocess (this file as a script).
 """
@@ -52,6 +53,7 @@ def _worker() -> dict:
     out["cp"] = bcp.cp_job(256, P=2, **common)
     out["cp_bad"] = bcp.cp_job(255, P=2, **common)                 # T not divisible by the devices: an error
     limit = 0.75 * out["cp"][1]["peak_bytes_per_device"] / 2**30  # the one-device T=256 program does not fit
+    out["cp_limited"] = bcp.run_case("cp", 512, P=2, memory_limit_gib=limit / 2, **common)[0]
     out["series"] = bcp.single_series([256, 128, 512], memory_limit_gib=limit, **common)
     a = types.SimpleNamespace(platform="cpu", cp_devices=2)
     out["isolated"] = bcp.run_isolated({"kind": "single", "Ts": [64]}, common, a, timeout=300)
@@ -91,9 +93,13 @@ def test_multi_gpu_scripts_on_two_simulated_devices():
     (bad,) = r["cp_bad"]
     assert bad["status"] == "error" and "divisible" in bad["error"]
 
+    limited = r["cp_limited"]   # compiled, too big for the (simulated) free memory: not run
+    assert limited["status"] == "oom-predicted" and "not run" in limited["error"] and "ms" not in limited
+
     series = {x["T"]: x for x in r["series"]}
     assert series[128]["status"] == "ok" and series[128]["ms"] > 0
-    assert series[256]["status"] == "oom-predicted" and "not run" in series[256]["error"]
+    assert series[256]["status"] == "oom-predicted" and "extrapolated" in series[256]["error"]  # not compiled
+    assert series[256]["peak_bytes_per_device_estimate"] == pytest.approx(2 * series[128]["peak_bytes_per_device"])
     assert series[512]["status"] == "skipped"
 
     (iso,) = r["isolated"]
