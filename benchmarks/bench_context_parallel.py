@@ -34,11 +34,11 @@ values whatever the sharding).
 Jobs, in this order (each in its own process with --isolate, the default on GPU, so that a crash is recorded
 and the rest still runs, and each process's memory high-water mark belongs to its own job):
 
-1. context parallel on --cp-devices devices at each --cp-T; then, in the same process, the one-device result at
-   that T (one call) and the relative errors of o and of every gradient against it ("where that fits");
-2. the one-device series (`ops.linear_attention(backend=--backend)`, "chunk": the XLA form that the context-
+1. the one-device series (`ops.linear_attention(backend=--backend)`, "chunk": the XLA form that the context-
    parallel op shards) at each --single-T, ascending, in one process; after a size that does not fit, the
    larger ones are recorded as skipped;
+2. context parallel on --cp-devices devices at each --cp-T; then, in the same process, the one-device result at
+   that T (one call) and the relative errors of o and of every gradient against it ("where that fits");
 3. for each --cp-T without a comparison (one device did not fit), context parallel again at the largest
    --single-T that fitted, with the comparison, so that the equality is checked on these devices anyway;
 4. for each --cp-T where context parallel itself did not fit: the same T with fewer heads (--fallback-H, default
@@ -472,13 +472,14 @@ def run_series(a, common: dict, *, isolate: bool, budget_s: float, on_record=Non
             on_record(records)
         return new
 
+    single = execute({"kind": "single", "Ts": a.single_T}) if a.single_T else []
+    single_unit = bytes_per_token_head(records, f"single_device_{a.backend}", 1)
     cp = []
     for T in a.cp_T:
-        cp += [r for r in execute({"kind": "cp", "T": T, "P": a.cp_devices}) if r["impl"] == "context_parallel"]
-    single = execute({"kind": "single", "Ts": a.single_T}) if a.single_T else []
+        job = {"kind": "cp", "T": T, "P": a.cp_devices, "reference_unit": single_unit}
+        cp += [r for r in execute(job) if r["impl"] == "context_parallel"]
     for T in plan_fallbacks(cp, single):
         execute({"kind": "cp", "T": T, "P": a.cp_devices})
-    single_unit = bytes_per_token_head(records, f"single_device_{a.backend}", 1)
     for T in [r["T"] for r in cp if r["status"] in ("oom", "oom-predicted")]:
         for H in [h for h in a.fallback_H if h < a.H]:  # until one runs and equals one device
             cp_unit = bytes_per_token_head(records, "context_parallel", a.cp_devices)
