@@ -21,9 +21,16 @@
 #   part 1: start + model ~15 s; 3 compiles of ~60-90 s (the 2-GPU steps also partition); 3 x 10 steps x 0.2-0.35 s:
 #     ~4-5 min (TRAIN_BUDGET 300 s caps it);
 #   part 2: each job a process (~10 s start); KDA fwd+bwd compiles ~20-40 s each; a step at T = 524288 about 1 s;
-#     copying one T = 524288 result to the host for the comparison ~10 s. The jobs run in priority order (context
-#     parallel at 524288, the 1-GPU series, context parallel at the largest T that fits one GPU, fewer heads at
-#     524288 if it did not fit) and those past the budget are recorded as "skipped".
+#     copying one T = 524288 result to the host for the comparison ~10 s. The jobs run in this order: the 1-GPU
+#     series (T = 64K..512K, stopping at the first size that does not fit), context parallel at 524288 (+ the 1-GPU
+#     comparison where it fits), context parallel at the largest T that fits one GPU (with the comparison), fewer
+#     heads (8, then 4) at 524288 if it did not fit; sizes that cannot fit (XLA's memory analysis, or extrapolated
+#     from the compiled sizes) are recorded as "oom-predicted" without running; jobs past the budget as "skipped".
+#     XLA:CPU's accounting of the same programs (--compile-only here) says 51 / 102 / 204 / 409 GiB for one device at
+#     T = 64K / 128K / 256K / 512K and 240 GiB per device for context parallel at 512K (120 at 256K): if the GPU's
+#     figures are close, one GPU holds T <= 128K and the T = 524288 run needs the fewer-heads fallback; in one call
+#     part 2 has ~4 minutes, enough for the series, 524288 and the 128K comparison; the fallbacks may be "skipped"
+#     (PARTS=cp in a call of its own leaves time for all of them).
 set -uo pipefail
 START=$SECONDS
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .site .whl/*.whl || exit 1
