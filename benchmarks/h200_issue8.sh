@@ -10,7 +10,7 @@
 #   run(kind="nvidia-h200-x2", carry=[".whl"], timeout_s=600, command="PARTS=train TRAIN_BUDGET=540 bash benchmarks/h200_issue8.sh")
 #   run(kind="nvidia-h200-x2", carry=[".whl"], timeout_s=600, command="PARTS=cp CP_BUDGET=520 bash benchmarks/h200_issue8.sh")
 #
-# Knobs (environment): PARTS ("train cp"), TRAIN_BUDGET (seconds for part 1, default 300, a hard `timeout`: the JSON
+# Knobs (environment): PARTS ("train cp"), TRAIN_BUDGET (seconds for part 1, default 320, a hard `timeout`: the JSON
 # is rewritten after each mesh, so a cut run keeps the meshes done), TRAIN_STEPS (10), TRAIN_MESHES ("1 fsdp=2
 # data=2"), TRAIN_ARGS (more arguments, e.g. "--set model.backend=auto"), CP_BUDGET (seconds for part 2's jobs,
 # default: what is left of 540 s since the start, at least 120), CP_ARGS (more arguments for
@@ -19,7 +19,7 @@
 #
 # Time estimate (1 H200: hybrid_125m compiled in ~60 s and ran 0.34 s per 32768-token step, 97.7k tokens/s):
 #   part 1: start + model ~15 s; 3 compiles of ~60-90 s (the 2-GPU steps also partition); 3 x 10 steps x 0.2-0.35 s:
-#     ~4-5 min (TRAIN_BUDGET 300 s caps it);
+#     ~4.5 min (TRAIN_BUDGET 320 s caps it);
 #   part 2: each job a process (~10 s start); KDA fwd+bwd compiles ~20-40 s each; a step at T = 524288 about 1 s;
 #     copying one T = 524288 result to the host for the comparison ~10 s. The jobs run in this order: the 1-GPU
 #     series (T = 64K..512K, stopping at the first size that does not fit), context parallel at 524288 (+ the 1-GPU
@@ -29,7 +29,7 @@
 #     XLA:CPU's accounting of the same programs (--compile-only here) says 51 / 102 / 204 / 409 GiB for one device at
 #     T = 64K / 128K / 256K / 512K and 240 GiB per device for context parallel at 512K (120 at 256K): if the GPU's
 #     figures are close, one GPU holds T <= 128K and the T = 524288 run needs the fewer-heads fallback; in one call
-#     part 2 has ~4 minutes, enough for the series, 524288 and the 128K comparison; the fallbacks may be "skipped"
+#     part 2 has ~3.5 minutes, enough for the series, 524288 and the 128K comparison; the fallbacks may be "skipped"
 #     (PARTS=cp in a call of its own leaves time for all of them).
 set -uo pipefail
 START=$SECONDS
@@ -51,12 +51,12 @@ DAY=$(date -u +%F)
 } 2>&1 | tee "$OUT/issue8-env.log"
 
 if [[ " $PARTS " == *" train "* ]]; then
-  echo "== part 1: train step, 1 GPU vs fsdp=2 vs data=2 (budget ${TRAIN_BUDGET:-300} s)"
+  echo "== part 1: train step, 1 GPU vs fsdp=2 vs data=2 (budget ${TRAIN_BUDGET:-320} s)"
   CMD="python3 scripts/multi_gpu_train_check.py --config configs/hybrid_125m.yaml --device gpu \
 --steps ${TRAIN_STEPS:-10} --meshes ${TRAIN_MESHES:-1 fsdp=2 data=2} --set model.backend=chunk \
 --set schedule.warmup_steps=5 ${TRAIN_ARGS:-} --out $OUT/$DAY-h200x2-train-check-125m.json"
   echo "$CMD" | tee "$OUT/issue8-train.cmd"
-  timeout -k 10 "${TRAIN_BUDGET:-300}" $CMD 2>&1 | tee "$OUT/issue8-train.log" | grep -v "^WARNING" | tail -30
+  timeout -k 10 "${TRAIN_BUDGET:-320}" $CMD 2>&1 | tee "$OUT/issue8-train.log" | grep -v "^WARNING" | tail -30
   echo "part 1 exit ${PIPESTATUS[0]} after $((SECONDS - START)) s"
 fi
 
