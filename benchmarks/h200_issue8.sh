@@ -35,6 +35,9 @@ set -uo pipefail
 START=$SECONDS
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+# The machines keep NVLink multicast off (it can take the shared GPUs out of service); JAX's collectives go through
+# NCCL, so say it here too, for every process this script starts.
+export NCCL_NVLS_ENABLE=0
 # With preallocation off the allocator still stops at a fraction of the GPU (75% by default): allow more. Only the
 # new name: jaxlib 0.11.2 refuses XLA_CLIENT_MEM_FRACTION together with the deprecated XLA_PYTHON_CLIENT_MEM_FRACTION.
 unset XLA_PYTHON_CLIENT_MEM_FRACTION
@@ -44,7 +47,8 @@ mkdir -p "$OUT"
 PARTS=${PARTS:-train cp}
 DAY=$(date -u +%F)
 {
-  echo "date: $(date -u +%FT%TZ)  commit: $(git rev-parse --short HEAD 2>/dev/null || echo '?')  parts: $PARTS"
+  echo "date: $(date -u +%FT%TZ)  commit: $(git rev-parse --short HEAD 2>/dev/null || echo '?')  parts: $PARTS" \
+    " NCCL_NVLS_ENABLE=$NCCL_NVLS_ENABLE XLA_CLIENT_MEM_FRACTION=$XLA_CLIENT_MEM_FRACTION"
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
   nvidia-smi topo -m 2>/dev/null | head -5
   python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
