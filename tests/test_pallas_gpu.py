@@ -52,8 +52,8 @@ def _run(rule, x, backend, monkeypatch=None, variant=None):
 
 
 @pytest.mark.parametrize("rule,variant", [("kda", None), ("gdn", None), ("kda", ("fused", "xla")),
-                                          ("kda", ("split-mm", "kernels-mm")), ("gdn", ("split-mm", "kernels-mm")),
-                                          ("kda", ("split-bcast", "kernels-bcast"))])
+                                          ("kda", ("mml2", "kernels-mml2")), ("gdn", ("mml2", "kernels-mml2")),
+                                          ("kda", ("mm2", "kernels-mm2")), ("kda", ("split-mm", "kernels-mm"))])
 def test_pallas_long_bf16_head_dim_128(rule, variant, monkeypatch):
     inputs = make_inputs(rule, B=1, T=16384 - 3, H=2, K=128, V=128, seed=11)
     inputs["h0"] = inputs.pop("initial_state")

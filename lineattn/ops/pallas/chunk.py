@@ -47,6 +47,9 @@ def _bwd(scale, chunk_size, interpret, backward, intra, residuals, cotangents):
     do, dht = cotangents
     if backward == "passes":
         return chunk_bwd.backward(*residuals, do, dht, scale=scale, chunk_size=chunk_size, interpret=interpret)
+    if backward in ("kernels-mm2", "kernels-mml2"):
+        return chunk_bwd.backward_fast(*residuals, do, dht, scale=scale, chunk_size=chunk_size, interpret=interpret,
+                                       gram_diag=backward[8:-1])
     if backward in chunk_bwd.KERNELS_DIAG:
         return chunk_bwd.backward_kernels(*residuals, do, dht, scale=scale, chunk_size=chunk_size,
                                           interpret=interpret, diag=chunk_bwd.KERNELS_DIAG[backward])

@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 
 from lineattn.ops.chunk import ChunkTerms, chunk_terms, pad_to_chunks
 from lineattn.ops.pallas.chunk_fwd import pick_block_v
+from lineattn.ops.pallas.chunk_fwd import _iota
 from lineattn.ops.pallas.common import SUB, compiler_params, dot, interpret_mode
 
 f32 = jnp.float32
@@ -422,3 +423,231 @@ def backward_kernels(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size:
     grads = [unbh(dq), unbh(dk), unbh(dv), unbh(dg), None if dbeta is None else unbh(dbeta)]
     dtypes = [None if x is None else x.dtype for x in (q, k, v, g, beta)]
     return (*(None if d is None else d.astype(dt) for d, dt in zip(grads, dtypes)), dh0.astype(h0.dtype))
+
+
+# ---- "kernels-mm2": the backward with the XLA algebra replaced by kernels ----
+# gate cumsum kernel -> Gram rows ("mm") -> whole-tile solve writing R -> the two state passes -> `_wy_bwd_kernel`
+# (the WY part: dv, dbeta, dKK = Diag(b) dA, dKin, one program per chunk) -> `_gram_bwd_kernel` -> `_combine_kernel`
+# (dq, dk, dg with the in-chunk reverse cumsum, written in the inputs' [B, T, H, .] layout). What XLA still does:
+# padding, the sums of the state pass's per-V-tile partials, masking dM, and small reshapes.
+
+
+def _wy_bwd_kernel(r_ref, kk_ref, du_ref, dw_ref, v_ref, k_ref, G_ref, beta_ref, dv_ref, dbeta_ref, dkk_ref,
+                   dkin_ref, *, C, prec):
+    """dBv = R^T dU, dBk = R^T dW, dR = dU (bV)^T + dW (bKin)^T, dA = -strict(R^T dR R^T); writes dv = b dBv,
+    dbeta = rowsum(dBv V + dBk Kin + dA KK), dKK = b dA and dKin = b dBk."""
+    i, j = _iota((C, C), 0), _iota((C, C), 1)
+    R, dU, dW = r_ref[...], du_ref[...], dw_ref[...]
+    beta = beta_ref[...].astype(f32)[:, None]
+    v = v_ref[...].astype(f32)
+    kin = k_ref[...].astype(f32) * jnp.exp(G_ref[...])
+    dBv = dot(R, dU, prec, trans_a=True)
+    dBk = dot(R, dW, prec, trans_a=True)
+    dR = dot(dU, beta * v, prec, trans_b=True) + dot(dW, beta * kin, prec, trans_b=True)
+    dA = -jnp.where(j < i, dot(dot(R, dR, prec, trans_a=True), R, prec, trans_b=True), 0.0)
+    dv_ref[...] = (beta * dBv).astype(dv_ref.dtype)
+    dbeta_ref[...] = (jnp.sum(dBv * v, axis=1) + jnp.sum(dBk * kin, axis=1)
+                      + jnp.sum(dA * kk_ref[...], axis=1)).astype(dbeta_ref.dtype)
+    dkk_ref[...] = beta * dA
+    dkin_ref[...] = beta * dBk
+
+
+def _combine_kernel(q_ref, k_ref, G_ref, dend_ref, ddend_ref, dqin_ref, dkg_ref, dkin_ref, dxq_ref, dxk_ref, dkq_ref,
+                    dkk_ref, dq_ref, dk_ref, dg_ref, *, C, scale, delta):
+    rows = _iota((C, 1), 0)
+    q, k, G = q_ref[...].astype(f32), k_ref[...].astype(f32), G_ref[...]
+    G_end = jnp.sum(jnp.where(rows == C - 1, G, 0.0), axis=0)[None, :]
+    eG, eGk = jnp.exp(G), jnp.exp(G_end - G)
+    dQin, dKg, dxq = dqin_ref[...], dkg_ref[...], dxq_ref[...]
+    Kg = k * eGk
+    dq = scale * (eG * dQin + dxq)
+    dk = eGk * dKg + dkq_ref[...] + dxk_ref[...] + dkk_ref[...]
+    dG = scale * q * (eG * dQin + dxq) - Kg * dKg - k * dkq_ref[...] + k * dxk_ref[...] - k * dkk_ref[...]
+    if delta:
+        dKin = dkin_ref[...]
+        dk = dk + eG * dKin
+        dG = dG + k * eG * dKin
+    dG_end = jnp.sum(Kg * dKg, axis=0)[None, :] + dend_ref[...][None, :] * ddend_ref[...][None, :]
+    dG = dG + jnp.where(rows == C - 1, dG_end, 0.0)
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dg_ref[...] = (jnp.sum(dG, axis=0)[None, :] - jnp.cumsum(dG, axis=0) + dG).astype(dg_ref.dtype)  # reverse cumsum
+
+
+def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: int, interpret=None,
+                  gram_diag: str = "mml", gram_warps: int = 2, grads_warps: int = 4, passes: str = "split"):
+    """Same result as `backward`, every chunk-parallel stage a Pallas kernel (see the comment above). gram_diag:
+    the Gram recompute's exact path ("mml": column loop, "mm": 3-D broadcast; see `chunk_fwd._gram_rows_kernel`)."""
+    from lineattn.ops.pallas.chunk_fwd import gate_cumsum, gram_rows, solve_full
+
+    C = chunk_size
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    exact = q.dtype == f32
+    prec = "ieee" if exact else "tf32"
+    inv_prec = "ieee" if exact else "bf16x3"
+    interpret = interpret_mode(interpret)
+    delta = beta is not None
+    qp, kp, vp, gp, bp = pad_to_chunks(q, k, v, g, beta, C)
+    gp = gp.astype(f32)
+    Tp = qp.shape[1]
+    N = Tp // C
+    G, dend_KN = gate_cumsum(gp, C=C, interpret=interpret)
+    ones = jnp.ones((B, Tp, H), qp.dtype)
+    M, KK, Qin, Kg = gram_rows(qp, kp, G, ones, C=C, scale=scale, store=f32, prec=prec, delta=delta,
+                               diag=gram_diag, warps=gram_warps, interpret=interpret)
+    ch = lambda x: x.reshape(B, H, N, C, x.shape[-1])
+    if delta:
+        W, U, R = solve_full(KK, kp, vp, G, bp, C=C, store=f32, prec=prec, inv_prec=inv_prec, warps=4,
+                             interpret=interpret, with_r=True, kk=True)
+    else:
+        U, W, R = jnp.moveaxis(vp, 2, 1).astype(f32), None, None
+    terms = ChunkTerms(ch(Qin), ch(M), ch(Kg), jnp.swapaxes(dend_KN, -1, -2), ch(U), None if W is None else ch(W))
+    dop = jnp.pad(do.astype(f32), [(0, 0), (0, Tp - T), (0, 0), (0, 0)])
+    run_passes = state_passes_split if passes == "split" else state_passes
+    cot, dh0 = run_passes(terms, h0, dop, dht, exact=exact, interpret=interpret)
+    flat = lambda x: x.reshape(B, H, Tp, x.shape[-1])
+    tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
+    tok1 = pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
+    chunk = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
+    params = compiler_params(num_warps=4, num_stages=1)
+    if delta:
+        dv, dbeta, dKK, dKin = pl.pallas_call(
+            functools.partial(_wy_bwd_kernel, C=C, prec=inv_prec),
+            grid=(B, H, N),
+            in_specs=[chunk(C), chunk(C), chunk(V), chunk(K), tok(V), tok(K), tok(K), tok1],
+            out_specs=[tok(V), tok1, chunk(C), chunk(K)],
+            out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), jax.ShapeDtypeStruct((B, Tp, H), beta.dtype),
+                       jax.ShapeDtypeStruct((B, H, Tp, C), f32), jax.ShapeDtypeStruct((B, H, Tp, K), f32)],
+            compiler_params=params, interpret=interpret, name="lineattn_chunk_wy_bwd",
+        )(R, KK, flat(cot.U_BHNCV), flat(cot.W_BHNCK), vp, kp, G, bp)
+    else:
+        dv = jnp.moveaxis(flat(cot.U_BHNCV), 1, 2).astype(v.dtype)
+        dbeta, dKK, dKin = None, jnp.zeros((B, H, Tp, C), f32), jnp.zeros((B, H, Tp, K), f32)
+    dM = jnp.where(jnp.tril(jnp.ones((C, C), bool)), cot.M_BHNCC, 0.0)
+    dxq, dxk, dkq, dkk = gram_grads_fused(qp, kp, G, flat(dM), dKK, C=C, scale=scale, exact=exact,
+                                          interpret=interpret, diag="mm", warps=grads_warps)
+    ddend = cot.decay_end  # [B, H, N, K] (None: ungated, never here: g is always given to the kernels)
+    ddend_KN = jnp.swapaxes(ddend, -1, -2)
+    kn = pl.BlockSpec((None, None, K, None), lambda b, h, n: (b, h, 0, n))
+    dq, dk, dg = pl.pallas_call(
+        functools.partial(_combine_kernel, C=C, scale=scale, delta=delta),
+        grid=(B, H, N),
+        in_specs=[tok(K), tok(K), tok(K), kn, kn] + [chunk(K)] * 7,
+        out_specs=[tok(K)] * 3,
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
+                   jax.ShapeDtypeStruct((B, Tp, H, K), g.dtype)],
+        compiler_params=params, interpret=interpret, name="lineattn_chunk_bwd_combine",
+    )(qp, kp, G, dend_KN, ddend_KN, flat(cot.Qin_BHNCK), flat(cot.Kg_BHNCK), dKin, dxq, dxk, dkq, dkk)
+    cut = lambda x: None if x is None else x[:, :T]
+    return cut(dq), cut(dk), cut(dv), cut(dg), cut(dbeta), dh0.astype(h0.dtype)
+
+
+# ---- The state passes with no per-V-tile partials ("split" passes, used by `backward_fast`) ----
+# `state_passes` writes, per V tile, partial sums of dQin, dKg, dW, dM (4 values of K or C per token, times the
+# number of V tiles, summed by XLA: about 8 GB of traffic at 8 x 4096 x 16 x 128). Here the reverse pass only
+# carries the state cotangent dS and writes dS per chunk and dE = M^T dO + Kg dS (both per V tile, no partials);
+# the cotangents that sum over V come from `_chunk_grads_kernel`, one program per chunk holding all of V:
+#     E = U - W S0,  dQin = dO S0^T,  dM = dO E^T,  dKg = E dS^T,  dW = -dE S0^T,  d e^(G_C) = rowsum(S0 * dS).
+
+
+def _reverse_ds_kernel(qin_ref, kg_ref, w_ref, m_ref, dend_ref, do_ref, dht_ref, ds_ref, du_ref, dh0_ref, *, C, K, N,
+                       prec, delta):
+    def body(i, dS):
+        n = N - 1 - i
+        t = pl.ds(n * C, C)
+        ds_ref[pl.ds(n * K, K), :] = dS
+        dO = do_ref[t, :].astype(f32)
+        dE = dot(m_ref[t, :], dO, prec, trans_a=True) + dot(kg_ref[t, :], dS, prec)
+        du_ref[t, :] = dE
+        dS_prev = dot(qin_ref[t, :], dO, prec, trans_a=True) + dS * dend_ref[:, pl.ds(n, 1)]
+        if delta:
+            dS_prev = dS_prev - dot(w_ref[t, :], dE, prec, trans_a=True)
+        return dS_prev
+
+    dh0_ref[...] = jax.lax.fori_loop(0, N, body, dht_ref[...].astype(f32))
+
+
+def _chunk_grads_kernel(u_ref, w_ref, s0_ref, ds_ref, do_ref, du_ref, dqin_ref, dm_ref, dkg_ref, dw_ref, ddend_ref, *,
+                        C, K, prec, delta, bk):
+    dO, dE = do_ref[...].astype(f32), du_ref[...]
+    E = u_ref[...].astype(f32)
+    if delta:
+        for t in range(K // bk):
+            E = E - dot(w_ref[:, pl.ds(t * bk, bk)], s0_ref[pl.ds(t * bk, bk), :], prec)
+    dm_ref[...] = dot(dO, E, prec, trans_b=True)
+    for t in range(K // bk):
+        d = pl.ds(t * bk, bk)
+        S0, dS = s0_ref[d, :], ds_ref[d, :]
+        dqin_ref[:, d] = dot(dO, S0, prec, trans_b=True)
+        dkg_ref[:, d] = dot(E, dS, prec, trans_b=True)
+        if delta:
+            dw_ref[:, d] = -dot(dE, S0, prec, trans_b=True)
+        ddend_ref[d] = jnp.sum(S0 * dS, axis=1)
+
+
+def state_passes_split(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None, block_v=None, warps=8, bk=32):
+    """As `state_passes` (same arguments and result), by `_states_kernel`, `_reverse_ds_kernel` and
+    `_chunk_grads_kernel`."""
+    B, H, N, C, K = terms.Qin_BHNCK.shape
+    V = terms.U_BHNCV.shape[-1]
+    Tp = N * C
+    delta = terms.W_BHNCK is not None
+    interpret = interpret_mode(interpret)
+    prec = "ieee" if exact else "tf32"
+    flat = lambda x: x.reshape(B, H, Tp, x.shape[-1])
+    qin, kg, m, u = map(flat, (terms.Qin_BHNCK, terms.Kg_BHNCK, terms.M_BHNCC, terms.U_BHNCV))
+    w = flat(terms.W_BHNCK) if delta else jnp.zeros((B, H, Tp, K), f32)
+    dend = terms.decay_end
+    if dend is None:
+        dend = jnp.ones((B, H, N, K), f32)
+    elif dend.ndim == 3:
+        dend = jnp.broadcast_to(dend[..., None], (B, H, N, K))
+    dend_KN = jnp.swapaxes(dend, -1, -2)
+    BV = block_v or pick_block_v(B * H, V)
+    NV = V // BV
+    whole = lambda D: pl.BlockSpec((None, None, Tp, D), lambda b, h, j: (b, h, 0, 0))
+    vtile = pl.BlockSpec((None, None, Tp, BV), lambda b, h, j: (b, h, 0, j))
+    state = pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j))
+    states = pl.BlockSpec((None, None, N * K, BV), lambda b, h, j: (b, h, 0, j))
+    kn = pl.BlockSpec((None, None, K, N), lambda b, h, j: (b, h, 0, 0))
+    params = compiler_params(num_warps=4, num_stages=2)
+    s0 = pl.pallas_call(
+        functools.partial(_states_kernel, C=C, K=K, N=N, prec=prec, delta=delta),
+        grid=(B, H, NV), in_specs=[whole(K), whole(K), vtile, kn, state], out_specs=states,
+        out_shape=jax.ShapeDtypeStruct((B, H, N * K, V), f32), compiler_params=params, interpret=interpret,
+        name="lineattn_chunk_bwd_states",
+    )(kg, w, u, dend_KN, h0.astype(f32))
+    ds, du, dh0 = pl.pallas_call(
+        functools.partial(_reverse_ds_kernel, C=C, K=K, N=N, prec=prec, delta=delta),
+        grid=(B, H, NV),
+        in_specs=[whole(K), whole(K), whole(K), whole(C), kn,
+                  pl.BlockSpec((None, Tp, None, BV), lambda b, h, j: (b, 0, h, j)), state],
+        out_specs=[states, vtile, state],
+        out_shape=[jax.ShapeDtypeStruct((B, H, N * K, V), f32), jax.ShapeDtypeStruct((B, H, Tp, V), f32),
+                   jax.ShapeDtypeStruct((B, H, K, V), f32)],
+        compiler_params=params, interpret=interpret, name="lineattn_chunk_bwd_reverse_ds",
+    )(qin, kg, w, m, dend_KN, do, dht.astype(f32))
+    chunk = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
+    kv = pl.BlockSpec((None, None, K, V), lambda b, h, n: (b, h, n, 0))
+    dqin, dm, dkg, dw, ddend = pl.pallas_call(
+        functools.partial(_chunk_grads_kernel, C=C, K=K, prec=prec, delta=delta, bk=min(bk, K)),
+        grid=(B, H, N),
+        in_specs=[chunk(V), chunk(K), kv, kv, pl.BlockSpec((None, C, None, V), lambda b, h, n: (b, n, h, 0)),
+                  chunk(V)],
+        out_specs=[chunk(K), chunk(C), chunk(K), chunk(K), pl.BlockSpec((None, None, K, None),
+                                                                         lambda b, h, n: (b, h, 0, n))],
+        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, K), f32), jax.ShapeDtypeStruct((B, H, Tp, C), f32),
+                   jax.ShapeDtypeStruct((B, H, Tp, K), f32), jax.ShapeDtypeStruct((B, H, Tp, K), f32),
+                   jax.ShapeDtypeStruct((B, H, K, N), f32)],
+        compiler_params=compiler_params(num_warps=warps, num_stages=1), interpret=interpret,
+        name="lineattn_chunk_bwd_chunk_grads",
+    )(u, w, s0, ds, do, du)
+    chunked = lambda x: x.reshape(B, H, N, C, x.shape[-1])
+    ddend = jnp.swapaxes(ddend, -1, -2)  # [B, H, N, K]
+    if terms.decay_end is None:
+        ddend = None
+    elif terms.decay_end.ndim == 3:
+        ddend = ddend.sum(-1)
+    cot = ChunkTerms(chunked(dqin), chunked(dm), chunked(dkg), ddend, chunked(du), chunked(dw) if delta else None)
+    return cot, dh0

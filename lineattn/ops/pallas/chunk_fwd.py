@@ -188,7 +188,9 @@ def _gram_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *
 #     (both factors <= 1, as before), the 16 x 16 diagonal block pair by pair as a 3-D broadcast [16, 16, bk3]
 #     masked before the exp (no column loop), placed into the row by an exact selection product.
 LIMIT = 40.0
-SPLIT_DIAG = {"split": "loop", "split-mm": "mm", "split-bcast": "bcast"}  # forward's intra -> gram_rows' diag
+# forward's intra -> (gram_rows' diag, fast: the cumsum kernel and the whole-tile solve)
+SPLIT_DIAG = {"split": ("loop", False), "split-mm": ("mm", False), "split-bcast": ("bcast", False),
+              "mm2": ("mm", True), "mml2": ("mml", True)}
 
 
 def _diag_exact(x_tiles, k_tiles, G_tiles, s):
@@ -242,8 +244,29 @@ def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_r
             Ax = jnp.where(cols < r0, Ax, dot(D[1], place, "ieee"))
         return Mx, Ax
 
-    if diag == "mm":
-        Mx, Ax = jax.lax.cond(spread <= LIMIT, lambda: products(r0 + s // 2, LIMIT), exact)
+    def exact_loop():  # as exact(), the diagonal block by a 16-step column loop on [s, bk] tiles (few registers)
+        Mx, Ax = products(r0, 0.0)
+        Mx, Ax = jnp.where(cols < r0, Mx, 0.0), jnp.where(cols < r0, Ax, 0.0)
+        rows_s1 = _iota((s, 1), 0)
+        for t in range(K // bk):
+            d = pl.ds(t * bk, bk)
+            Ga = G_ref[blk, d]
+            qa, ka = q_ref[:, d].astype(f32) * scale, k_ref[blk, d].astype(f32)
+
+            def column(j, acc, Ga=Ga, qa=qa, ka=ka, d=d):
+                row = pl.ds(r0 + j, 1)
+                kd = k_ref[row, d].astype(f32) * jnp.exp(jnp.where(rows_s1 >= j, Ga - G_ref[row, d], -jnp.inf))
+                m = jnp.where(cols == r0 + j, acc[0] + jnp.sum(qa * kd, axis=1, keepdims=True), acc[0])
+                a = jnp.where(cols == r0 + j, acc[1] + jnp.sum(ka * kd, axis=1, keepdims=True), acc[1]) if delta \
+                    else acc[1]
+                return m, a
+
+            Mx, Ax = jax.lax.fori_loop(0, s, column, (Mx, Ax))
+        return Mx, Ax
+
+    if diag in ("mm", "mml"):
+        Mx, Ax = jax.lax.cond(spread <= LIMIT, lambda: products(r0 + s // 2, LIMIT),
+                              exact if diag == "mm" else exact_loop)
     else:
         Mx, Ax = exact()
     m_ref[...] = jnp.where(cols <= rows, Mx, 0.0).astype(m_ref.dtype)
@@ -321,18 +344,99 @@ def solve_wu(A, k, v, G, beta, *, C, store, prec, warps, interpret):
     )(A, k, v, G, beta)
 
 
-def _intra_split(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, diag="loop"):
-    """Kernel 1's outputs (qin, kg, w, u, m, e^(G_C) as [B, H, K, N]) from the split programs."""
+# ---- Gate cumsum as a kernel (XLA's cumsum over the chunk axis took 0.6 ms at 8 x 4096 x 16 x 128) ----
+
+
+def _cumsum_kernel(g_ref, G_ref, dend_ref):
+    g = g_ref[...].astype(f32)
+    G_ref[...] = jnp.cumsum(g, axis=0)
+    dend_ref[...] = jnp.exp(jnp.sum(g, axis=0))
+
+
+def gate_cumsum(g, *, C, interpret):
+    """G [B, Tp, H, K] fp32 (cumsum of g within each chunk of C) and e^(G_C) [B, H, K, N]."""
+    B, Tp, H, K = g.shape
+    N = Tp // C
+    bk = min(K, 64)
+    return pl.pallas_call(
+        _cumsum_kernel,
+        grid=(B, H, N, K // bk),
+        in_specs=[pl.BlockSpec((None, C, None, bk), lambda b, h, n, t: (b, n, h, t))],
+        out_specs=[pl.BlockSpec((None, C, None, bk), lambda b, h, n, t: (b, n, h, t)),
+                   pl.BlockSpec((None, None, bk, None), lambda b, h, n, t: (b, h, t, n))],
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), f32), jax.ShapeDtypeStruct((B, H, K, N), f32)],
+        compiler_params=compiler_params(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="lineattn_chunk_cumsum",
+    )(g)
+
+
+# ---- The solve on the whole chunk tile by block doubling ("solve": "full") ----
+# R = (I + A)^-1 for the unit lower triangular I + A of one chunk, in registers, from X_1 = I by
+# X_2b = X_b - X_b A_b X_b, A_b = A restricted to the blocks below the diagonal inside each diagonal block of 2b
+# (X_b is block diagonal with inverted diagonal blocks of size b): the recursive block inverse
+# [[L11, 0], [L21, L22]]^-1 = [[X11, 0], [-X22 L21 X11, X22]] for all blocks of one size at once, so the same
+# numbers as block forward substitution (no power series: exact for correlated keys too). log2(C) - 1 pairs of
+# C x C x C products at `inv_prec` ("bf16x3": three bf16 tensor-core passes; "ieee" for fp32 inputs), then
+# U = R Diag(b) V, W = R Diag(b) Kin. Optionally writes R (fp32) for the backward.
+
+
+def _solve_full_kernel(a_ref, k_ref, v_ref, G_ref, beta_ref, w_ref, u_ref, *r_ref, C, prec, inv_prec, kk):
+    i, j = _iota((C, C), 0), _iota((C, C), 1)
+    beta = beta_ref[...].astype(f32)[:, None]
+    A = beta * a_ref[...] if kk else a_ref[...]  # kk: a_ref holds the unscaled key Gram KK (strictly lower)
+    X = jnp.where(i == j, 1.0, jnp.where((i // 2 == j // 2) & (i != j), -A, 0.0))  # X_2 = I - A_1
+    b = 2
+    while b < C:
+        Ab = jnp.where((i // (2 * b) == j // (2 * b)) & (i // b != j // b), A, 0.0)
+        X = X - dot(dot(X, Ab, inv_prec), X, inv_prec)
+        b *= 2
+    u_ref[...] = dot(X, beta * v_ref[...].astype(f32), prec).astype(u_ref.dtype)
+    w_ref[...] = dot(X, beta * k_ref[...].astype(f32) * jnp.exp(G_ref[...]), prec).astype(w_ref.dtype)
+    if r_ref:
+        r_ref[0][...] = X
+
+
+def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, with_r=False, kk=False):
+    """W, U [B, H, Tp, .] (and R [B, H, Tp, C] fp32 when with_r) by `_solve_full_kernel`; kk: A is the unscaled
+    key Gram (A = Diag(beta) KK is formed in the kernel)."""
+    B, Tp, H, K = k.shape
+    V, N = v.shape[-1], Tp // C
+    tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
+    chunk_out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
+    return pl.pallas_call(
+        functools.partial(_solve_full_kernel, C=C, prec=prec, inv_prec=inv_prec, kk=kk),
+        grid=(B, H, N),
+        in_specs=[chunk_out(C), tok(K), tok(V), tok(K), pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))],
+        out_specs=[chunk_out(K), chunk_out(V)] + ([chunk_out(C)] if with_r else []),
+        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, K), store), jax.ShapeDtypeStruct((B, H, Tp, V), store)]
+        + ([jax.ShapeDtypeStruct((B, H, Tp, C), f32)] if with_r else []),
+        compiler_params=compiler_params(num_warps=warps, num_stages=1),
+        interpret=interpret,
+        name="lineattn_chunk_solve_full",
+    )(A, k, v, G, beta)
+
+
+def _intra_split(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, diag="loop", fast=False):
+    """Kernel 1's outputs (qin, kg, w, u, m, e^(G_C) as [B, H, K, N]) from the split programs. fast: the gate
+    cumsum as a kernel and the whole-tile solve (`_solve_full_kernel`, 4 warps)."""
     B, Tp, H, K = q.shape
     V, N, nb = v.shape[-1], Tp // C, C // SUB
-    G = jnp.cumsum(g.reshape(B, N, C, H, K), axis=2)
-    dend = jnp.transpose(jnp.exp(G[:, :, -1]), (0, 2, 3, 1))  # [B, H, K, N]
-    G = G.reshape(B, Tp, H, K)
+    if fast:
+        G, dend = gate_cumsum(g, C=C, interpret=interpret)
+    else:
+        G = jnp.cumsum(g.reshape(B, N, C, H, K), axis=2)
+        dend = jnp.transpose(jnp.exp(G[:, :, -1]), (0, 2, 3, 1))  # [B, H, K, N]
+        G = G.reshape(B, Tp, H, K)
     m, A, qin, kg = gram_rows(q, k, G, beta, C=C, scale=scale, store=store, prec=prec, delta=delta, diag=diag,
                               warps=warps, interpret=interpret)
     if not delta:
         return qin, kg, None, None, m, dend
-    w, u = solve_wu(A, k, v, G, beta, C=C, store=store, prec=prec, warps=warps, interpret=interpret)
+    if fast:
+        w, u = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec, inv_prec="ieee" if prec == "ieee" else
+                          "bf16x3", warps=4, interpret=interpret)
+    else:
+        w, u = solve_wu(A, k, v, G, beta, C=C, store=store, prec=prec, warps=warps, interpret=interpret)
     return qin, kg, w, u, m, dend
 
 
@@ -410,7 +514,8 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     chunk_out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
     split = functools.partial(_intra_split, C=C, scale=scale, store=store, prec="ieee" if exact else "tf32",
                               delta=delta, warps=warps[0], interpret=interpret)
-    qin, kg, w, u, m, dend = split(q, k, v, g, beta, diag=SPLIT_DIAG[intra]) if intra in SPLIT_DIAG else pl.pallas_call(
+    diag, fast = SPLIT_DIAG.get(intra, (None, None))
+    qin, kg, w, u, m, dend = split(q, k, v, g, beta, diag=diag, fast=fast) if intra in SPLIT_DIAG else pl.pallas_call(
         functools.partial(_intra_kernel, C=C, scale=scale, prec="ieee" if exact else "tf32", delta=delta),
         grid=(B, H, N),
         in_specs=[tok(K), tok(K), tok(V), tok(K), pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))],

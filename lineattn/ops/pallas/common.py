@@ -34,8 +34,11 @@ def compiler_params(num_warps: int = 4, num_stages: int = 1):
 
 def dot(a, b, precision, *, trans_a: bool = False, trans_b: bool = False):
     """2-D matmul with fp32 accumulation. precision: "bf16" casts both operands to bf16 (tensor cores), "tf32"
-    keeps fp32 operands at TF32, "ieee" is exact fp32 (HIGHEST)."""
-    if precision == "bf16":
+    keeps fp32 operands at TF32, "bf16x3" splits fp32 operands into bf16 parts (three tensor-core products, about
+    16 mantissa bits), "ieee" is exact fp32 (HIGHEST: no tensor cores)."""
+    if precision == "bf16x3":
+        a, b, prec = a.astype(jnp.float32), b.astype(jnp.float32), jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
+    elif precision == "bf16":
         a, b, prec = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), None
     elif precision == "tf32":
         a, b, prec = a.astype(jnp.float32), b.astype(jnp.float32), jax.lax.Precision.DEFAULT
