@@ -51,9 +51,12 @@ def _run(rule, x, backend, monkeypatch=None, variant=None):
     return {"o": o, "ht": ht, **{"d" + n: g for n, g in zip(names, grads)}}
 
 
-@pytest.mark.parametrize("rule,variant", [("kda", None), ("gdn", None), ("kda", ("fused", "xla")),
-                                          ("kda", ("mml2", "kernels-mml2")), ("gdn", ("mml2", "kernels-mml2")),
-                                          ("kda", ("mm2", "kernels-mm2")), ("kda", ("split-mm", "kernels-mm"))])
+VARIANTS = [("kda", None), ("gdn", None), ("kda", ("fused", "xla")), ("kda", ("mml2", "kernels-mml2")),
+            ("gdn", ("mml2", "kernels-mml2")), ("kda", ("mm2", "kernels-mm2")), ("kda", ("split-mm", "kernels-mm"))]
+
+
+@pytest.mark.parametrize("rule,variant", VARIANTS, ids=[f"{r}-{'default' if v is None else '-'.join(v)}"
+                                                        for r, v in VARIANTS])
 def test_pallas_long_bf16_head_dim_128(rule, variant, monkeypatch):
     inputs = make_inputs(rule, B=1, T=16384 - 3, H=2, K=128, V=128, seed=11)
     inputs["h0"] = inputs.pop("initial_state")

@@ -324,9 +324,50 @@ def _gram_bwd_kernel(q_ref, k_ref, G_ref, dm_ref, dkk_ref, dxq_ref, dxk_ref, dkq
             dkk_out_ref[:, d] = (col * dot(dKKc_off, k_all * down, prec, trans_a=True)
                                  + jnp.sum(dKK_d[:, :, None] * (e * ka[:, None, :]), axis=0))
 
-    if diag == "mm":
+    def exact_loop():  # as exact(), the diagonal block by 16-step loops on [s, bk] tiles (few registers)
+        cols_C = iota((s, C), 1)
+        cols_M = iota((C, s), 0)
+        rows_s1 = iota((s, 1), 0)
+        dM_off, dKK_off = jnp.where(cols_C < r0, dM_row, 0.0), jnp.where(cols_C < r0, dKK_row, 0.0)
+        dMc_off = jnp.where(cols_M >= r0 + s, dM_col, 0.0)
+        dKKc_off = jnp.where(cols_M >= r0 + s, dKK_col, 0.0)
+        dM_d, dKK_d = dm_ref[blk, blk], dkk_ref[blk, blk]  # [s (i), s (j)], zero above the diagonal
+        for t in range(K // bk):
+            d = pl.ds(t * bk, bk)
+            Gn, Gm = G_ref[pl.ds(r0, 1), d], G_ref[pl.ds(r0 + s - 1, 1), d]
+            Ga, G = G_ref[blk, d], G_ref[:, d]
+            kc = k_ref[:, d].astype(f32) * jnp.exp(jnp.minimum(Gn - G, 0.0))
+            down = jnp.exp(jnp.minimum(G - Gm, 0.0))
+            row = jnp.exp(Ga - Gn)
+            col = jnp.exp(Gm - Ga)
+            xq = row * dot(dM_off, kc, prec)
+            xk = row * dot(dKK_off, kc, prec)
+            kq = col * dot(dMc_off, q_ref[:, d].astype(f32) * (scale * down), prec, trans_a=True)
+            kk = col * dot(dKKc_off, k_ref[:, d].astype(f32) * down, prec, trans_a=True)
+
+            def step(j, acc, Ga=Ga, d=d):  # j: a column of the block (row side), then a row (column side)
+                xq, xk, kq, kk = acc
+                r = pl.ds(r0 + j, 1)
+                Gj = G_ref[r, d]
+                e_row = jnp.exp(jnp.where(rows_s1 >= j, Ga - Gj, -jnp.inf)) * k_ref[r, d].astype(f32)  # i >= j
+                xq = xq + dm_ref[blk, r] * e_row
+                xk = xk + dkk_ref[blk, r] * e_row
+                e_col = jnp.exp(jnp.where(rows_s1 <= j, Gj - Ga, -jnp.inf))  # row j against columns <= j
+                wq = jnp.sum(jnp.where(rows_s1 == j, dM_d, 0.0), axis=0)[:, None]  # dP[j, :] as a column
+                wk = jnp.sum(jnp.where(rows_s1 == j, dKK_d, 0.0), axis=0)[:, None]
+                kq = kq + wq * e_col * (q_ref[r, d].astype(f32) * scale)
+                kk = kk + wk * e_col * k_ref[r, d].astype(f32)
+                return xq, xk, kq, kk
+
+            xq, xk, kq, kk = jax.lax.fori_loop(0, s, step, (xq, xk, kq, kk))
+            dxq_ref[:, d] = xq
+            dxk_ref[:, d] = xk
+            dkq_ref[:, d] = kq
+            dkk_out_ref[:, d] = kk
+
+    if diag in ("mm", "mml"):
         pl.when(spread <= LIMIT)(fast)
-        pl.when(spread > LIMIT)(exact)
+        pl.when(spread > LIMIT)(exact if diag == "mm" else exact_loop)
     else:
         exact()
 
@@ -475,7 +516,8 @@ def _combine_kernel(q_ref, k_ref, G_ref, dend_ref, ddend_ref, dqin_ref, dkg_ref,
 
 
 def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: int, interpret=None,
-                  gram_diag: str = "mml", gram_warps: int = 2, grads_warps: int = 4, passes: str = "split"):
+                  gram_diag: str = "mml", gram_warps: int = 2, grads_warps: int = 4, passes: str = "split",
+                  grads_diag: str | None = None):
     """Same result as `backward`, every chunk-parallel stage a Pallas kernel (see the comment above). gram_diag:
     the Gram recompute's exact path ("mml": column loop, "mm": 3-D broadcast; see `chunk_fwd._gram_rows_kernel`)."""
     from lineattn.ops.pallas.chunk_fwd import gate_cumsum, gram_rows, solve_full
@@ -487,6 +529,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     prec = "ieee" if exact else "tf32"
     inv_prec = "ieee" if exact else "bf16x3"
     interpret = interpret_mode(interpret)
+    grads_diag = grads_diag or gram_diag
     delta = beta is not None
     qp, kp, vp, gp, bp = pad_to_chunks(q, k, v, g, beta, C)
     gp = gp.astype(f32)
@@ -519,22 +562,26 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
             out_specs=[tok(V), tok1, chunk(C), chunk(K)],
             out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), jax.ShapeDtypeStruct((B, Tp, H), beta.dtype),
                        jax.ShapeDtypeStruct((B, H, Tp, C), f32), jax.ShapeDtypeStruct((B, H, Tp, K), f32)],
-            compiler_params=params, interpret=interpret, name="lineattn_chunk_wy_bwd",
+            compiler_params=compiler_params(num_warps=8, num_stages=1), interpret=interpret,
+            name="lineattn_chunk_wy_bwd",
         )(R, KK, flat(cot.U_BHNCV), flat(cot.W_BHNCK), vp, kp, G, bp)
     else:
         dv = jnp.moveaxis(flat(cot.U_BHNCV), 1, 2).astype(v.dtype)
         dbeta, dKK, dKin = None, jnp.zeros((B, H, Tp, C), f32), jnp.zeros((B, H, Tp, K), f32)
     dM = jnp.where(jnp.tril(jnp.ones((C, C), bool)), cot.M_BHNCC, 0.0)
     dxq, dxk, dkq, dkk = gram_grads_fused(qp, kp, G, flat(dM), dKK, C=C, scale=scale, exact=exact,
-                                          interpret=interpret, diag="mm", warps=grads_warps)
+                                          interpret=interpret, diag=grads_diag, warps=grads_warps)
     ddend = cot.decay_end  # [B, H, N, K] (None: ungated, never here: g is always given to the kernels)
     ddend_KN = jnp.swapaxes(ddend, -1, -2)
-    kn = pl.BlockSpec((None, None, K, None), lambda b, h, n: (b, h, 0, n))
+    bk = min(K, 32)  # K tiles: the combine is independent per channel
+    ktok = pl.BlockSpec((None, C, None, bk), lambda b, h, n, t: (b, n, h, t))
+    kchunk = pl.BlockSpec((None, None, C, bk), lambda b, h, n, t: (b, h, n, t))
+    kn = pl.BlockSpec((None, None, bk, None), lambda b, h, n, t: (b, h, t, n))
     dq, dk, dg = pl.pallas_call(
         functools.partial(_combine_kernel, C=C, scale=scale, delta=delta),
-        grid=(B, H, N),
-        in_specs=[tok(K), tok(K), tok(K), kn, kn] + [chunk(K)] * 7,
-        out_specs=[tok(K)] * 3,
+        grid=(B, H, N, K // bk),
+        in_specs=[ktok, ktok, ktok, kn, kn] + [kchunk] * 7,
+        out_specs=[ktok] * 3,
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
                    jax.ShapeDtypeStruct((B, Tp, H, K), g.dtype)],
         compiler_params=params, interpret=interpret, name="lineattn_chunk_bwd_combine",
