@@ -131,12 +131,13 @@ def main():
     p.add_argument("--shape", default="8x4096")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--pairs", default="split/kernels,mml2/kernels-mml2,mm2/kernels-mm2",
+    p.add_argument("--pairs", default="split/kernels,mml2/kernels-mml2,mml2/kernels-saved",
                    help="intra/backward pairs: forward and forward+backward, checked, then timed")
-    p.add_argument("--gdn-pairs", default="mml2/kernels-mml2", help="the same for GDN ('' for none)")
-    p.add_argument("--grams", default="loop:2,mm:2,mml:2,mml:4", help="forward Gram kernels diag:warps")
+    p.add_argument("--gdn-pairs", default="mml2/kernels-mml2,mml2/kernels-saved",
+                   help="the same for GDN, after the stages ('' for none)")
+    p.add_argument("--grams", default="loop:2,mm:2,mml:2", help="forward Gram kernels diag:warps")
     p.add_argument("--solves", default="old:4,full:4,full:8", help="solve kernels: old (16x16 blocks) / full")
-    p.add_argument("--bwd-grams", default="mm:2,mm:4,mml:2,mml:4", help="Gram-gradient kernels diag:warps")
+    p.add_argument("--bwd-grams", default="mm:4,mml:2,mml:4", help="Gram-gradient kernels diag:warps")
     p.add_argument("--stages", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--jla", action="store_true", help="also time jax-linear-attention's Mosaic GPU kernels")
     p.add_argument("--no-check", action="store_true")
@@ -158,10 +159,18 @@ def main():
     pairs = lambda spec: [tuple(s.split("/")) for s in spec.split(",") if s]
 
     headline(a, "kda", args, do, pairs(a.pairs), not a.no_check)
+    if a.stages:
+        stages(a, args, do, pairs)
     if a.gdn_pairs:
         headline(a, "gdn", (q, k, v, g[..., 0], beta, h0), do, pairs(a.gdn_pairs), not a.no_check)
-    if not a.stages:
-        return
+
+
+def stages(a, args, do, pairs):
+    """Every stage of the forward and the backward timed apart (`main`'s inputs)."""
+    B, T, H, K = a.B, a.T, a.H, a.K
+    C, scale = 64, K**-0.5
+    N = T // C
+    q, k, v, g, beta, h0 = args
 
     # ---- forward stages ----
     cumsum = lambda g: jnp.cumsum(g.reshape(B, N, C, H, K), axis=2).reshape(B, T, H, K)

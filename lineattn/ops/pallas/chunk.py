@@ -39,12 +39,20 @@ def chunk_pallas(q, k, v, g, beta, h0, scale, chunk_size=64, interpret=None, bac
 
 
 def _fwd(q, k, v, g, beta, h0, scale, chunk_size, interpret, backward, intra):
+    if backward == "kernels-saved":  # the forward's intra-chunk terms are kept for the backward
+        o, ht, saved = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret,
+                               intra=intra, save=True)
+        return (o, ht), (q, k, v, g, beta, h0, saved)
     out = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret, intra=intra)
     return out, (q, k, v, g, beta, h0)
 
 
 def _bwd(scale, chunk_size, interpret, backward, intra, residuals, cotangents):
     do, dht = cotangents
+    if backward == "kernels-saved":
+        return chunk_bwd.backward_fast(*residuals[:6], do, dht, scale=scale, chunk_size=chunk_size,
+                                       interpret=interpret, saved=residuals[6],
+                                       gram_diag="mm" if intra == "mm2" else "mml")
     if backward == "passes":
         return chunk_bwd.backward(*residuals, do, dht, scale=scale, chunk_size=chunk_size, interpret=interpret)
     if backward in ("kernels-mm2", "kernels-mml2"):

@@ -517,9 +517,11 @@ def _combine_kernel(q_ref, k_ref, G_ref, dend_ref, ddend_ref, dqin_ref, dkg_ref,
 
 def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: int, interpret=None,
                   gram_diag: str = "mml", gram_warps: int = 2, grads_warps: int = 4, passes: str = "split",
-                  grads_diag: str | None = None):
+                  grads_diag: str | None = None, saved=None):
     """Same result as `backward`, every chunk-parallel stage a Pallas kernel (see the comment above). gram_diag:
-    the Gram recompute's exact path ("mml": column loop, "mm": 3-D broadcast; see `chunk_fwd._gram_rows_kernel`)."""
+    the Gram recompute's exact path ("mml": column loop, "mm": 3-D broadcast; see `chunk_fwd._gram_rows_kernel`).
+    saved: `chunk_fwd.forward(..., save=True)`'s terms (backward "kernels-saved"): no Gram recompute and no solve
+    here, and the state passes read the stored (bf16 for bf16 inputs) Qin, Kg, M, W, U."""
     from lineattn.ops.pallas.chunk_fwd import gate_cumsum, gram_rows, solve_full
 
     C = chunk_size
@@ -536,15 +538,19 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     Tp = qp.shape[1]
     N = Tp // C
     G, dend_KN = gate_cumsum(gp, C=C, interpret=interpret)
-    ones = jnp.ones((B, Tp, H), qp.dtype)
-    M, KK, Qin, Kg = gram_rows(qp, kp, G, ones, C=C, scale=scale, store=f32, prec=prec, delta=delta,
-                               diag=gram_diag, warps=gram_warps, interpret=interpret)
     ch = lambda x: x.reshape(B, H, N, C, x.shape[-1])
-    if delta:
-        W, U, R = solve_full(KK, kp, vp, G, bp, C=C, store=f32, prec=prec, inv_prec=inv_prec, warps=4,
-                             interpret=interpret, with_r=True, kk=True)
+    if saved is not None:
+        Qin, Kg, W, U, M, dend_KN, KK, R = saved
+        if not delta:
+            U = jnp.moveaxis(vp, 2, 1).astype(f32)
     else:
-        U, W, R = jnp.moveaxis(vp, 2, 1).astype(f32), None, None
+        M, KK, Qin, Kg = gram_rows(qp, kp, G, jnp.ones((B, Tp, H), qp.dtype), C=C, scale=scale, store=f32, prec=prec,
+                                   delta=delta, diag=gram_diag, warps=gram_warps, interpret=interpret)
+        if delta:
+            W, U, R = solve_full(KK, kp, vp, G, bp, C=C, store=f32, prec=prec, inv_prec=inv_prec, warps=4,
+                                 interpret=interpret, with_r=True, kk=True)
+        else:
+            U, W, R = jnp.moveaxis(vp, 2, 1).astype(f32), None, None
     terms = ChunkTerms(ch(Qin), ch(M), ch(Kg), jnp.swapaxes(dend_KN, -1, -2), ch(U), None if W is None else ch(W))
     dop = jnp.pad(do.astype(f32), [(0, 0), (0, Tp - T), (0, 0), (0, 0)])
     run_passes = state_passes_split if passes == "split" else state_passes

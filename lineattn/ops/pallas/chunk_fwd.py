@@ -417,9 +417,12 @@ def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, 
     )(A, k, v, G, beta)
 
 
-def _intra_split(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, diag="loop", fast=False):
+def _intra_split(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, diag="loop", fast=False,
+                 save=False):
     """Kernel 1's outputs (qin, kg, w, u, m, e^(G_C) as [B, H, K, N]) from the split programs. fast: the gate
-    cumsum as a kernel and the whole-tile solve (`_solve_full_kernel`, 4 warps)."""
+    cumsum as a kernel and the whole-tile solve (`_solve_full_kernel`, 4 warps). save (with fast): also the
+    unscaled key Gram KK and R = (I + A)^-1 (fp32 [B, H, Tp, C]) for the backward: the Gram kernel then writes KK
+    and the solve scales it by beta."""
     B, Tp, H, K = q.shape
     V, N, nb = v.shape[-1], Tp // C, C // SUB
     if fast:
@@ -428,10 +431,15 @@ def _intra_split(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, inter
         G = jnp.cumsum(g.reshape(B, N, C, H, K), axis=2)
         dend = jnp.transpose(jnp.exp(G[:, :, -1]), (0, 2, 3, 1))  # [B, H, K, N]
         G = G.reshape(B, Tp, H, K)
-    m, A, qin, kg = gram_rows(q, k, G, beta, C=C, scale=scale, store=store, prec=prec, delta=delta, diag=diag,
+    gram_beta = jnp.ones_like(beta) if save else beta
+    m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=prec, delta=delta, diag=diag,
                               warps=warps, interpret=interpret)
     if not delta:
-        return qin, kg, None, None, m, dend
+        return (qin, kg, None, None, m, dend) + ((None, None) if save else ())
+    if save:
+        w, u, R = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec, inv_prec="ieee" if prec == "ieee" else
+                             "bf16x3", warps=4, interpret=interpret, with_r=True, kk=True)
+        return qin, kg, w, u, m, dend, A, R
     if fast:
         w, u = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec, inv_prec="ieee" if prec == "ieee" else
                           "bf16x3", warps=4, interpret=interpret)
@@ -474,10 +482,10 @@ def pick_block_v(programs: int, V: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "interpret", "block_v", "warps", "only_intra",
-                                             "intra", "export_chunks"))
+                                             "intra", "export_chunks", "save"))
 def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpret: bool | None = None,
             block_v: int | None = None, warps: tuple[int, int] | None = None, only_intra: bool = False,
-            intra: str = "split", export_chunks: tuple[int, ...] = ()):
+            intra: str = "split", export_chunks: tuple[int, ...] = (), save: bool = False):
     """o [B, T, H, V] (q's dtype) and final state [B, H, K, V] fp32 of the delta rule with a per-channel gate.
 
     q, k [B, T, H, K] and v [B, T, H, V] (bf16 or fp32, one dtype), g [B, T, H, K] log decay (fp32; zeros for
@@ -489,6 +497,9 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     return is (o, final state, S0 [B, H, len(export_chunks), K, V], w [B, H, Tp, K], u [B, H, Tp, V]) with w, u
     kernel 1's WY terms (None for the additive write), from which `lineattn.ops.checkpoints` advances S0
     inside the chunk.
+    save (intra "mm2" or "mml2"): return (o, final state, saved) with saved = (qin, kg, w, u, m [B, H, Tp, .] in
+    the store dtype, e^(G_C) [B, H, K, N], KK, R [B, H, Tp, C] fp32; the last four None for the additive write),
+    what `chunk_bwd.backward_fast` would otherwise recompute.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -515,19 +526,27 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     split = functools.partial(_intra_split, C=C, scale=scale, store=store, prec="ieee" if exact else "tf32",
                               delta=delta, warps=warps[0], interpret=interpret)
     diag, fast = SPLIT_DIAG.get(intra, (None, None))
-    qin, kg, w, u, m, dend = split(q, k, v, g, beta, diag=diag, fast=fast) if intra in SPLIT_DIAG else pl.pallas_call(
-        functools.partial(_intra_kernel, C=C, scale=scale, prec="ieee" if exact else "tf32", delta=delta),
-        grid=(B, H, N),
-        in_specs=[tok(K), tok(K), tok(V), tok(K), pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))],
-        out_specs=[chunk_out(K), chunk_out(K), chunk_out(K), chunk_out(V), chunk_out(C),
-                   pl.BlockSpec((None, None, K, None), lambda b, h, n: (b, h, 0, n))],
-        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, K), store)] * 3
-        + [jax.ShapeDtypeStruct((B, H, Tp, V), store), jax.ShapeDtypeStruct((B, H, Tp, C), store),
-           jax.ShapeDtypeStruct((B, H, K, N), f32)],
-        compiler_params=compiler_params(num_warps=warps[0], num_stages=1),
-        interpret=interpret,
-        name="lineattn_chunk_intra",
-    )(q, k, v, g, beta)
+    if save and not fast:
+        raise ValueError(f"save needs the intra stage mm2 or mml2, got {intra!r}")
+    extra = ()
+    if save:
+        qin, kg, w, u, m, dend, *extra = split(q, k, v, g, beta, diag=diag, fast=fast, save=True)
+    elif intra in SPLIT_DIAG:
+        qin, kg, w, u, m, dend = split(q, k, v, g, beta, diag=diag, fast=fast)
+    else:
+        qin, kg, w, u, m, dend = pl.pallas_call(
+            functools.partial(_intra_kernel, C=C, scale=scale, prec="ieee" if exact else "tf32", delta=delta),
+            grid=(B, H, N),
+            in_specs=[tok(K), tok(K), tok(V), tok(K), pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))],
+            out_specs=[chunk_out(K), chunk_out(K), chunk_out(K), chunk_out(V), chunk_out(C),
+                       pl.BlockSpec((None, None, K, None), lambda b, h, n: (b, h, 0, n))],
+            out_shape=[jax.ShapeDtypeStruct((B, H, Tp, K), store)] * 3
+            + [jax.ShapeDtypeStruct((B, H, Tp, V), store), jax.ShapeDtypeStruct((B, H, Tp, C), store),
+               jax.ShapeDtypeStruct((B, H, K, N), f32)],
+            compiler_params=compiler_params(num_warps=warps[0], num_stages=1),
+            interpret=interpret,
+            name="lineattn_chunk_intra",
+        )(q, k, v, g, beta)
     if only_intra:
         return qin, kg, w, u, m, dend
     if not delta:
@@ -555,4 +574,6 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     )(qin, kg, w, u, m, dend, h0.astype(f32))
     if export_chunks:
         return o[:, :T], ht, s0[0][:, :, :len(export_chunks)], (w if delta else None), (u if delta else None)
+    if save:
+        return o[:, :T], ht, (qin, kg, w if delta else None, u if delta else None, m, dend, *extra)
     return o[:, :T], ht
