@@ -131,13 +131,16 @@ def main():
     p.add_argument("--shape", default="8x4096")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--pairs", default="split/kernels,mml2/kernels-mml2,mml2/kernels-saved",
+    p.add_argument("--pairs", default="split/kernels,mml2/kernels-mml2,mml2/kernels-saved,fused2/kernels-saved",
                    help="intra/backward pairs: forward and forward+backward, checked, then timed")
-    p.add_argument("--gdn-pairs", default="mml2/kernels-mml2,mml2/kernels-saved",
+    p.add_argument("--gdn-pairs", default="mml2/kernels-saved,fused2/kernels-saved",
                    help="the same for GDN, after the stages ('' for none)")
     p.add_argument("--grams", default="loop:2,mm:2,mml:2", help="forward Gram kernels diag:warps")
     p.add_argument("--solves", default="old:4,full:4,full:8", help="solve kernels: old (16x16 blocks) / full")
     p.add_argument("--bwd-grams", default="mm:4,mml:2,mml:4", help="Gram-gradient kernels diag:warps")
+    p.add_argument("--intras", default="split:2,mml2:2,fused2:8,fused2:4",
+                   help="forward variants timed as intra stage alone and whole forward (intra:warps)")
+    p.add_argument("--block-vs", default="32,128", help="state-pass V tiles besides the default (64 here)")
     p.add_argument("--stages", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--jla", action="store_true", help="also time jax-linear-attention's Mosaic GPU kernels")
     p.add_argument("--no-check", action="store_true")
@@ -193,12 +196,17 @@ def stages(a, args, do, pairs):
             fn = functools.partial(chunk_fwd.solve_full, C=C, store=jnp.bfloat16, prec="tf32", inv_prec="bf16x3",
                                    warps=int(w), interpret=IT)
         timed(a, "fwd-solve", f"{kind}-w{w}", fn, (A, k, v, G, beta))
-    for intra in sorted({i for i, _ in pairs(a.pairs)}):
-        intra_ms = timed(a, "fwd-intra", intra, functools.partial(
-            chunk_fwd.forward, scale=scale, intra=intra, only_intra=True), args)
-        fwd_ms = timed(a, "fwd", intra, functools.partial(chunk_fwd.forward, scale=scale, intra=intra), args)
+    for intra, w in [i.split(":") for i in a.intras.split(",") if i]:
+        w = (int(w), 4)
+        intra_ms = timed(a, "fwd-intra", f"{intra}-w{w[0]}", functools.partial(
+            chunk_fwd.forward, scale=scale, intra=intra, only_intra=True, warps=w), args)
+        fwd_ms = timed(a, "fwd", f"{intra}-w{w[0]}x{w[1]}", functools.partial(chunk_fwd.forward, scale=scale,
+                                                                              intra=intra, warps=w), args)
         if intra_ms and fwd_ms:
-            record(a, stage="fwd-state-pass", variant=f"{intra} (fwd - intra)", ms=fwd_ms - intra_ms)
+            record(a, stage="fwd-state-pass", variant=f"{intra}-w{w[0]}x{w[1]} (fwd - intra)", ms=fwd_ms - intra_ms)
+    for bv in (int(b) for b in a.block_vs.split(",") if b):  # the state pass's V tile (forward - intra as above)
+        timed(a, "fwd", f"mml2 block_v={bv}", functools.partial(chunk_fwd.forward, scale=scale, intra="mml2",
+                                                                block_v=bv), args)
 
     # ---- backward stages (fp32 operands where `backward_kernels` / `backward_fast` use them) ----
     qf, kf = q.astype(f32), k.astype(f32)
@@ -219,8 +227,9 @@ def stages(a, args, do, pairs):
                        rnd(B, H, N, C, K))
     timed(a, "bwd-state-passes", "old (partials)", lambda t, h, d, dh: chunk_bwd.state_passes(
         t, h, d, dh, exact=False, interpret=IT), (terms, h0, do.astype(f32), h0))
-    timed(a, "bwd-state-passes", "split", lambda t, h, d, dh: chunk_bwd.state_passes_split(
-        t, h, d, dh, exact=False, interpret=IT), (terms, h0, do.astype(f32), h0))
+    for bv in (64, 32):
+        timed(a, "bwd-state-passes", f"split block_v={bv}", lambda t, h, d, dh, bv=bv: chunk_bwd.state_passes_split(
+            t, h, d, dh, exact=False, interpret=IT, block_v=bv), (terms, h0, do.astype(f32), h0))
     flatC = lambda m: m.reshape(B, H, T, C)
     dM = flatC(jnp.where(tril, rnd(B, H, N, C, C), 0.0))
     dKK = flatC(jnp.where(jnp.tril(jnp.ones((C, C), bool), -1), rnd(B, H, N, C, C), 0.0))

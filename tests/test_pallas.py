@@ -50,7 +50,9 @@ def test_pallas_matches_oracle_fp32(rule):
                                                             ("gdn", "mm2", "kernels-mm2", 32),
                                                             ("gla", "mml2", "kernels-mml2", 32),
                                                             ("kda", "mml2", "kernels-saved", 64),
-                                                            ("gla", "mm2", "kernels-saved", 32)])
+                                                            ("gla", "mm2", "kernels-saved", 32),
+                                                            ("kda", "fused2", "kernels-saved", 64),
+                                                            ("gla", "fused2", "kernels-mml2", 32)])
 def test_pallas_variants_chunk_64_unequal_dims(rule, intra, backward, chunk_size, monkeypatch):
     # Chunk 64, K != V, and the variants: the defaults (split, kernels) and the others (the fused intra-chunk
     # kernel, the XLA and "passes" backwards).
@@ -62,7 +64,8 @@ def test_pallas_variants_chunk_64_unequal_dims(rule, intra, backward, chunk_size
 @pytest.mark.parametrize("gate,variant", [("lower_bound", "split-mm/kernels-mm"), ("lower_bound", "mml2/kernels-mml2"),
                                           ("zero", None), ("cut", None), ("cut", "split-mm/kernels-mm"),
                                           ("cut", "split-bcast/kernels-bcast"), ("cut", "mml2/kernels-mml2"),
-                                          ("cut", "mm2/kernels-mm2"), ("cut", "mml2/kernels-saved")])
+                                          ("cut", "mm2/kernels-mm2"), ("cut", "mml2/kernels-saved"),
+                                          ("cut", "fused2/kernels-saved"), ("lower_bound", "fused2/kernels-saved")])
 def test_pallas_gate_extremes(gate, variant, monkeypatch):
     # Every token at -5 (a chunk's cumulative decay reaches -160 at chunk 32; a 16-row block's rows are then exactly
     # 40 nats from its middle row: the "mm" Gram kernels' fast path at its limit), at 0, or -1000 at a few tokens
@@ -89,7 +92,7 @@ def _rel_rms(actual, expected):
 
 
 @pytest.mark.parametrize("rule,variant", [("kda", None), ("kda", "mml2/kernels-mml2"), ("gdn", "mm2/kernels-mm2"),
-                                          ("kda", "mml2/kernels-saved")])
+                                          ("kda", "mml2/kernels-saved"), ("gdn", "fused2/kernels-saved")])
 def test_pallas_bf16_against_fp32_oracle(rule, variant, monkeypatch):
     if variant is not None:
         monkeypatch.setattr(pallas_api, "INTRA", variant.split("/")[0])

@@ -53,7 +53,8 @@ def _run(rule, x, backend, monkeypatch=None, variant=None):
 
 VARIANTS = [("kda", None), ("gdn", None), ("kda", ("fused", "xla")), ("kda", ("mml2", "kernels-mml2")),
             ("gdn", ("mml2", "kernels-mml2")), ("kda", ("mm2", "kernels-mm2")), ("kda", ("split-mm", "kernels-mm")),
-            ("kda", ("mml2", "kernels-saved")), ("gdn", ("mml2", "kernels-saved"))]
+            ("kda", ("mml2", "kernels-saved")), ("gdn", ("mml2", "kernels-saved")), ("kda", ("fused2", "kernels-saved")),
+            ("gdn", ("fused2", "kernels-saved"))]
 
 
 @pytest.mark.parametrize("rule,variant", VARIANTS, ids=[f"{r}-{'default' if v is None else '-'.join(v)}"

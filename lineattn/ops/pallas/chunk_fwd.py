@@ -448,6 +448,138 @@ def _intra_split(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, inter
     return qin, kg, w, u, m, dend
 
 
+# ---- The whole intra-chunk stage in one program per chunk, without column loops ("fused2") ----
+# One program per (batch, head, chunk), K in tiles of `bk`: the gate cumsum, Qin, Kg and e^(G_C); the Gram
+# matrices of all four 16-row blocks at once as C x C tiles: block a's rows are scaled through its middle row r_a
+# (x e^(G - G_{r_a}), rows of other blocks zeroed) against k e^(min(G_{r_a} - G, 40)), one product per block and
+# tile, valid when every block's rows lie within LIMIT nats of their middle row (as "mm"); if any block does not
+# (a cut or reset gate in the chunk: one `lax.cond` per chunk), the whole chunk takes the exact path (off-diagonal
+# blocks through each block's first row, diagonal blocks by a column loop masked before the exp). Then the solve
+# by block doubling on the C x C tile (as `_solve_full_kernel`) and W, U. Nothing but the outputs leaves the
+# program: no G, no A in memory.
+
+
+def _intra_fused2_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, qin_ref, kg_ref, w_ref, u_ref, m_ref, dend_ref,
+                         *saved_refs, C, scale, prec, inv_prec, delta, bk, save):
+    s, nb = SUB, C // SUB
+    K = k_ref.shape[-1]
+    rows, cols = _iota((C, C), 0), _iota((C, C), 1)
+    rows_k = _iota((C, 1), 0)
+    blk_k = rows_k // s
+    tiles = [pl.ds(t * bk, bk) for t in range(K // bk)]
+
+    def gates(d):  # the tile's in-chunk cumsum G [C, bk] and its value at each block's middle row ([C, bk])
+        G = jnp.cumsum(g_ref[:, d].astype(f32), axis=0)
+        Gm = [jnp.sum(jnp.where(rows_k == a * s + s // 2, G, 0.0), axis=0)[None, :] for a in range(nb)]
+        Gr = Gm[0]
+        for a in range(1, nb):
+            Gr = jnp.where(blk_k == a, Gm[a], Gr)
+        return G, Gm, Gr
+
+    spread = jnp.float32(0.0)
+    for d in tiles:
+        G, _, Gr = gates(d)
+        g_end = jnp.sum(g_ref[:, d].astype(f32), axis=0)
+        dend_ref[d] = jnp.exp(g_end)
+        qin_ref[:, d] = (q_ref[:, d].astype(f32) * scale * jnp.exp(G)).astype(qin_ref.dtype)
+        kg_ref[:, d] = (k_ref[:, d].astype(f32) * jnp.exp(g_end[None, :] - G)).astype(kg_ref.dtype)
+        spread = jnp.maximum(spread, jnp.max(jnp.abs(G - Gr)))
+
+    def fast():
+        Mx, Ax = jnp.zeros((C, C), f32), jnp.zeros((C, C), f32)
+        for d in tiles:
+            G, Gm, Gr = gates(d)
+            xr = jnp.exp(jnp.minimum(G - Gr, LIMIT))
+            xq, xk = q_ref[:, d].astype(f32) * (scale * xr), k_ref[:, d].astype(f32) * xr
+            k = k_ref[:, d].astype(f32)
+            for a in range(nb):
+                kc = k * jnp.exp(jnp.minimum(Gm[a] - G, LIMIT))
+                Mx = Mx + dot(jnp.where(blk_k == a, xq, 0.0), kc, prec, trans_b=True)
+                if delta:
+                    Ax = Ax + dot(jnp.where(blk_k == a, xk, 0.0), kc, prec, trans_b=True)
+        return Mx, Ax
+
+    def exact():
+        Mx, Ax = jnp.zeros((C, C), f32), jnp.zeros((C, C), f32)
+        first = rows // s * s  # each row's block start
+        for d in tiles:
+            G = jnp.cumsum(g_ref[:, d].astype(f32), axis=0)
+            Gn = [jnp.sum(jnp.where(rows_k == a * s, G, 0.0), axis=0)[None, :] for a in range(nb)]
+            Gf = Gn[0]
+            for a in range(1, nb):
+                Gf = jnp.where(blk_k == a, Gn[a], Gf)
+            xr = jnp.exp(G - Gf)  # <= 1
+            q, k = q_ref[:, d].astype(f32) * scale, k_ref[:, d].astype(f32)
+            Mo, Ao = jnp.zeros((C, C), f32), jnp.zeros((C, C), f32)
+            for a in range(1, nb):  # off-diagonal blocks (columns before block a) through block a's first row
+                kc = k * jnp.exp(jnp.minimum(Gn[a] - G, 0.0))
+                Mo = Mo + dot(jnp.where(blk_k == a, q * xr, 0.0), kc, prec, trans_b=True)
+                if delta:
+                    Ao = Ao + dot(jnp.where(blk_k == a, k * xr, 0.0), kc, prec, trans_b=True)
+            Mx, Ax = Mx + jnp.where(cols < first, Mo, 0.0), Ax + jnp.where(cols < first, Ao, 0.0)
+
+            def column(j, acc, G=G, q=q, k=k, d=d):  # diagonal blocks: column j against the rows of its block
+                row = pl.ds(j, 1)
+                Gj = jnp.sum(jnp.where(rows_k == j, G, 0.0), axis=0)[None, :]
+                same = (blk_k == j // s) & (rows_k >= j)
+                kd = k_ref[row, d].astype(f32) * jnp.exp(jnp.where(same, G - Gj, -jnp.inf))
+                m = jnp.where(cols == j, acc[0] + jnp.sum(q * kd, axis=1, keepdims=True), acc[0])
+                a = jnp.where(cols == j, acc[1] + jnp.sum(k * kd, axis=1, keepdims=True), acc[1]) if delta \
+                    else acc[1]
+                return m, a
+
+            Mx, Ax = jax.lax.fori_loop(0, C, column, (Mx, Ax))
+        return Mx, Ax
+
+    Mx, Ax = jax.lax.cond(spread <= LIMIT, fast, exact)
+    m_ref[...] = jnp.where(cols <= rows, Mx, 0.0).astype(m_ref.dtype)
+    if not delta:
+        return
+    beta = beta_ref[...].astype(f32)[:, None]
+    KK = jnp.where(cols < rows, Ax, 0.0)
+    A = beta * KK
+    X = jnp.where(rows == cols, 1.0, jnp.where((rows // 2 == cols // 2) & (rows != cols), -A, 0.0))
+    b = 2
+    while b < C:
+        X = X - dot(dot(X, jnp.where((rows // (2 * b) == cols // (2 * b)) & (rows // b != cols // b), A, 0.0),
+                        inv_prec), X, inv_prec)
+        b *= 2
+    u_ref[...] = dot(X, beta * v_ref[...].astype(f32), prec).astype(u_ref.dtype)
+    for d in tiles:
+        G = jnp.cumsum(g_ref[:, d].astype(f32), axis=0)
+        w_ref[:, d] = dot(X, beta * k_ref[:, d].astype(f32) * jnp.exp(G), prec).astype(w_ref.dtype)
+    if save:
+        saved_refs[0][...] = KK
+        saved_refs[1][...] = X
+
+
+def intra_fused2(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, save=False, bk=32):
+    """Kernel 1's outputs (qin, kg, w, u, m, e^(G_C) as [B, H, K, N]; with save also KK, R) by
+    `_intra_fused2_kernel`."""
+    B, Tp, H, K = q.shape
+    V, N = v.shape[-1], Tp // C
+    tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
+    chunk_out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
+    outs = pl.pallas_call(
+        functools.partial(_intra_fused2_kernel, C=C, scale=scale, prec=prec, delta=delta, bk=min(bk, K), save=save,
+                          inv_prec="ieee" if prec == "ieee" else "bf16x3"),
+        grid=(B, H, N),
+        in_specs=[tok(K), tok(K), tok(V), tok(K), pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))],
+        out_specs=[chunk_out(K), chunk_out(K), chunk_out(K), chunk_out(V), chunk_out(C),
+                   pl.BlockSpec((None, None, K, None), lambda b, h, n: (b, h, 0, n))]
+        + [chunk_out(C)] * (2 if save else 0),
+        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, K), store)] * 3
+        + [jax.ShapeDtypeStruct((B, H, Tp, V), store), jax.ShapeDtypeStruct((B, H, Tp, C), store),
+           jax.ShapeDtypeStruct((B, H, K, N), f32)] + [jax.ShapeDtypeStruct((B, H, Tp, C), f32)] * (2 if save else 0),
+        compiler_params=compiler_params(num_warps=warps, num_stages=1),
+        interpret=interpret,
+        name="lineattn_chunk_intra_fused2",
+    )(q, k, v, g, beta)
+    if not delta:
+        return (*outs[:2], None, None, *outs[4:6]) + ((None, None) if save else ())
+    return tuple(outs)
+
+
 def _state_pass_kernel(qin_ref, kg_ref, w_ref, u_ref, m_ref, dend_ref, h0_ref, o_ref, ht_ref, *s0_ref, C, N, prec,
                        delta, export):
     def body(n, S):
@@ -474,9 +606,11 @@ def check_shapes(K: int, V: int, chunk_size: int):
 
 
 def pick_block_v(programs: int, V: int) -> int:
-    """V tile of the state pass: 64, halved (down to 16) while there are too few programs to fill an H200."""
+    """V tile of the state passes: 64, halved (down to 16) only while there are fewer than 128 programs. On the
+    H200 (2026-11-29 run1, 8 x 4096, B * H = 128) the forward state pass took 0.31 ms with 64 (256 programs), 0.76
+    with 32 and 1.7 with 16: fewer, wider programs win once the GPU holds a few per SM."""
     bv = min(V, 64)
-    while bv > 16 and programs * (V // bv) < 264:
+    while bv > 16 and programs * (V // bv) < 128:
         bv //= 2
     return bv
 
@@ -507,7 +641,7 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     check_shapes(K, V, C)
     interpret = interpret_mode(interpret)
     if warps is None:
-        warps = (4, 4) if intra == "fused" else (2, 4)
+        warps = {"fused": (4, 4), "fused2": (8, 4)}.get(intra, (2, 4))
     delta = beta is not None
     pad = -T % C
     if pad:
@@ -526,10 +660,14 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     split = functools.partial(_intra_split, C=C, scale=scale, store=store, prec="ieee" if exact else "tf32",
                               delta=delta, warps=warps[0], interpret=interpret)
     diag, fast = SPLIT_DIAG.get(intra, (None, None))
-    if save and not fast:
-        raise ValueError(f"save needs the intra stage mm2 or mml2, got {intra!r}")
+    if save and not fast and intra != "fused2":
+        raise ValueError(f"save needs the intra stage mm2, mml2 or fused2, got {intra!r}")
     extra = ()
-    if save:
+    if intra == "fused2":
+        qin, kg, w, u, m, dend, *extra = intra_fused2(q, k, v, g, beta, C=C, scale=scale, store=store,
+                                                      prec="ieee" if exact else "tf32", delta=delta,
+                                                      warps=warps[0], interpret=interpret, save=save)
+    elif save:
         qin, kg, w, u, m, dend, *extra = split(q, k, v, g, beta, diag=diag, fast=fast, save=True)
     elif intra in SPLIT_DIAG:
         qin, kg, w, u, m, dend = split(q, k, v, g, beta, diag=diag, fast=fast)
