@@ -9,20 +9,24 @@ from lineattn.ops.pallas.common import is_pow2, on_gpu
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 GATES = ("none", "fixed", "head", "channel")  # a head gate is a channel gate equal across K
 
-# What the GPU tests (tests/test_pallas*.py run on the H200, plus benchmarks/bench_pallas_kda.py) cover: `auto`
-# picks the kernels only inside this set, on a GPU.
-AUTO_RULES = (("delta", "channel"), ("delta", "head"), ("delta", "none"), ("additive", "channel"))  # kda gdn deltanet gla
-AUTO_DIMS = (32, 128)  # head dims the GPU tests ran: K = V = 32 (fp32, bf16), K = V = 128 (bf16, T = 16384)
-AUTO_CHUNKS = (32, 64)
+# What the GPU tests (tests/test_pallas*.py run on the H200, plus benchmarks/bench_pallas_*.py) cover: `auto`
+# picks the kernels only inside this set, on a GPU. The defaults below (mml2 / kernels-saved) ran on the H200
+# (2026-12-01 run5) for KDA and GDN at K = V = 128, bf16, chunk 64, T = 16381 with an initial state, and for
+# KDA in fp32 at K = V = 32, chunk 32 with -1000 gates; DeltaNet, GLA, K = 32 in bf16 and chunk 32 in bf16 have
+# not run with them on a GPU, so `auto` sends those to the XLA chunk path until they have.
+AUTO_RULES = (("delta", "channel"), ("delta", "head"))  # kda, gdn
+AUTO_DIMS = (128,)  # head dims the GPU tests of the defaults ran in bf16
+AUTO_CHUNKS = (64,)
 
-# The backward `backend="pallas"` uses (see `lineattn.ops.pallas.chunk`): "kernels" (no XLA autodiff; the
-# fastest on the H200, 29.8 vs 40.7 ms fwd+bwd at 8 x 4096), "xla" (autodiff of the XLA chunk form) or "passes"
-# (Pallas state passes, XLA autodiff of the intra-chunk terms; timed on the H200, not in its tests). Read when a
-# call is traced.
-BACKWARD = "kernels"
-# The forward's intra-chunk stage: "split" (a program per 16-row block, then one per chunk for the solve, 2 warps;
-# the faster on the H200: 5.0 vs 8.3 ms at 8 x 4096) or "fused" (one program per chunk). Both GPU-tested.
-INTRA = "split"
+# The backward `backend="pallas"` uses (see `lineattn.ops.pallas.chunk`): "kernels-saved" (the forward keeps its
+# intra-chunk terms; every stage a Pallas kernel; 15.5 ms fwd+bwd at 8 x 4096 x 16 x 128 on the H200, run5),
+# "kernels-mml2" (the same, recomputing the terms: no extra memory; CPU-tested only), "kernels" (29.9 ms, run4),
+# "xla" (autodiff of the XLA chunk form, 40.7 ms), "passes" (76.6 ms); see `chunk.py`. Read when a call is traced.
+BACKWARD = "kernels-saved"
+# The forward's intra-chunk stage: "mml2" (gate cumsum kernel, Gram rows without column loops, whole-chunk solve:
+# 2.74 ms forward at 8 x 4096, run5), "split" (5.97 ms, run4), "fused" (9.40 ms), "fused2" (7.15 ms); see
+# `chunk_fwd.forward`.
+INTRA = "mml2"
 
 
 def unsupported(rule, dtype, K: int, V: int, chunk_size) -> str | None:

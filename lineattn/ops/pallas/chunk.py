@@ -1,19 +1,20 @@
 """The Pallas chunk backend as a differentiable function (`jax.custom_vjp`).
 
-Forward: the two Pallas kernels of `chunk_fwd`. The forward saves only the inputs; the backward recomputes.
-Three backwards, chosen by the static `backward` argument:
-  - "xla" (the default, the one the H200 tests ran): `jax.vjp` of the XLA chunk form (`lineattn.ops.chunk.chunk`)
-    in fp32: exact, but its time and memory are the XLA path's. No Pallas kernel in it.
-  - "passes": `chunk_bwd.backward`: the XLA VJP of the intra-chunk terms (parallel over chunks) with the two
-    sequential passes over chunks (forward states, reverse cotangent pass) as Pallas kernels.
-  - "kernels": `chunk_bwd.backward_kernels`: no XLA autodiff. The terms are recomputed by the Pallas gram kernel
-    plus XLA for (I + A)^-1, U, W; the state passes as above; the WY part of the backward as XLA algebra; the
-    gradients of the gated Gram matrices as two Pallas kernels (row and column sides).
-"passes" and "kernels" are tested on CPU (interpret mode) against the oracle and lower to Triton IR for sm_90,
-but have not yet been compiled or timed on a GPU. Memory: the forward saves nothing but its inputs (FLA saves the
-two intra-chunk matrices); the "kernels" backward holds, transiently, about 2,200 fp32 values per token and head
-at K = V = 128, C = 64 (recomputed terms, per-V-tile cotangent partials, Gram gradients; 256 of them are the
-per-chunk states K*V/C).
+Forward: the kernels of `chunk_fwd.forward` (intra-chunk stage, then the state pass). Backwards, chosen by the
+static `backward` argument (H200 times: fwd+bwd at B = 8, T = 4096, H = 16, K = V = 128, bf16; runs in
+benchmarks/results/README.md):
+  - "kernels-saved" (the default; 15.5 ms, run5): the forward (intra "mm2", "mml2" or "fused2") also keeps its
+    intra-chunk terms Qin, Kg, W, U, M (input dtype), e^(G_C), KK and R = (I + A)^-1 (fp32): about 1.7 KB per
+    token and head at K = V = 128, C = 64 in bf16, on top of the inputs. `chunk_bwd.backward_fast` then runs
+    only kernels: gate cumsum, the three state-pass kernels, the WY backward, the Gram gradients, the combine.
+  - "kernels-mml2" / "kernels-mm2": `chunk_bwd.backward_fast` recomputing the terms (Gram kernel, whole-chunk
+    solve writing R): the forward saves only its inputs. CPU-tested; not yet run on a GPU.
+  - "kernels" (29.9 ms, run4) / "kernels-mm" (24.6 ms, run4) / "kernels-bcast" (53.6 ms): `chunk_bwd.
+    backward_kernels`: Pallas Gram recompute, state passes and Gram gradients, the WY part as XLA algebra.
+  - "xla" (40.7 ms): `jax.vjp` of the XLA chunk form (`lineattn.ops.chunk.chunk`) in fp32. No Pallas kernel.
+  - "passes" (76.6 ms): the XLA VJP of the intra-chunk terms with the two state passes as Pallas kernels.
+Transient memory of `backward_fast`: about 7 KB per token and head at K = V = 128 (per-chunk states and state
+cotangents K*V/C fp32, fp32 cotangents of the terms, Gram gradients).
 """
 
 from __future__ import annotations
@@ -31,10 +32,11 @@ f32 = jnp.float32
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def chunk_pallas(q, k, v, g, beta, h0, scale, chunk_size=64, interpret=None, backward="kernels", intra="split"):
+def chunk_pallas(q, k, v, g, beta, h0, scale, chunk_size=64, interpret=None, backward="kernels-saved",
+                 intra="mml2"):
     """(o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32). Arguments as `chunk_fwd.forward`;
-    backward: "kernels", "xla" or "passes" (see the module docstring); intra: "split" or "fused"
-    (`chunk_fwd.forward`)."""
+    backward: see the module docstring ("kernels-saved" needs intra "mm2", "mml2" or "fused2"); intra: see
+    `chunk_fwd.forward`."""
     return forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret, intra=intra)
 
 

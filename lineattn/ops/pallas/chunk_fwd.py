@@ -619,14 +619,17 @@ def pick_block_v(programs: int, V: int) -> int:
                                              "intra", "export_chunks", "save"))
 def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpret: bool | None = None,
             block_v: int | None = None, warps: tuple[int, int] | None = None, only_intra: bool = False,
-            intra: str = "split", export_chunks: tuple[int, ...] = (), save: bool = False):
+            intra: str = "mml2", export_chunks: tuple[int, ...] = (), save: bool = False):
     """o [B, T, H, V] (q's dtype) and final state [B, H, K, V] fp32 of the delta rule with a per-channel gate.
 
     q, k [B, T, H, K] and v [B, T, H, V] (bf16 or fp32, one dtype), g [B, T, H, K] log decay (fp32; zeros for
     no gate), beta [B, T, H] or None (additive write), h0 [B, H, K, V] fp32. block_v, warps (intra, state
-    pass; default (2, 4) for split, (4, 4) for fused: the fastest on the H200) and only_intra (return kernel 1's
-    outputs) are for tuning and timing. intra: "split" (`_intra_split`, the default) or "fused" (one program per
-    chunk: `_intra_kernel`); both GPU-tested.
+    pass; default (2, 4), (4, 4) for fused, (8, 4) for fused2) and only_intra (return the intra stage's outputs)
+    are for tuning and timing. intra (H200 forward at 8 x 4096 x 16 x 128 bf16, benchmarks/results/README.md):
+    "mml2" (the default, 2.74 ms: `gate_cumsum`, `_gram_rows_kernel` with the column-loop exact path,
+    `_solve_full_kernel`), "mm2" (the same with the 3-D exact path), "split" (5.97 ms: XLA cumsum,
+    `_gram_kernel`, `_solve_kernel`), "split-mm" / "split-bcast" (4.44 / 8.01 ms), "fused2" (7.15 ms:
+    `_intra_fused2_kernel`), "fused" (9.40 ms: `_intra_kernel`).
     export_chunks: chunk indices n whose incoming fp32 state the state pass also writes; when given, the
     return is (o, final state, S0 [B, H, len(export_chunks), K, V], w [B, H, Tp, K], u [B, H, Tp, V]) with w, u
     kernel 1's WY terms (None for the additive write), from which `lineattn.ops.checkpoints` advances S0
