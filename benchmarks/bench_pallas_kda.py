@@ -69,11 +69,14 @@ def pallas_variant(rule, intra, backward):
 def jax_kda_impls(op):
     gate = "channel" if op == "kda" else "head"
     rule = "kda" if op == "kda" else "gdn"
-    impls = {
-        "lineattn-pallas": pallas_variant(rule, "fused", "xla"),
+    from lineattn.ops.pallas import api as pallas_api
+    impls = {  # "lineattn-pallas": the defaults (pallas.api.INTRA, BACKWARD); the others by name
+        "lineattn-pallas": pallas_variant(rule, pallas_api.INTRA, pallas_api.BACKWARD),
+        "lineattn-pallas-fused-xla": pallas_variant(rule, "fused", "xla"),
         "lineattn-pallas-split": pallas_variant(rule, "split", "xla"),
         "lineattn-pallas-split-passes": pallas_variant(rule, "split", "passes"),
         "lineattn-pallas-split-kernels": pallas_variant(rule, "split", "kernels"),
+        "lineattn-pallas-mml2-kernels-mml2": pallas_variant(rule, "mml2", "kernels-mml2"),
         "lineattn-chunk": lambda q, k, v, g, b: ops.linear_attention(rule, q, k, v, g, b, backend="chunk")[0],
     }
     try:
@@ -118,7 +121,8 @@ def bench_shape(op, B, T, a, skip, fla_modes):
         errs = dict(max_rel_err=rel_err(o, reference), rel_rms_err=rel_rms(o, reference))
         loss = lambda *xs, f=f: jnp.sum(f(*xs).astype(jnp.float32) * do.astype(jnp.float32))
         fwdbwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
-        modes = [("fwd", fwd)] + ([] if name in ("lineattn-chunk", "lineattn-pallas-split") and op == "gdn"
+        modes = [("fwd", fwd)] + ([] if name in ("lineattn-chunk", "lineattn-pallas-split",
+                                                 "lineattn-pallas-fused-xla") and op == "gdn"
                                   else [("fwdbwd", fwdbwd)])
         for mode, fn in modes:
             try:

@@ -21,6 +21,7 @@ if [ -n "${PARTS:-}" ]; then  # the per-stage timings instead (bench_pallas_part
   exit 0
 fi
 timeout ${BENCH_TIMEOUT:-500} python3 benchmarks/bench_pallas_kda.py --out $OUT ${BENCH_ARGS:---iters 10 --gdn \
-  --fla fwd --fla-shapes 8x4096 --skip lineattn-chunk lineattn-pallas-split-passes --tune --tune-shapes 8x4096 \
+  --fla fwd --fla-shapes 8x4096 --skip lineattn-chunk lineattn-pallas-split-passes lineattn-pallas-split \
+  lineattn-pallas-fused-xla --tune --tune-shapes 8x4096 \
   --warps 4x4,2x4 --block-vs 0 --long 262144} 2>&1 | grep -v "slow_operation_alarm\|Constant folding\|^$" \
   | tee $OUT/bench.log
