@@ -141,6 +141,7 @@ def main():
     p.add_argument("--intras", default="split:2,mml2:2,fused2:8,fused2:4",
                    help="forward variants timed as intra stage alone and whole forward (intra:warps)")
     p.add_argument("--block-vs", default="32,128", help="state-pass V tiles besides the default (64 here)")
+    p.add_argument("--loops", default="4,16", help="chunks per program of the cumsum and solve kernels to time ('' none)")
     p.add_argument("--stages", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--jla", action="store_true", help="also time jax-linear-attention's Mosaic GPU kernels")
     p.add_argument("--no-check", action="store_true")
@@ -174,6 +175,29 @@ def stages(a, args, do, pairs):
     C, scale = 64, K**-0.5
     N = T // C
     q, k, v, g, beta, h0 = args
+
+    # ---- several chunks per program for the cumsum and solve kernels (chunk_fwd.LOOP; not yet GPU-tested) ----
+    G0, _ = jax.jit(functools.partial(chunk_fwd.gate_cumsum, C=C, interpret=IT))(g)
+    A0 = jax.jit(functools.partial(chunk_fwd.gram_rows, C=C, scale=scale, store=jnp.bfloat16, prec="tf32",
+                                   delta=True, diag="mm", warps=2, interpret=IT))(q, k, G0, beta)[1]
+    for loop in (int(x) for x in a.loops.split(",") if x):
+        timed(a, "fwd-cumsum", f"kernel loop={loop}", functools.partial(
+            chunk_fwd.gate_cumsum, C=C, interpret=IT, loop=loop), (g,))
+        timed(a, "fwd-solve", f"full-w4 loop={loop}", functools.partial(
+            chunk_fwd.solve_full, C=C, store=jnp.bfloat16, prec="tf32", inv_prec="bf16x3", warps=4, interpret=IT,
+            loop=loop), (A0, k, v, G0, beta))
+        timed(a, "fwd", f"mml2 loop={loop}", functools.partial(chunk_fwd.forward, scale=scale, intra="mml2",
+                                                               loop=loop), args)
+        saved_loop = chunk_fwd.LOOP
+        chunk_fwd.LOOP = loop
+        try:
+            def loss(*xs):
+                return jnp.sum(chunk_pallas(*xs, scale, C, None, "kernels-saved", "mml2")[0].astype(f32)
+                               * do.astype(f32))
+
+            timed(a, "fwdbwd", f"mml2/kernels-saved loop={loop}", jax.grad(loss, argnums=tuple(range(5))), args)
+        finally:
+            chunk_fwd.LOOP = saved_loop
 
     # ---- forward stages ----
     cumsum = lambda g: jnp.cumsum(g.reshape(B, N, C, H, K), axis=2).reshape(B, T, H, K)

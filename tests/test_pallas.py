@@ -81,6 +81,17 @@ def test_pallas_gate_extremes(gate, variant, monkeypatch):
     _compare("kda", inputs, tol=1e-3 if gate == "cut" else TOL)
 
 
+@pytest.mark.parametrize("loop", [2, 4])
+def test_pallas_loop_chunks(loop, monkeypatch):
+    # Several chunks per program for the gate cumsum and the whole-chunk solve (`chunk_fwd.LOOP`, a timing option;
+    # T = 128 in chunks of 32: four chunks, so 2 and 4 divide them), forward and the kernels-saved backward.
+    from lineattn.ops.pallas import chunk_fwd
+    monkeypatch.setattr(chunk_fwd, "LOOP", loop)
+    monkeypatch.setattr(pallas_api, "INTRA", "mml2")
+    monkeypatch.setattr(pallas_api, "BACKWARD", "kernels-saved")
+    _compare("kda", make_inputs("kda", B=1, T=128, H=2, K=32, V=32, seed=13))
+
+
 def test_pallas_varlen():
     cu_seqlens = np.array([0, 37, 37, 101])  # an empty sequence, one crossing chunk edges
     _compare("kda", make_inputs("kda", B=1, T=101, H=1, K=32, V=32, num_seqs=3, seed=3), cu_seqlens=cu_seqlens)

@@ -27,10 +27,13 @@ def _rel_rms(actual, expected):
 
 
 def _run(rule, x, backend, monkeypatch=None, variant=None):
-    if variant is not None:  # None: the defaults (`pallas.api.INTRA`, `BACKWARD`)
+    if variant is not None:  # None: the defaults (`pallas.api.INTRA`, `BACKWARD`); a third entry: chunk_fwd.LOOP
         from lineattn.ops.pallas import api as pallas_api
+        from lineattn.ops.pallas import chunk_fwd
         monkeypatch.setattr(pallas_api, "INTRA", variant[0])
         monkeypatch.setattr(pallas_api, "BACKWARD", variant[1])
+        if len(variant) > 2:
+            monkeypatch.setattr(chunk_fwd, "LOOP", variant[2])
     names = ("q", "k", "v", "g", "beta", "h0")
     rng = np.random.default_rng(1)
     B, T, H, _ = x["q"].shape
@@ -54,10 +57,10 @@ def _run(rule, x, backend, monkeypatch=None, variant=None):
 # The defaults (None: mml2 / kernels-saved), the previous defaults and the variants still to run on a GPU.
 VARIANTS = [("kda", None), ("gdn", None), ("kda", ("fused", "xla")), ("kda", ("split", "kernels")),
             ("gdn", ("split", "kernels")), ("kda", ("fused2", "kernels-saved")), ("kda", ("mml2", "kernels-mml2")),
-            ("gdn", ("mml2", "kernels-mml2"))]
+            ("gdn", ("mml2", "kernels-mml2")), ("kda", ("mml2", "kernels-saved", 4))]
 
 
-@pytest.mark.parametrize("rule,variant", VARIANTS, ids=[f"{r}-{'default' if v is None else '-'.join(v)}"
+@pytest.mark.parametrize("rule,variant", VARIANTS, ids=[f"{r}-{'default' if v is None else '-'.join(map(str, v))}"
                                                         for r, v in VARIANTS])
 def test_pallas_long_bf16_head_dim_128(rule, variant, monkeypatch):
     inputs = make_inputs(rule, B=1, T=16384 - 3, H=2, K=128, V=128, seed=11)

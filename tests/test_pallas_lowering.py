@@ -54,6 +54,22 @@ def test_chunk_kernels_lower_for_sm90(fake_h200, dtype, intra, backward):
     assert text.count("__gpu$xla.gpu.triton") == expected
 
 
+def test_loop_chunks_lower_for_sm90(fake_h200, monkeypatch):
+    # `chunk_fwd.LOOP` > 1: the cumsum and solve kernels loop over 4 chunks per program (views `ref.at[pl.ds(..)]`).
+    from lineattn.ops.pallas import chunk_fwd
+    monkeypatch.setattr(chunk_fwd, "LOOP", 4)
+    B, T, H, K, V = 1, 512, 2, 128, 128
+    args = (S((B, T, H, K), jnp.bfloat16), S((B, T, H, K), jnp.bfloat16), S((B, T, H, V), jnp.bfloat16),
+            S((B, T, H, K), jnp.float32), S((B, T, H), jnp.bfloat16), S((B, H, K, V), jnp.float32))
+
+    def loss(*a):
+        o, ht = chunk_pallas(*a, K**-0.5, 64, False, "kernels-mml2", "mml2")
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
+
+    text = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 13
+
+
 def test_decode_kernel_lowers_for_sm90(fake_h200):
     B, T, H, K, V = 4, 2, 2, 128, 128
     args = (S((B, T, H, K), jnp.bfloat16), S((B, T, H, K), jnp.bfloat16), S((B, T, H, V), jnp.bfloat16),

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from lineattn.ops.chunk import chunk as xla_chunk
-from lineattn.ops.pallas import chunk_bwd
+from lineattn.ops.pallas import chunk_bwd, chunk_fwd
 from lineattn.ops.pallas.chunk_fwd import forward
 
 f32 = jnp.float32
@@ -37,15 +37,17 @@ def chunk_pallas(q, k, v, g, beta, h0, scale, chunk_size=64, interpret=None, bac
     """(o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32). Arguments as `chunk_fwd.forward`;
     backward: see the module docstring ("kernels-saved" needs intra "mm2", "mml2" or "fused2"); intra: see
     `chunk_fwd.forward`."""
-    return forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret, intra=intra)
+    return forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret, intra=intra,
+                   loop=chunk_fwd.LOOP)
 
 
 def _fwd(q, k, v, g, beta, h0, scale, chunk_size, interpret, backward, intra):
     if backward == "kernels-saved":  # the forward's intra-chunk terms are kept for the backward
         o, ht, saved = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret,
-                               intra=intra, save=True)
+                               intra=intra, save=True, loop=chunk_fwd.LOOP)
         return (o, ht), (q, k, v, g, beta, h0, saved)
-    out = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret, intra=intra)
+    out = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret, intra=intra,
+                  loop=chunk_fwd.LOOP)
     return out, (q, k, v, g, beta, h0)
 
 

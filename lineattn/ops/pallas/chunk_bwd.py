@@ -522,9 +522,11 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     the Gram recompute's exact path ("mml": column loop, "mm": 3-D broadcast; see `chunk_fwd._gram_rows_kernel`).
     saved: `chunk_fwd.forward(..., save=True)`'s terms (backward "kernels-saved"): no Gram recompute and no solve
     here, and the state passes read the stored (bf16 for bf16 inputs) Qin, Kg, M, W, U."""
+    from lineattn.ops.pallas import chunk_fwd
     from lineattn.ops.pallas.chunk_fwd import gate_cumsum, gram_rows, solve_full
 
     C = chunk_size
+    loop = chunk_fwd.LOOP  # chunks per program of the cumsum and solve kernels (read at trace)
     B, T, H, K = q.shape
     V = v.shape[-1]
     exact = q.dtype == f32
@@ -537,7 +539,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     gp = gp.astype(f32)
     Tp = qp.shape[1]
     N = Tp // C
-    G, dend_KN = gate_cumsum(gp, C=C, interpret=interpret)
+    G, dend_KN = gate_cumsum(gp, C=C, interpret=interpret, loop=loop)
     ch = lambda x: x.reshape(B, H, N, C, x.shape[-1])
     if saved is not None:
         Qin, Kg, W, U, M, dend_KN, KK, R = saved
@@ -548,7 +550,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
                                    delta=delta, diag=gram_diag, warps=gram_warps, interpret=interpret)
         if delta:
             W, U, R = solve_full(KK, kp, vp, G, bp, C=C, store=f32, prec=prec, inv_prec=inv_prec, warps=4,
-                                 interpret=interpret, with_r=True, kk=True)
+                                 interpret=interpret, with_r=True, kk=True, loop=loop)
         else:
             U, W, R = jnp.moveaxis(vp, 2, 1).astype(f32), None, None
     terms = ChunkTerms(ch(Qin), ch(M), ch(Kg), jnp.swapaxes(dend_KN, -1, -2), ch(U), None if W is None else ch(W))

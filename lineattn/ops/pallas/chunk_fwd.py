@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lineattn.ops.pallas.common import SUB, compiler_params, dot, interpret_mode, is_pow2
+from lineattn.ops.pallas.common import SUB, compiler_params, dot, interpret_mode, is_pow2, loop_chunks
 
 f32 = jnp.float32
 
@@ -188,6 +188,13 @@ def _gram_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *
 #     (both factors <= 1, as before), the 16 x 16 diagonal block pair by pair as a 3-D broadcast [16, 16, bk3]
 #     masked before the exp (no column loop), placed into the row by an exact selection product.
 LIMIT = 40.0
+# Chunks per program of the gate cumsum and the whole-chunk solve, through `common.loop_chunks`, and the pipeline
+# depth then. 1: one chunk per program (the kernels as GPU-tested); > 1 is CPU-tested and lowers for sm_90 but has
+# not run on a GPU. Read when a call is traced; for timing sweeps (benchmarks/bench_pallas_parts.py --loops). The
+# Triton lowering takes one indexer per load ("No support for multiple indexers yet"), so only kernels that read
+# whole views (`ref[...]`) can be looped this way; the Gram kernels index sub-blocks and are not.
+LOOP = 1
+LOOP_STAGES = 2
 # forward's intra -> (gram_rows' diag, fast: the cumsum kernel and the whole-tile solve)
 SPLIT_DIAG = {"split": ("loop", False), "split-mm": ("mm", False), "split-bcast": ("bcast", False),
               "mm2": ("mm", True), "mml2": ("mml", True)}
@@ -353,19 +360,22 @@ def _cumsum_kernel(g_ref, G_ref, dend_ref):
     dend_ref[...] = jnp.exp(jnp.sum(g, axis=0))
 
 
-def gate_cumsum(g, *, C, interpret):
+def gate_cumsum(g, *, C, interpret, loop=1):
     """G [B, Tp, H, K] fp32 (cumsum of g within each chunk of C) and e^(G_C) [B, H, K, N]."""
     B, Tp, H, K = g.shape
     N = Tp // C
     bk = min(K, 64)
+    R = loop if N % loop == 0 else 1  # chunks per program
+    kernel = loop_chunks(_cumsum_kernel, R, [(0, C), (0, C), (1, None)])
     return pl.pallas_call(
-        _cumsum_kernel,
-        grid=(B, H, N, K // bk),
-        in_specs=[pl.BlockSpec((None, C, None, bk), lambda b, h, n, t: (b, n, h, t))],
-        out_specs=[pl.BlockSpec((None, C, None, bk), lambda b, h, n, t: (b, n, h, t)),
-                   pl.BlockSpec((None, None, bk, None), lambda b, h, n, t: (b, h, t, n))],
+        kernel,
+        grid=(B, H, N // R, K // bk),
+        in_specs=[pl.BlockSpec((None, R * C, None, bk), lambda b, h, n, t: (b, n, h, t))],
+        out_specs=[pl.BlockSpec((None, R * C, None, bk), lambda b, h, n, t: (b, n, h, t)),
+                   pl.BlockSpec((None, None, bk, None) if R == 1 else (None, None, bk, R),
+                                lambda b, h, n, t: (b, h, t, n))],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), f32), jax.ShapeDtypeStruct((B, H, K, N), f32)],
-        compiler_params=compiler_params(num_warps=4, num_stages=1),
+        compiler_params=compiler_params(num_warps=4, num_stages=LOOP_STAGES if R > 1 else 1),
         interpret=interpret,
         name="lineattn_chunk_cumsum",
     )(g)
@@ -397,28 +407,31 @@ def _solve_full_kernel(a_ref, k_ref, v_ref, G_ref, beta_ref, w_ref, u_ref, *r_re
         r_ref[0][...] = X
 
 
-def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, with_r=False, kk=False):
+def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, with_r=False, kk=False, loop=1):
     """W, U [B, H, Tp, .] (and R [B, H, Tp, C] fp32 when with_r) by `_solve_full_kernel`; kk: A is the unscaled
     key Gram (A = Diag(beta) KK is formed in the kernel)."""
     B, Tp, H, K = k.shape
     V, N = v.shape[-1], Tp // C
-    tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
-    chunk_out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
+    R = loop if N % loop == 0 else 1  # chunks per program
+    tok = lambda D: pl.BlockSpec((None, R * C, None, D), lambda b, h, n: (b, n, h, 0))
+    chunk_out = lambda D: pl.BlockSpec((None, None, R * C, D), lambda b, h, n: (b, h, n, 0))
+    kernel = functools.partial(_solve_full_kernel, C=C, prec=prec, inv_prec=inv_prec, kk=kk)
+    kernel = loop_chunks(kernel, R, [(0, C)] * (7 + with_r))
     return pl.pallas_call(
-        functools.partial(_solve_full_kernel, C=C, prec=prec, inv_prec=inv_prec, kk=kk),
-        grid=(B, H, N),
-        in_specs=[chunk_out(C), tok(K), tok(V), tok(K), pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))],
+        kernel,
+        grid=(B, H, N // R),
+        in_specs=[chunk_out(C), tok(K), tok(V), tok(K), pl.BlockSpec((None, R * C, None), lambda b, h, n: (b, n, h))],
         out_specs=[chunk_out(K), chunk_out(V)] + ([chunk_out(C)] if with_r else []),
         out_shape=[jax.ShapeDtypeStruct((B, H, Tp, K), store), jax.ShapeDtypeStruct((B, H, Tp, V), store)]
         + ([jax.ShapeDtypeStruct((B, H, Tp, C), f32)] if with_r else []),
-        compiler_params=compiler_params(num_warps=warps, num_stages=1),
+        compiler_params=compiler_params(num_warps=warps, num_stages=LOOP_STAGES if R > 1 else 1),
         interpret=interpret,
         name="lineattn_chunk_solve_full",
     )(A, k, v, G, beta)
 
 
 def _intra_split(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, diag="loop", fast=False,
-                 save=False):
+                 save=False, loop=1):
     """Kernel 1's outputs (qin, kg, w, u, m, e^(G_C) as [B, H, K, N]) from the split programs. fast: the gate
     cumsum as a kernel and the whole-tile solve (`_solve_full_kernel`, 4 warps). save (with fast): also the
     unscaled key Gram KK and R = (I + A)^-1 (fp32 [B, H, Tp, C]) for the backward: the Gram kernel then writes KK
@@ -426,7 +439,7 @@ def _intra_split(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, inter
     B, Tp, H, K = q.shape
     V, N, nb = v.shape[-1], Tp // C, C // SUB
     if fast:
-        G, dend = gate_cumsum(g, C=C, interpret=interpret)
+        G, dend = gate_cumsum(g, C=C, interpret=interpret, loop=loop)
     else:
         G = jnp.cumsum(g.reshape(B, N, C, H, K), axis=2)
         dend = jnp.transpose(jnp.exp(G[:, :, -1]), (0, 2, 3, 1))  # [B, H, K, N]
@@ -438,11 +451,11 @@ def _intra_split(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, inter
         return (qin, kg, None, None, m, dend) + ((None, None) if save else ())
     if save:
         w, u, R = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec, inv_prec="ieee" if prec == "ieee" else
-                             "bf16x3", warps=4, interpret=interpret, with_r=True, kk=True)
+                             "bf16x3", warps=4, interpret=interpret, with_r=True, kk=True, loop=loop)
         return qin, kg, w, u, m, dend, A, R
     if fast:
         w, u = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec, inv_prec="ieee" if prec == "ieee" else
-                          "bf16x3", warps=4, interpret=interpret)
+                          "bf16x3", warps=4, interpret=interpret, loop=loop)
     else:
         w, u = solve_wu(A, k, v, G, beta, C=C, store=store, prec=prec, warps=warps, interpret=interpret)
     return qin, kg, w, u, m, dend
@@ -616,10 +629,10 @@ def pick_block_v(programs: int, V: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "interpret", "block_v", "warps", "only_intra",
-                                             "intra", "export_chunks", "save"))
+                                             "intra", "export_chunks", "save", "loop"))
 def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpret: bool | None = None,
             block_v: int | None = None, warps: tuple[int, int] | None = None, only_intra: bool = False,
-            intra: str = "mml2", export_chunks: tuple[int, ...] = (), save: bool = False):
+            intra: str = "mml2", export_chunks: tuple[int, ...] = (), save: bool = False, loop: int | None = None):
     """o [B, T, H, V] (q's dtype) and final state [B, H, K, V] fp32 of the delta rule with a per-channel gate.
 
     q, k [B, T, H, K] and v [B, T, H, V] (bf16 or fp32, one dtype), g [B, T, H, K] log decay (fp32; zeros for
@@ -636,7 +649,8 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     inside the chunk.
     save (intra "mm2" or "mml2"): return (o, final state, saved) with saved = (qin, kg, w, u, m [B, H, Tp, .] in
     the store dtype, e^(G_C) [B, H, K, N], KK, R [B, H, Tp, C] fp32; the last four None for the additive write),
-    what `chunk_bwd.backward_fast` would otherwise recompute.
+    what `chunk_bwd.backward_fast` would otherwise recompute. loop: chunks per program of the cumsum and solve
+    kernels (None: the module's LOOP).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -661,7 +675,7 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
     chunk_out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
     split = functools.partial(_intra_split, C=C, scale=scale, store=store, prec="ieee" if exact else "tf32",
-                              delta=delta, warps=warps[0], interpret=interpret)
+                              delta=delta, warps=warps[0], interpret=interpret, loop=LOOP if loop is None else loop)
     diag, fast = SPLIT_DIAG.get(intra, (None, None))
     if save and not fast and intra != "fused2":
         raise ValueError(f"save needs the intra stage mm2, mml2 or fused2, got {intra!r}")
