@@ -42,8 +42,62 @@ def test_cells_and_run_configs(config):
     assert [c.key for c in ablate.select(ablate.cells(cfg), only="*/attention/*")] == keys[1:]
 
 
+def test_rows_have_their_own_lrs_and_overrides(tmp_path):
+    path = tmp_path / "rows.yaml"
+    rows = {"attention": {"lrs": [1e-3, 3e-4, 1e-2], "set": ["model.tie_embeddings=false", "train.steps=3"]}}
+    path.write_text(yaml.safe_dump(dict(TINY, grid=dict(TINY["grid"], lrs=[1e-2, 3e-3], rows=rows))))
+    cfg = ablate.load_ablate_config(path)
+    keys = [c.key for c in ablate.cells(cfg)]
+    assert keys == ["default/delta-head/lr0.01/seed0", "default/delta-head/lr0.003/seed0",
+                    "default/attention/lr0.001/seed0", "default/attention/lr0.0003/seed0",
+                    "default/attention/lr0.01/seed0"]
+    tcs = [ablate.run_config(cfg, c) for c in ablate.cells(cfg)]
+    assert [tc.optim.lr for tc in tcs] == [1e-2, 3e-3, 1e-3, 3e-4, 1e-2]
+    assert [tc.train.steps for tc in tcs] == [2, 2, 3, 3, 3]
+    assert [tc.model.get("tie_embeddings", True) for tc in tcs] == [True, True, False, False, False]
+    rec = lambda w, g, lr, v: {"task": "default", "write": w, "gate": g, "seed": 0, "lr": lr,
+                               "metric": "val_accuracy", "value": v, "steps": 2}
+    table = ablate.table_md(cfg, [rec("delta", "head", 1e-2, 0.5), rec("attention", "attention", 3e-4, 0.9),
+                                  rec("attention", "attention", 1e-3, 0.7)])
+    assert "Learning rates swept: [0.003, 0.01]; attention: [0.0003, 0.001, 0.01]" in table
+    assert "| lr 0.0003 | lr 0.001 | lr 0.003 | lr 0.01 |" in table           # one column per lr of any row
+    assert "| attention | attention | softmax attention | 90.0 ± 0.0 | 0.0003 | 1 | 90.0 | 70.0 | – | – |" in table
+    assert "own overrides of the base config: attention: model.tie_embeddings=false, train.steps=3." in table
+
+
+def test_selection_order_seed_groups_and_claims(tmp_path, monkeypatch):
+    path = tmp_path / "seeds.yaml"
+    path.write_text(yaml.safe_dump(dict(TINY, grid=dict(TINY["grid"], seeds=[0, 1], lrs=[1e-2, 3e-3]))))
+    cfg = ablate.load_ablate_config(path)
+    keys = lambda cs: [c.key.removeprefix("default/") for c in cs]
+    # --only: the first glob's cells first; --shard: every N-th seed group, so seeds stay with one worker
+    assert keys(ablate.select(ablate.cells(cfg), only="*/attention/lr0.003/*,*/delta-head/*,*/attention/*")) == [
+        "attention/lr0.003/seed0", "attention/lr0.003/seed1", "delta-head/lr0.01/seed0", "delta-head/lr0.01/seed1",
+        "delta-head/lr0.003/seed0", "delta-head/lr0.003/seed1", "attention/lr0.01/seed0", "attention/lr0.01/seed1"]
+    assert keys(ablate.select(ablate.cells(cfg), (1, 2))) == [
+        "delta-head/lr0.003/seed0", "delta-head/lr0.003/seed1", "attention/lr0.003/seed0", "attention/lr0.003/seed1"]
+    # --claim: a worker skips the groups another worker has claimed and claims the rest, one group at a time
+    ran = []
+    monkeypatch.setattr(ablate, "run_cell", lambda cfg, cell, runs_dir, log: ran.append(cell.key) or
+                        {"final": {"val_accuracy": 0.5}, "wall_s": 0.0})
+    assert ablate._claim(tmp_path / "runs", ablate.cells(cfg)[2:4])          # "another worker" took delta lr 3e-3
+    ablate.run_grid(cfg, tmp_path / "runs", only="*/delta-head/*", claim=True, log=lambda s: None)
+    assert keys(ablate.cells(cfg))[:2] == [k.removeprefix("default/") for k in ran]
+    ablate.run_grid(cfg, tmp_path / "runs", only="*/delta-head/*", claim=True, log=lambda s: None)
+    assert len(ran) == 2                                                      # everything is claimed now
+    (tmp_path / "runs/.claims/closed").touch()                                # a closed queue hands out nothing
+    ablate.run_grid(cfg, tmp_path / "runs", only="*/attention/*", claim=True, log=lambda s: None)
+    assert len(ran) == 2
+
+
 @pytest.mark.parametrize("bad, message", [
     (dict(TINY, grid=dict(TINY["grid"], gates=["per-row"])), "grid.gates: 'per-row' is not one of"),
+    (dict(TINY, grid=dict(TINY["grid"], rows={"delta-channel": {"lrs": [1e-3]}})),
+     "grid.rows.delta-channel: not a row"),
+    (dict(TINY, grid=dict(TINY["grid"], rows={"attention": {"lrs": []}})),
+     "grid.rows.attention.lrs: must be a non-empty"),
+    (dict(TINY, grid=dict(TINY["grid"], rows={"attention": {"set": ["model.width=-1"]}})),
+     "base (setting 'default', row 'attention'): "),
     (dict(TINY, no_mlp=True), "no_mlp: replaced by base.model.mlp_ratio: 0"),
 ])
 def test_bad_config_names_the_key(tmp_path, capsys, bad, message):
@@ -73,6 +127,10 @@ def test_grid_runs_resumes_and_writes_outputs(config, tmp_path, monkeypatch, cap
     assert "| delta | head | Gated DeltaNet |" in table and "| attention | attention |" in table
     assert (out / "plot.png").stat().st_size > 0
     assert (out / "runs/default/delta-head/lr0.01/seed0/metrics.jsonl").exists()
+    # the committed per-run files regenerate the outputs in place
+    assert ablate.main(["--config", str(config), "--runs-dir", str(out / "runs"), "--out", str(out),
+                        "--report-only"]) == 0
+    assert json.loads((out / "results.json").read_text()) == records
 
     # finished cells are never trained again; a changed config is refused rather than mixed in
     import lineattn.train.trainer as trainer
@@ -80,6 +138,8 @@ def test_grid_runs_resumes_and_writes_outputs(config, tmp_path, monkeypatch, cap
     assert ablate.main(args) == 0
     assert ablate.main(args + ["--set", "train.steps=3"]) == 2
     assert "used another config" in capsys.readouterr().err
+    assert ablate.main(args + ["--set", "train.steps=3", "--list"]) == 0
+    assert "other default/attention/lr0.01/seed0" in capsys.readouterr().out
 
 
 def test_summary_picks_best_lr_by_seed_mean():
@@ -114,7 +174,7 @@ def test_fingerprints_of_committed_runs():
     root = Path(__file__).resolve().parents[1]
     lm = ablate.load_ablate_config(root / "configs/ablate_lm.yaml", LM_CPU_REDUCTION)
     cell = next(c for c in ablate.cells(lm) if c.key == "shakespeare_T256/delta-channel/lr0.003/seed1")
-    saved = json.loads((root / "experiments/results/ablate_lm/runs" / cell.key / "result.json").read_text())
+    saved = json.loads((root / "experiments/results/ablate_lm/cpu_reduced/runs" / cell.key / "result.json").read_text())
     assert ablate._fingerprint(ablate.run_config(lm, cell)) == saved["config"]
 
     mqar = ablate.load_ablate_config(root / "configs/ablate_mqar.yaml", ("train.checkpoint_every=0",))

@@ -2,12 +2,14 @@
 softmax attention as a reference row, over task settings, seeds and a small learning-rate sweep.
 
     python -m lineattn.experiments.ablate --config configs/ablate_mqar.yaml [--set train.steps=200 ...]
-        [--runs-dir runs/ablate/<name>] [--out experiments/results/<name>] [--shard I/N] [--report-only]
+        [--runs-dir runs/ablate/<name>] [--out experiments/results/<name>] [--only GLOBS] [--shard I/N | --claim]
+        [--report-only] [--list]
 
 Every run is one `lineattn.train.trainer.Trainer` run in its own directory (`<runs-dir>/<setting>/<cell>/lr<lr>/
 seed<seed>`: config.yaml, metrics.jsonl, checkpoints). A finished run leaves `result.json` there and is never
-redone; an unfinished one resumes from its last checkpoint. `--shard I/N` runs every N-th run (for parallel
-workers); every invocation ends by collecting all finished runs into `--out`:
+redone; an unfinished one resumes from its last checkpoint. Parallel workers over one runs dir either take fixed
+shares (`--shard I/N`: every N-th group of seeds) or a queue (`--claim`: the next unclaimed group; see
+experiments/run_grid_device.sh); every invocation ends by collecting all finished runs into `--out`:
 
     results.json   a list of {"task", "write", "gate", "seed", "lr", "metric", "value", ...}; write = gate =
                    "attention" for the reference row; one record per run and metric (the primary metric first)
@@ -18,9 +20,12 @@ workers); every invocation ends by collecting all finished runs into `--out`:
 
 The ablation config (YAML) has `name`, `task`, `metric` ("val_accuracy" | "val_loss" | "val_bpb"), `base` (a
 `lineattn train` config: model, data, optim, schedule, train, log; `model.mlp_ratio: 0` builds blocks without an
-MLP, as in Zoology's MQAR models) and `grid` (writes, gates, attention, seeds, lrs, settings: a list of {name, set: [KEY=VALUE
-overrides of base]}). The model of a linear cell is `base.model` with `layer_pattern: [[write, gate]]` (every layer
-the same rule); the reference row uses `layer_pattern: [attention]`.
+MLP, as in Zoology's MQAR models) and `grid` (writes, gates, attention, seeds, lrs, rows, settings: a list of
+{name, set: [KEY=VALUE overrides of base]}). `rows` maps a row (its name in the run keys: "attention",
+"delta-channel", ...) to {lrs: its own learning-rate sweep, replacing `lrs`; set: KEY=VALUE overrides of base for
+that row only, applied after the setting's}; the table lists them under each task. The model of a linear cell is
+`base.model` with `layer_pattern: [[write, gate]]` (every layer the same rule); the reference row uses
+`layer_pattern: [attention]`.
 """
 
 from __future__ import annotations
@@ -47,6 +52,11 @@ ATTENTION = "attention"
 HIGHER_IS_BETTER = {"val_accuracy": True, "val_loss": False, "val_bpb": False}
 
 
+def row_name(write: str, gate: str) -> str:
+    """A grid row's name in run keys and `grid.rows`: "<write>-<gate>", or "attention" for the reference row."""
+    return ATTENTION if write == ATTENTION else f"{write}-{gate}"
+
+
 @dataclass(frozen=True)
 class Setting:
     """A task variant: dotted overrides of the base config (e.g. data.seq_len=512)."""
@@ -59,12 +69,24 @@ class Setting:
 
 
 @dataclass(frozen=True)
+class RowConfig:
+    """What one row of the grid does differently: its own lr sweep and base overrides (e.g. for the attention row)."""
+    lrs: tuple[float, ...] | None = None
+    set: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.lrs is not None and (not self.lrs or any(lr <= 0 for lr in self.lrs)):
+            raise ConfigError(f"lrs: must be a non-empty list of positive numbers, got {list(self.lrs)}")
+
+
+@dataclass(frozen=True)
 class GridConfig:
     writes: tuple[str, ...] = WRITE_MODES
     gates: tuple[str, ...] = GATES
     attention: bool = True                     # the softmax-attention reference row
     seeds: tuple[int, ...] = (0,)
     lrs: tuple[float, ...] = (3e-3,)
+    rows: dict[str, RowConfig] = field(default_factory=dict)   # row name -> its own lrs / overrides
     settings: tuple[Setting, ...] = (Setting("default"),)
 
     def __post_init__(self):
@@ -81,6 +103,24 @@ class GridConfig:
         names = [s.name for s in self.settings]
         if len(set(names)) != len(names):
             raise ConfigError(f"settings: names must be distinct, got {names}")
+        names = self.row_names()
+        for row in self.rows:
+            if row not in names:
+                raise ConfigError(f"rows.{row}: not a row of this grid (rows: {names})")
+
+    def row_names(self) -> list[str]:
+        """Row names, as in the run keys: "<write>-<gate>" for every pair, then "attention"."""
+        return [row_name(w, g) for w in self.writes for g in self.gates] + ([ATTENTION] if self.attention else [])
+
+    def lrs_of(self, row: str) -> tuple[float, ...]:
+        own = self.rows.get(row)
+        return own.lrs if own is not None and own.lrs is not None else self.lrs
+
+    def set_of(self, row: str) -> tuple[str, ...]:
+        return self.rows[row].set if row in self.rows else ()
+
+    def all_lrs(self) -> list[float]:
+        return sorted(set(self.lrs).union(*(self.lrs_of(r) for r in self.row_names())))
 
 
 @dataclass(frozen=True)
@@ -103,7 +143,7 @@ class Cell:
 
     @property
     def mixer(self) -> str:
-        return ATTENTION if self.write == ATTENTION else f"{self.write}-{self.gate}"
+        return row_name(self.write, self.gate)
 
     @property
     def key(self) -> str:
@@ -121,21 +161,24 @@ def load_ablate_config(path: str | Path, overrides: tuple[str, ...] = ()) -> Abl
     elif overrides:
         raw["base"] = apply_overrides({}, overrides)
     cfg = from_dict(AblateConfig, raw)
-    for s in cfg.grid.settings:   # every setting must give a valid train config (checked before any run starts)
-        run_config(cfg, Cell(s, cfg.grid.writes[0] if cfg.grid.writes else ATTENTION,
-                             cfg.grid.gates[0] if cfg.grid.gates else ATTENTION, cfg.grid.lrs[0], cfg.grid.seeds[0]))
+    firsts = {}                   # the first cell of every setting and of every row with overrides ...
+    for c in cells(cfg):
+        firsts.setdefault((c.setting.name, c.mixer if c.mixer in cfg.grid.rows else None), c)
+    for c in firsts.values():     # ... must give a valid train config (checked before any run starts)
+        run_config(cfg, c)
     return cfg
 
 
 def cells(cfg: AblateConfig) -> list[Cell]:
     g = cfg.grid
     mixers = [(w, gate) for w in g.writes for gate in g.gates] + ([(ATTENTION, ATTENTION)] if g.attention else [])
-    return [Cell(s, w, gate, lr, seed) for s in g.settings for (w, gate) in mixers for lr in g.lrs for seed in g.seeds]
+    return [Cell(s, w, gate, lr, seed) for s in g.settings for (w, gate) in mixers
+            for lr in g.lrs_of(row_name(w, gate)) for seed in g.seeds]
 
 
 def run_config(cfg: AblateConfig, cell: Cell):
     """The `lineattn train` config of one cell."""
-    base = apply_overrides(cfg.base, cell.setting.set)
+    base = apply_overrides(cfg.base, cell.setting.set + cfg.grid.set_of(cell.mixer))
     base.setdefault("model", {})
     base["model"]["layer_pattern"] = [ATTENTION] if cell.write == ATTENTION else [[cell.write, cell.gate]]
     base.setdefault("optim", {})["lr"] = cell.lr
@@ -144,7 +187,8 @@ def run_config(cfg: AblateConfig, cell: Cell):
     try:
         return load_config(base=base)
     except ConfigError as e:
-        raise ConfigError(f"base (setting {cell.setting.name!r}): {e}") from None
+        row = f", row {cell.mixer!r}" if cfg.grid.set_of(cell.mixer) else ""
+        raise ConfigError(f"base (setting {cell.setting.name!r}{row}): {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -200,26 +244,72 @@ def run_cell(cfg: AblateConfig, cell: Cell, runs_dir: Path, log=print) -> dict[s
     return result
 
 
+def seed_groups(some: list[Cell]) -> list[list[Cell]]:
+    """Consecutive cells that differ only in the seed, as groups (one model and lr: one compiled train step)."""
+    groups: list[list[Cell]] = []
+    for c in some:
+        if groups and (groups[-1][0].setting, groups[-1][0].mixer, groups[-1][0].lr) == (c.setting, c.mixer, c.lr):
+            groups[-1].append(c)
+        else:
+            groups.append([c])
+    return groups
+
+
+def status(cfg: AblateConfig, cell: Cell, runs_dir: Path) -> str:
+    """"todo" (not finished), "done", or "other" (finished with another config: collected into the results, but
+    not resumed or redone; move it away to run the cell again)."""
+    done = run_dir_of(runs_dir, cell) / "result.json"
+    if not done.exists():
+        return "todo"
+    return "done" if json.loads(done.read_text()).get("config") == _fingerprint(run_config(cfg, cell)) else "other"
+
+
 def select(all_cells: list[Cell], shard: tuple[int, int] = (0, 1), only: str | None = None) -> list[Cell]:
-    """Cells whose key matches one of the comma-separated globs in `only`, then every N-th from I (shard I/N)."""
+    """Cells whose key matches one of the comma-separated globs in `only` (in the order of the globs, so the first
+    glob's cells run first), then every N-th seed group from the I-th (shard I/N): the seeds of one cell stay with
+    one worker, which then compiles that model once (with JAX's persistent compilation cache)."""
     if only:
         pats = [p.strip() for p in only.split(",") if p.strip()]
-        all_cells = [c for c in all_cells if any(fnmatch.fnmatch(c.key, p) for p in pats)]
-    return all_cells[shard[0]::shard[1]]
+        rank = {c.key: next((i for i, p in enumerate(pats) if fnmatch.fnmatch(c.key, p)), None) for c in all_cells}
+        all_cells = sorted((c for c in all_cells if rank[c.key] is not None), key=lambda c: rank[c.key])
+    return [c for g in seed_groups(all_cells)[shard[0]::shard[1]] for c in g]
+
+
+def _claim(runs_dir: Path, group: list[Cell]) -> bool:
+    """Claim a seed group for this worker (False if another worker has, or once the queue is closed by a file
+    `<runs dir>/.claims/closed`): workers sharing a runs dir with --claim take groups from one queue instead of
+    fixed shards, so a slow group does not hold up the rest."""
+    claims = runs_dir / ".claims"
+    claims.mkdir(parents=True, exist_ok=True)
+    if (claims / "closed").exists():
+        return False
+    try:
+        fd = os.open(claims / group[0].key.rsplit("/", 1)[0].replace("/", "__"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    return True
 
 
 def run_grid(cfg: AblateConfig, runs_dir: Path, *, shard: tuple[int, int] = (0, 1), only: str | None = None,
-             log=print) -> list[dict]:
+             claim: bool = False, log=print) -> list[dict]:
     todo = select(cells(cfg), shard, only)
     results = []
-    for i, cell in enumerate(todo):
-        already = (run_dir_of(runs_dir, cell) / "result.json").exists()
-        r = run_cell(cfg, cell, runs_dir, log)
-        m = r["final"].get(cfg.metric)
-        log(f"[{i + 1}/{len(todo)}] {cell.key}: {cfg.metric} {m:.4f} "
-            f"({'already done' if already else f'{r['wall_s']:.0f} s'})" if m is not None else
-            f"[{i + 1}/{len(todo)}] {cell.key}: no {cfg.metric}")
-        results.append(r)
+    i = 0
+    for group in seed_groups(todo):
+        if claim and not _claim(runs_dir, group):
+            i += len(group)
+            continue
+        for cell in group:
+            i += 1
+            already = (run_dir_of(runs_dir, cell) / "result.json").exists()
+            r = run_cell(cfg, cell, runs_dir, log)
+            m = r["final"].get(cfg.metric)
+            log(f"[{i}/{len(todo)}] {cell.key}: {cfg.metric} {m:.4f} "
+                f"({'already done' if already else f'{r['wall_s']:.0f} s'})" if m is not None else
+                f"[{i}/{len(todo)}] {cell.key}: no {cfg.metric}")
+            results.append(r)
     return results
 
 
@@ -283,10 +373,12 @@ def _fmt(metric: str, x: float) -> str:
 def table_md(cfg: AblateConfig, records: list[dict]) -> str:
     summ = summarize(records, cfg.metric)
     unit = " (%)" if cfg.metric == "val_accuracy" else ""
-    lrs = sorted(cfg.grid.lrs)
+    lrs = cfg.grid.all_lrs()
+    swept = f"{sorted(cfg.grid.lrs)}" + "".join(f"; {row}: {sorted(r.lrs)}" for row, r in cfg.grid.rows.items()
+                                                if r.lrs is not None)
     lines = [f"# {cfg.name}: {cfg.task}, {cfg.metric}{unit}", "",
              f"Mean ± std over seeds {list(cfg.grid.seeds)} at each cell's best learning rate (best by the seed mean; "
-             f"{'higher' if HIGHER_IS_BETTER[cfg.metric] else 'lower'} is better). Learning rates swept: {lrs}. "
+             f"{'higher' if HIGHER_IS_BETTER[cfg.metric] else 'lower'} is better). Learning rates swept: {swept}. "
              "Cells not yet run are left out.", ""]
     tasks = [s.name for s in cfg.grid.settings]
     for task in tasks:
@@ -303,6 +395,10 @@ def table_md(cfg: AblateConfig, records: list[dict]) -> str:
             per_lr = " | ".join(_fmt(cfg.metric, s["lr_means"][lr]) if lr in s["lr_means"] else "–" for lr in lrs)
             lines.append(f"| {w} | {g} | {RULE_NAMES.get((w, g), '')} | {_fmt(cfg.metric, s['mean'])} ± "
                          f"{_fmt(cfg.metric, s['std'])} | {s['best_lr']:g} | {len(s['values'])} | {per_lr} |")
+        own = [f"{row_name(w, g)}: {', '.join(cfg.grid.set_of(row_name(w, g)))}" for w, g in rows
+               if cfg.grid.set_of(row_name(w, g))]
+        if own:
+            lines += ["", "Rows trained with their own overrides of the base config: " + "; ".join(own) + "."]
         lines.append("")
     return "\n".join(lines)
 
@@ -407,8 +503,8 @@ def write_outputs(cfg: AblateConfig, runs_dir: Path, out: Path) -> list[dict]:
         plot_curves(cfg, records, runs_dir, out / "curves.png")
     for cell in cells(cfg):   # per-run metrics (small) beside the results; checkpoints stay in runs_dir
         src = run_dir_of(runs_dir, cell)
-        if (src / "result.json").exists():
-            dst = out / "runs" / cell.key
+        dst = out / "runs" / cell.key
+        if (src / "result.json").exists() and src.resolve() != dst.resolve():   # (--runs-dir <out>/runs: in place)
             dst.mkdir(parents=True, exist_ok=True)
             for name in ("metrics.jsonl", "result.json"):
                 if (src / name).exists():
@@ -427,11 +523,16 @@ def parser() -> argparse.ArgumentParser:
                    help="override of the base train config, e.g. --set train.steps=200 (repeatable)")
     p.add_argument("--runs-dir", help="where the runs live (default runs/ablate/<name>); finished runs are reused")
     p.add_argument("--out", help="results folder (default experiments/results/<name>)")
-    p.add_argument("--shard", default="0/1", metavar="I/N", help="run only cells I, I+N, I+2N, ... (parallel workers)")
+    p.add_argument("--shard", default="0/1", metavar="I/N", help="run only seed groups I, I+N, I+2N, ... (the "
+                   "seeds of one row and lr stay together; parallel workers)")
     p.add_argument("--only", metavar="GLOBS", help="only cells whose key (setting/write-gate/lrX/seedN) matches one "
-                   "of these comma-separated globs, e.g. '*/delta-*/*'")
+                   "of these comma-separated globs, e.g. '*/delta-*/*' (the first glob's cells first)")
+    p.add_argument("--claim", action="store_true", help="parallel workers over one runs dir: each takes the next "
+                   "seed group no other worker has claimed (claims live in <runs dir>/.claims; delete it before a "
+                   "new parallel invocation)")
     p.add_argument("--report-only", action="store_true", help="only collect finished runs into --out")
-    p.add_argument("--list", action="store_true", help="print the cells and whether each is finished, then exit")
+    p.add_argument("--list", action="store_true", help="print the cells and whether each is finished (todo, done, or "
+                   "other: finished with another config), then exit")
     return p
 
 
@@ -450,14 +551,14 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or os.path.join("experiments", "results", cfg.name))
     if args.list:
         for c in select(cells(cfg), shard, args.only):
-            print(("done  " if (run_dir_of(runs_dir, c) / "result.json").exists() else "todo  ") + c.key)
+            print(f"{status(cfg, c, runs_dir):<6}{c.key}")
         return 0
     if not args.report_only:
         total = len(cells(cfg))
         print(f"{cfg.name}: {total} runs ({len(select(cells(cfg), shard, args.only))} selected), "
               f"runs in {runs_dir}", flush=True)
         try:
-            run_grid(cfg, runs_dir, shard=shard, only=args.only, log=lambda s: print(s, flush=True))
+            run_grid(cfg, runs_dir, shard=shard, only=args.only, claim=args.claim, log=lambda s: print(s, flush=True))
         except ConfigError as e:
             print(f"lineattn ablate: config error: {e}", file=sys.stderr)
             return 2
