@@ -1,17 +1,90 @@
 #!/usr/bin/env bash
-# Runs an ablation grid with N parallel workers on one machine (e.g. the lent H200: 16 CPU cores compile in
-# parallel, the tiny models share the GPU), then collects the results.
-#   bash experiments/run_grid_device.sh CONFIG WORKERS RUNS_DIR OUT [--set KEY=VALUE ...]
+# Runs the unfinished cells of an ablation grid on one machine (the lent H200: 16 CPU cores compile in parallel,
+# the tiny models share the GPU) within a deadline, and packs what came out into $OUT.
+#
+#   bash experiments/run_grid_device.sh CONFIG GLOBS [--set KEY=VALUE ...]
+#   bash experiments/run_grid_device.sh mqar|lm [--set ...]      (the shipped configs, in the order below)
+#
+#   CONFIG  configs/ablate_<name>.yaml; the committed runs in experiments/results/<name>/runs count as done
+#           (`ablate --list` says done; runs finished with another config, "other", are not redone either)
+#   GLOBS   comma-separated cell globs (setting/row/lrX/seedN) in priority order: the cells of the first glob are
+#           queued first; cells already done are left out
+#   env     WORKERS (12) parallel workers taking seed groups from one queue (`ablate --claim`); DEADLINE (480):
+#           seconds after this script's start at which unfinished workers are stopped (the script ends about
+#           15 s later); OUT (required: the folder that comes back); RUNS (/tmp/ablate_runs); PYTHON (python3);
+#           CLOSE (120): no run starts in the last CLOSE seconds; DRY=1: print the queue and stop
+#
+# $OUT receives: runs.tgz (every finished run: <key>/{result.json,metrics.jsonl}, to unpack into
+# experiments/results/<name>/runs), partial.tgz (metrics.jsonl of runs stopped at the deadline: their speed),
+# table.md (the new runs alone) and log.txt (the queue, every worker's log, timings). Checkpoints are off
+# (train.checkpoint_every=0): a run stopped at the deadline starts again from step 0 in a later call.
+# Afterwards, here:
+#   tar -xzf <files>/runs.tgz -C experiments/results/<name>/runs
+#   python -m lineattn.experiments.ablate --config CONFIG --runs-dir experiments/results/<name>/runs \
+#       --out experiments/results/<name> --report-only
 set -u
-config=$1; workers=$2; runs=$3; out=$4; shift 4
-py=${PYTHON:-python3}
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
+# Priorities: seed 0 of every main row first (a one-seed grid early; for MQAR then the cheap attention runs of
+# T256_kv16), then seed 1; the costly rows last.
+main_mqar=T512_kv64/delta-none,T512_kv64/delta-head,T512_kv64/delta-channel,T512_kv64/attention
+main_mqar=$main_mqar,T512_kv64/additive-none,T512_kv64/additive-head,T512_kv64/additive-channel
+main_lm=additive-none,additive-fixed,additive-head,additive-channel,delta-none,delta-head,delta-channel,attention
+case $1 in
+  mqar) config=configs/ablate_mqar.yaml; shift
+        globs=$(tr , '\n' <<< "$main_mqar" | sed 's|$|/*/seed0|' | paste -sd, -),T256_kv16/attention/*
+        globs=$globs,$(tr , '\n' <<< "$main_mqar" | sed 's|$|/*|' | paste -sd, -),T256_kv16/delta-channel/*
+        globs=$globs,T512_kv64/*-fixed/*,T512_kv64/additive-element/*,*/delta-element/*/seed0,*/delta-element/*;;
+  lm)   config=configs/ablate_lm.yaml; shift
+        globs=$(tr , '\n' <<< "$main_lm" | sed 's|^|*/|; s|$|/*/seed0|' | paste -sd, -),$(tr , '\n' <<< "$main_lm" \
+          | sed 's|^|*/|; s|$|/*|' | paste -sd, -),*/delta-fixed/*,*/additive-element/*,*/delta-element/*;;
+  *)    config=$1; globs=$2; shift 2;;
+esac
+: "${OUT:?set OUT to the folder that comes back}"
+workers=${WORKERS:-12}; deadline=${DEADLINE:-480}; runs=${RUNS:-/tmp/ablate_runs}; py=${PYTHON:-python3}
+name=$(basename "$config" .yaml)
+done_dir=experiments/results/$name/runs
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+# One compile per model: the seeds of a group run one after another in one worker and find the train step in
+# the persistent cache (the lr is a constant of the compiled step, the seed is not).
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/lineattn_jax_cache}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.5
+t0=$(date +%s)
+rm -rf "${runs}_report"*; mkdir -p "$OUT" "$runs"
+# a run stopped in an earlier call on this machine has no checkpoint: it starts again from step 0
+(cd "$runs" && find . -name config.yaml -printf '%h\n' | while read -r d; do [ -f "$d/result.json" ] || rm -rf "$d"; done)
+log=$OUT/log.txt
+{ echo "# $(date -u +%FT%TZ) $config workers=$workers deadline=${deadline}s"; nvidia-smi -L 2>/dev/null
+  $py -c 'import jax; print("jax", jax.__version__, jax.devices())'; } > "$log" 2>&1
+
+# The queue: the selected cells not yet done in the committed results, in the order of the globs.
+todo=$($py -m lineattn.experiments.ablate --config "$config" --runs-dir "$done_dir" --only "$globs" --list "$@" \
+       | awk '$1 == "todo" {print $2}' | paste -sd, -)
+if [ -z "$todo" ]; then echo "nothing to do" | tee -a "$log"; exit 0; fi
+echo "# queue ($(tr ',' '\n' <<< "$todo" | wc -l) runs): $todo" >> "$log"
+if [ -n "${DRY:-}" ]; then tr ',' '\n' <<< "$todo"; exit 0; fi
+rm -rf "$runs/.claims"; mkdir -p "$runs/.claims"
+left=$(( deadline - ($(date +%s) - t0) ))
+echo "# $workers workers, stopped after $left s" >> "$log"
 pids=()
 for ((i = 0; i < workers; i++)); do
-  $py -m lineattn.experiments.ablate --config "$config" --runs-dir "$runs" --out "$out.shard$i" \
-      --shard "$i/$workers" "$@" > "$runs.worker$i.log" 2>&1 &
+  timeout -k 10 "$left" $py -m lineattn.experiments.ablate --config "$config" --runs-dir "$runs" \
+      --out "${runs}_report$i" --only "$todo" --claim --set train.checkpoint_every=0 "$@" > "$runs/worker$i.log" 2>&1 &
   pids+=($!)
 done
+# No new run starts in the last CLOSE seconds: the runs in flight get the GPU to themselves and finish in time.
+(sleep $(( left > ${CLOSE:-120} ? left - ${CLOSE:-120} : 0 )); touch "$runs/.claims/closed") & closer=$!
 for p in "${pids[@]}"; do wait "$p"; done
-rm -rf "$out".shard*
-$py -m lineattn.experiments.ablate --config "$config" --runs-dir "$runs" --out "$out" --report-only "$@"
+pkill -P "$closer" 2>/dev/null; kill "$closer" 2>/dev/null
+echo "# workers finished after $(( $(date +%s) - t0 )) s" >> "$log"
+
+$py -m lineattn.experiments.ablate --config "$config" --runs-dir "$runs" --out "${runs}_report" --report-only \
+    --set train.checkpoint_every=0 "$@" >> "$log" 2>&1
+cp "${runs}_report/table.md" "$OUT/table.md" 2>/dev/null
+for f in "$runs"/worker*.log; do echo "## $f"; cat "$f"; done >> "$log"
+(cd "$runs" && find . -name result.json -printf '%h\n' | sort > .finished
+ find . -name metrics.jsonl -printf '%h\n' | sort | comm -23 - .finished > .partial
+ sed 's|$|/result.json|' .finished > .files; sed 's|$|/metrics.jsonl|' .finished >> .files
+ tar -czf "$OUT/runs.tgz" -T .files
+ sed 's|$|/metrics.jsonl|' .partial | tar -czf "$OUT/partial.tgz" -T -
+ echo "# finished $(wc -l < .finished), stopped at the deadline $(wc -l < .partial):" $(cat .partial)) >> "$log"
+echo "# done after $(( $(date +%s) - t0 )) s" >> "$log"
+tail -n 3 "$log"
