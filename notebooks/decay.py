@@ -153,7 +153,7 @@ assert np.all(spread > 3), spread                                 # channels of 
 # over heads and channels (for the channel gate, the mean over channels of the per-channel product).
 #
 # The committed `trained_gates.npz` comes from the CPU-sized LM ablation (2 layers, width 64, 300 steps; see
-# `experiments/results/ablate_lm/README.md`): short training, so many channel gates are still near their
+# `experiments/results/ablate_lm/cpu_reduced/README.md`): short training, so many channel gates are still near their
 # initial value `g ~ 0` (no decay). What it shows: RetNet's fixed decays forget within ~100 tokens, the
 # data-dependent gates keep most of the state over the whole context on average, and within one KDA / GLA head
 # the key channels span half-lives from one token to "never".
