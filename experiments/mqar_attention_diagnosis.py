@@ -53,6 +53,8 @@ def run(name, T=64, kv=8, steps=600, lr=3e-3, wd=0.1, batch=64, heads=2, pattern
         if s % 100 == 0 or s == steps:
             _, acc = evaluate(model, val["tokens"], val["targets"], val["mask"])
             hist.append((s, round(float(loss), 3), round(float(acc), 3)))
+            print(f"  {name} step {s}: loss {hist[-1][1]}, accuracy {hist[-1][2]} ({time.time() - t0:.0f} s)",
+                  flush=True)
     print(name, f"{time.time() - t0:.0f}s", hist, flush=True)
 
 
