@@ -249,7 +249,8 @@ def main():
     p.add_argument("--fla-shapes", default="8x4096,1x32768", help="shapes at which FLA is timed")
     p.add_argument("--tune-shapes", default="8x4096,1x32768")
     p.add_argument("--gdn", action="store_true")
-    p.add_argument("--decode", default="32x4,64x4,32x2,128x4", help="decode block_v x num_warps configs")
+    p.add_argument("--decode", default="64x4,64x8,32x4,32x8,16x4,128x8",
+                   help="decode block_v x num_warps configs (bv64-w4: 256 fp32 state registers a thread)")
     p.add_argument("--long", type=int, default=0, help="also time one sequence of this length (0: no)")
     p.add_argument("--tune", action="store_true", help="time the forward's kernels apart and launch settings")
     p.add_argument("--warps", default="4x4,8x4,4x8,8x8")
