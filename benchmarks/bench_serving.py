@@ -1,11 +1,16 @@
 """Serving mechanisms on the CPU: time to first token with and without the prefix cache (the reference article's
 A/B/C example), and speculative vs plain greedy decoding (tokens/s, acceptance rate).
 
-    python benchmarks/bench_serving.py --out benchmarks/results
+    python benchmarks/bench_serving.py --out benchmarks/results                          # random models
+    python benchmarks/bench_serving.py --run-dir runs/shakespeare --out benchmarks/results  # after `make train`
 
-Models are random-initialised, with noise on every parameter so their greedy continuations vary (an untrained
-model otherwise repeats one token). The draft shares the target's embedding and first layers. Each measurement
-is run twice and the second run is reported (the first compiles). Writes <out>/<date>-cpu-serving.json.
+Without --run-dir the target is random-initialised, with noise on every parameter so its greedy continuations
+vary (an untrained model otherwise repeats one token), and the prompts are random bytes: the draft then agrees
+with the target about as often as chance, which times the mechanism at its worst. With --run-dir the target is
+that run's trained model and the requests and prompts are held-out text (its validation plays), so the
+acceptance rate is what an early-exit draft of a trained model gets. The draft shares the target's embedding,
+first --draft-layers blocks and final norm. Each measurement is run twice and the second run is reported (the
+first compiles). Writes <out>/<date>-cpu-serving[-trained-draft<L>x<n>].json.
 """
 
 from __future__ import annotations
@@ -45,6 +50,20 @@ def truncated_draft(target, num_layers):
     return draft
 
 
+def trained(run_dir, batch):
+    """The run's model, 3200 tokens of its held-out text (the A/B/C requests) and [batch, 32] prompts from it."""
+    from lineattn.train.corpus import shakespeare_works, split_works
+    from lineattn.train.tokenizer import ByteTokenizer
+    from lineattn.train.trainer import load_run
+    cfg, bundle, _ = load_run(run_dir)
+    if cfg.data.source != "shakespeare":
+        raise ValueError(f"--run-dir must be a byte-level Shakespeare run, got data.source {cfg.data.source!r}")
+    _, val = split_works(shakespeare_works(), tuple(cfg.data.val_plays))
+    held_out = ByteTokenizer().encode(b"".join(val[name] for name in sorted(val)))
+    starts = np.linspace(10_000, len(held_out) - 100, batch).astype(int)  # past the title pages
+    return bundle.model, np.asarray(held_out[:3200]), np.stack([held_out[s : s + 32] for s in starts])
+
+
 def twice(fn):
     fn()
     start = time.perf_counter()
@@ -52,12 +71,11 @@ def twice(fn):
     return time.perf_counter() - start, out
 
 
-def ttft_rows(model, block_size, hash_block_size):
-    rng = np.random.default_rng(0)
-    vocab = model.cfg.vocab_size
-    A = rng.integers(0, vocab, 2000)
-    B = np.concatenate([A[:1300], rng.integers(0, vocab, 700)])
-    C = np.concatenate([A[:1300], rng.integers(0, vocab, 500)])
+def ttft_rows(model, block_size, hash_block_size, text):
+    """The A/B/C example: B and C share A's first 1300 tokens. text [>= 3200] int: the tokens to draw from."""
+    A = text[:2000]
+    B = np.concatenate([A[:1300], text[2000:2700]])
+    C = np.concatenate([A[:1300], text[2700:3200]])
 
     jit_prefill = nnx.jit(decode.prefill)  # the cache's prefill is jitted too
 
@@ -83,9 +101,11 @@ def ttft_rows(model, block_size, hash_block_size):
     return rows
 
 
-def spec_rows(target, draft_layers, num_draft, new_tokens, batch):
+def spec_rows(target, draft_layers, num_draft, new_tokens, prompts):
+    """Plain greedy vs speculative greedy decoding of prompts [B, T0] (both emit the same tokens, asserted)."""
     draft = truncated_draft(target, draft_layers)
-    prompts = jnp.asarray(np.random.default_rng(1).integers(0, target.cfg.vocab_size, (batch, 32)))
+    batch = prompts.shape[0]
+    prompts = jnp.asarray(prompts)
     plain_s, plain = twice(lambda: jax.block_until_ready(decode.generate(target, prompts, new_tokens, temperature=0)))
     spec_s, (out, stats) = twice(lambda: speculative_generate(target, draft, prompts, new_tokens,
                                                               num_draft=num_draft))
@@ -104,23 +124,37 @@ def main():
     p.add_argument("--num-draft", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--run-dir", type=Path, default=None,
+                   help="a trained byte-level run (`make train`): its model and held-out text instead of random ones")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    cfg = ModelConfig(vocab_size=256, width=args.width, num_layers=args.layers, num_heads=2)
-    model = perturbed(HybridLM(cfg, rngs=nnx.Rngs(0)), 0)
-    record = dict(op="serving", device=jax.devices()[0].platform, width=args.width, layers=args.layers,
-                  versions=versions())
-    print(f"prefix cache, A/B/C (block 640, hash block 64), width {args.width}, {args.layers} layers (3 KDA : 1 attn)")
-    record["ttft"] = ttft_rows(model, 640, 64)
+    if args.run_dir is None:
+        cfg = ModelConfig(vocab_size=256, width=args.width, num_layers=args.layers, num_heads=2)
+        model = perturbed(HybridLM(cfg, rngs=nnx.Rngs(0)), 0)
+        rng = np.random.default_rng(0)
+        text = rng.integers(0, cfg.vocab_size, 3200)
+        prompts = np.random.default_rng(1).integers(0, cfg.vocab_size, (args.batch, 32))
+        source = "random model, random tokens"
+    else:
+        model, text, prompts = trained(args.run_dir, args.batch)
+        cfg = model.cfg
+        source = f"trained model {args.run_dir}, held-out text"
+    pattern = ":".join(str(cfg.layer_pattern.count(m)) + " " + m for m in dict.fromkeys(cfg.layer_pattern))
+    record = dict(op="serving", device=jax.devices()[0].platform, width=cfg.width, layers=cfg.num_layers,
+                  pattern=pattern, source=source, versions=versions())
+    print(f"{source}: width {cfg.width}, {cfg.num_layers} layers ({pattern})")
+    print("prefix cache, A/B/C (block 640, hash block 64)")
+    record["ttft"] = ttft_rows(model, 640, 64, text)
     for r in record["ttft"]:
         print(f"  {r['request']}: {r['tokens']} tokens, hit {r['hit']:>4}, junction {r['junction']}: "
               f"TTFT cold {r['ttft_cold_ms']:8.1f} ms, with cache {r['ttft_cached_ms']:8.1f} ms")
-    record["speculative"] = spec_rows(model, args.draft_layers, args.num_draft, args.new_tokens, args.batch)
+    record["speculative"] = spec_rows(model, args.draft_layers, args.num_draft, args.new_tokens, prompts)
     for r in record["speculative"]:
         extra = f", acceptance {r['acceptance_rate']:.2f}" if "acceptance_rate" in r else ""
         print(f"  {r['mode']}: {r['tokens_per_s']:.1f} tokens/s{extra}")
     if args.out:
-        write_results(args.out, f"{record['device']}-serving", record)
+        tag = f"-trained-draft{args.draft_layers}x{args.num_draft}" if args.run_dir else ""
+        write_results(args.out, f"{record['device']}-serving{tag}", record)
 
 
 if __name__ == "__main__":

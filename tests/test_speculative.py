@@ -60,6 +60,16 @@ def test_every_acceptance_pattern_emits_the_greedy_tokens_and_rolls_back(accepte
             assert rel_err(x, y) <= 1e-5
 
 
+def test_padded_entry_state_is_the_plain_state():
+    # speculative_generate's loop carries a pool of n + 1 states from the start: entering pads it, and the state
+    # it selects is still exactly the prefill's.
+    state = one_request_state(TARGET, tokens(1, 10), 20)
+    entered = spec.enter(state, num_draft=N)
+    assert all(x.pool.shape[1] == N + 1 for x in entered.layers if not isinstance(x, KVCache))
+    for x, y in zip(jax.tree.leaves(spec.current(entered)), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_greedy_speculative_generate_equals_target_greedy():
     draft = perturbed(TARGET, 1, 0.05)  # agrees often, not always
     prompts = tokens(2, 12, seed=3)

@@ -42,16 +42,17 @@ class SpecState(NamedTuple):
     accepted: jax.Array  # [] int32: accepted drafts a (0 .. n)
 
 
-def enter(state: DecodeState) -> SpecState:
-    """A plain one-request state as a SpecState (as if one input had been verified and accepted with a = 0)."""
+def enter(state: DecodeState, num_draft: int = 0) -> SpecState:
+    """A plain one-request state as a SpecState (as if one input had been verified and accepted with a = 0).
+    With num_draft = n the pool and window are padded to the shapes a verify of n + 1 inputs gives (a loop carry)."""
     layers = []
     for layer in state.layers:
         if isinstance(layer, KVCache):
             layers.append(layer)
         else:
-            conv = layer.conv
-            window = None if conv is None else jnp.concatenate([jnp.zeros_like(conv[:, :1]), conv], axis=1)
-            layers.append(SpecLinearState(window, layer.recurrent[:, None]))
+            conv, pad = layer.conv, lambda x: jnp.pad(x, [(0, 0), (0, num_draft)] + [(0, 0)] * (x.ndim - 2))
+            window = None if conv is None else pad(jnp.concatenate([jnp.zeros_like(conv[:, :1]), conv], axis=1))
+            layers.append(SpecLinearState(window, pad(layer.recurrent[:, None])))
     return SpecState(tuple(layers), state.slot - 1, state.start, jnp.zeros((), jnp.int32))
 
 
@@ -156,27 +157,51 @@ def spec_round(target, draft, t_spec, d_spec, x0, key, *, num_draft, temperature
     return emitted, a, nxt, accept(t_spec, a), accept(d_spec, a)
 
 
-@functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "num_draft", "temperature", "top_k", "top_p"))
-def _batched_round(t_graph, t_params, d_graph, d_params, t_spec, d_spec, x0, keys, *, num_draft, temperature,
-                   top_k, top_p):
+@functools.partial(jax.jit, static_argnames=("t_graph", "d_graph", "max_new_tokens", "num_draft", "temperature",
+                                             "top_k", "top_p"))
+def _generate_loop(t_graph, t_params, d_graph, d_params, t_spec, d_spec, x0, rng, *, max_new_tokens, num_draft,
+                   temperature, top_k, top_p):
+    """Rounds until every request has max_new_tokens tokens, in one `lax.while_loop` (no host round trip a round).
+
+    Requests advance by a + 1 tokens a round, each at its own position `pos [B]` in `out [B, max_new + n + 1]`;
+    a finished request keeps running with the others (its tokens and statistics are no longer recorded)."""
+    B, n = x0.shape[0], num_draft
+
     def one(t_spec, d_spec, x0, key):
         target, draft = nnx.merge(t_graph, t_params), nnx.merge(d_graph, d_params)
-        return spec_round(target, draft, t_spec, d_spec, x0, key, num_draft=num_draft, temperature=temperature,
+        return spec_round(target, draft, t_spec, d_spec, x0, key, num_draft=n, temperature=temperature,
                           top_k=top_k, top_p=top_p)
 
-    return jax.vmap(one)(t_spec, d_spec, x0, keys)
+    def body(carry):
+        t_spec, d_spec, x0, out, pos, rng, rounds, proposed, accepted = carry
+        rng, key = jax.random.split(rng)
+        emitted, a, x0, t_spec, d_spec = jax.vmap(one)(t_spec, d_spec, x0, jax.random.split(key, B))
+        active = pos < max_new_tokens
+        written = jax.vmap(lambda row, e, p: jax.lax.dynamic_update_slice(row, e, (p,)))(out, emitted, pos)
+        out = jnp.where(active[:, None], written, out)  # emitted[a + 1:] is overwritten by the next round
+        pos = pos + jnp.where(active, a + 1, 0)
+        proposed = proposed + n * active.sum()
+        accepted = accepted + jnp.where(active, a, 0).sum()
+        return t_spec, d_spec, x0, out, pos, rng, rounds + 1, proposed, accepted
+
+    out = jnp.zeros((B, max_new_tokens + n + 1), jnp.int32).at[:, 0].set(x0)
+    zero = jnp.zeros((), jnp.int32)
+    carry = (t_spec, d_spec, x0, out, jnp.ones((B,), jnp.int32), rng, zero, zero, zero)
+    carry = jax.lax.while_loop(lambda c: jnp.min(c[4]) < max_new_tokens, body, carry)
+    _, _, _, out, _, _, rounds, proposed, accepted = carry
+    return out[:, :max_new_tokens], rounds, proposed, accepted
 
 
 _prefill = nnx.jit(prefill)
 
 
-def _per_request(state: DecodeState) -> SpecState:
+def _per_request(state: DecodeState, num_draft: int) -> SpecState:
     """[B, ...] state with a shared slot -> a SpecState with a leading request axis (batch 1 inside)."""
     B = state.start.shape[0]
     split = lambda x: x[:, None]
     layers = tuple(jax.tree.map(split, layer) for layer in state.layers)
     per = DecodeState(layers, jnp.broadcast_to(state.slot, (B,)), state.start[:, None])
-    return jax.vmap(enter)(per)
+    return jax.vmap(functools.partial(enter, num_draft=num_draft))(per)
 
 
 def speculative_generate(target, draft, prompts, max_new_tokens: int, *, num_draft: int = 4,
@@ -201,20 +226,12 @@ def speculative_generate(target, draft, prompts, max_new_tokens: int, *, num_dra
     rng, key = jax.random.split(rng)
     x0 = sample(t_logits[:, -1], key, temperature=temperature, top_k=top_k, top_p=top_p)
     # x0 is the first generated token; it enters both models at the start of the first round.
-    t_spec, d_spec = _per_request(t_state), _per_request(d_state)
+    t_spec, d_spec = _per_request(t_state, num_draft), _per_request(d_state, num_draft)
     t_graph, t_params = nnx.split(target)
     d_graph, d_params = nnx.split(draft)
-    out = [[int(x)] for x in np.asarray(x0)]
-    rounds = proposed = accepted = 0
-    while min(len(o) for o in out) < max_new_tokens:
-        rng, key = jax.random.split(rng)
-        emitted, a, x0, t_spec, d_spec = _batched_round(
-            t_graph, t_params, d_graph, d_params, t_spec, d_spec, x0, jax.random.split(key, B),
-            num_draft=num_draft, temperature=float(temperature), top_k=top_k, top_p=top_p)
-        emitted, a = np.asarray(emitted), np.asarray(a)
-        for b in range(B):
-            out[b].extend(int(t) for t in emitted[b, : a[b] + 1])
-        rounds, proposed, accepted = rounds + 1, proposed + B * num_draft, accepted + int(a.sum())
-    tokens = jnp.asarray([o[:max_new_tokens] for o in out], jnp.int32)
+    tokens, rounds, proposed, accepted = _generate_loop(
+        t_graph, t_params, d_graph, d_params, t_spec, d_spec, x0.astype(jnp.int32), rng,
+        max_new_tokens=max_new_tokens, num_draft=num_draft, temperature=float(temperature), top_k=top_k, top_p=top_p)
+    rounds, proposed, accepted = int(rounds), int(proposed), int(accepted)
     stats = dict(rounds=rounds, proposed=proposed, accepted=accepted, acceptance_rate=accepted / max(proposed, 1))
     return tokens, stats

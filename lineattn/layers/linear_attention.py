@@ -18,6 +18,8 @@ from lineattn.layers.conv import ShortConv
 from lineattn.layers.segments import RESET_LOG_GATE, context_segment_starts, segment_starts
 
 GATE_FNS = ("safe", "softplus")
+# Blocks of at most this many tokens continuing a decode state run the token-level recurrence (see __call__).
+SHORT_BLOCK = 16
 
 
 class LinearState(NamedTuple):
@@ -191,7 +193,11 @@ class LinearAttention(nnx.Module):
             o, S = ops_pallas.decode_step(q, k, v, g_step, beta, state.recurrent)
             out = (o, S)
         else:
-            backend = "recurrent" if state is not None and T == 1 else self.backend
+            # A few tokens continuing a state (a decode step, a speculative verify block) take the token-level
+            # scan: exact, and far cheaper than padding them to a 64-token chunk (the Pallas chunk kernels keep
+            # blocks of T > 1 under backend="pallas", where the GPU tests ran them).
+            short = state is not None and T <= SHORT_BLOCK and (T == 1 or self.backend != "pallas")
+            backend = "recurrent" if short else self.backend
             out = ops.linear_attention(rule, q, k, v, g, beta, initial_state=None if state is None else state.recurrent,
                                        output_final_state=state is not None, backend=backend,
                                        checkpoint_positions=list(checkpoints) if checkpoints else None)
