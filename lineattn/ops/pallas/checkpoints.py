@@ -24,7 +24,7 @@ f32 = jnp.float32
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def chunk_pallas_checkpoints(q, k, v, g, beta, h0, scale, chunk_size, positions, interpret=None, intra="fused"):
+def chunk_pallas_checkpoints(q, k, v, g, beta, h0, scale, chunk_size, positions, interpret=None, intra="mml2"):
     """(o [B, T, H, V] in q's dtype, final state [B, H, K, V], states [P, B, H, K, V] fp32 after each of
     `positions` (a tuple of token counts in [0, T])). Other arguments as `chunk_fwd.forward`."""
     C = chunk_size
