@@ -17,7 +17,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from lineattn.decode.loop import prefill, prefill_with_snapshots, sample, step
