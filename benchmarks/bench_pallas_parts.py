@@ -131,14 +131,14 @@ def main():
     p.add_argument("--shape", default="8x4096")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--pairs", default="split/kernels,mml2/kernels-mml2,mml2/kernels-saved,fused2/kernels-saved",
+    p.add_argument("--pairs", default="split/kernels,mml2/kernels-mml2,mml2/kernels-saved",
                    help="intra/backward pairs: forward and forward+backward, checked, then timed")
-    p.add_argument("--gdn-pairs", default="mml2/kernels-saved,fused2/kernels-saved",
+    p.add_argument("--gdn-pairs", default="mml2/kernels-saved",
                    help="the same for GDN, after the stages ('' for none)")
     p.add_argument("--grams", default="loop:2,mm:2,mml:2", help="forward Gram kernels diag:warps")
     p.add_argument("--solves", default="old:4,full:4,full:8", help="solve kernels: old (16x16 blocks) / full")
     p.add_argument("--bwd-grams", default="mm:4,mml:2,mml:4", help="Gram-gradient kernels diag:warps")
-    p.add_argument("--intras", default="split:2,mml2:2,fused2:8,fused2:4",
+    p.add_argument("--intras", default="split:2,mml2:2",
                    help="forward variants timed as intra stage alone and whole forward (intra:warps)")
     p.add_argument("--block-vs", default="32,128", help="state-pass V tiles besides the default (64 here)")
     p.add_argument("--loops", default="4,16", help="chunks per program of the cumsum and solve kernels to time ('' none)")

@@ -23,6 +23,6 @@ fi
 # Default: the table with the default kernels only: KDA at (8, 4096) and (1, 32768) beside jla and FLA
 # (forward and forward+backward), the decode sweep, GDN beside jla (and FLA's forward), one sequence of 262144.
 timeout ${BENCH_TIMEOUT:-540} python3 benchmarks/bench_pallas_kda.py --out $OUT ${BENCH_ARGS:---iters 10 --gdn \
-  --fla fwd,fwdbwd --fla-shapes 8x4096,1x32768 --skip lineattn-chunk lineattn-pallas-split-passes \
-  lineattn-pallas-split lineattn-pallas-fused-xla lineattn-pallas-split-kernels lineattn-pallas-mml2-kernels-mml2 \
+  --fla fwd,fwdbwd --fla-shapes 8x4096,1x32768 --skip lineattn-chunk lineattn-pallas-split \
+  lineattn-pallas-split-kernels lineattn-pallas-mml2-kernels-mml2 \
   --long 262144} 2>&1 | grep -v "slow_operation_alarm\|Constant folding\|^$" | tee $OUT/bench.log

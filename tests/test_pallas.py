@@ -40,22 +40,19 @@ def test_pallas_matches_oracle_fp32(rule):
     _compare(rule, make_inputs(rule, B=2, **SMALL))
 
 
-@pytest.mark.parametrize("rule,intra,backward,chunk_size", [("kda", "fused", "passes", 64),
+@pytest.mark.parametrize("rule,intra,backward,chunk_size", [("kda", "split", "xla", 64),
                                                             ("kda", "split", "kernels", 64),
                                                             ("gla", "split", "kernels", 32),
-                                                            ("gdn", "fused", "xla", 32),
+                                                            ("gdn", "split", "xla", 32),
                                                             ("kda", "split-mm", "kernels-mm", 64),
                                                             ("gdn", "split-bcast", "kernels-bcast", 32),
                                                             ("kda", "mml2", "kernels-mml2", 64),
                                                             ("gdn", "mm2", "kernels-mm2", 32),
                                                             ("gla", "mml2", "kernels-mml2", 32),
                                                             ("kda", "mml2", "kernels-saved", 64),
-                                                            ("gla", "mm2", "kernels-saved", 32),
-                                                            ("kda", "fused2", "kernels-saved", 64),
-                                                            ("gla", "fused2", "kernels-mml2", 32)])
+                                                            ("gla", "mm2", "kernels-saved", 32)])
 def test_pallas_variants_chunk_64_unequal_dims(rule, intra, backward, chunk_size, monkeypatch):
-    # Chunk 64, K != V, and the variants: the defaults (split, kernels) and the others (the fused intra-chunk
-    # kernel, the XLA and "passes" backwards).
+    # Chunk 64 or 32, K != V, and every intra / backward variant (the defaults are mml2 / kernels-saved).
     monkeypatch.setattr(pallas_api, "INTRA", intra)
     monkeypatch.setattr(pallas_api, "BACKWARD", backward)
     _compare(rule, make_inputs(rule, B=1, T=80, H=2, K=32, V=64, seed=9), chunk_size=chunk_size)
@@ -65,7 +62,7 @@ def test_pallas_variants_chunk_64_unequal_dims(rule, intra, backward, chunk_size
                                           ("zero", None), ("cut", None), ("cut", "split-mm/kernels-mm"),
                                           ("cut", "split-bcast/kernels-bcast"), ("cut", "mml2/kernels-mml2"),
                                           ("cut", "mm2/kernels-mm2"), ("cut", "mml2/kernels-saved"),
-                                          ("cut", "fused2/kernels-saved"), ("lower_bound", "fused2/kernels-saved")])
+                                          ("lower_bound", "mml2/kernels-saved")])
 def test_pallas_gate_extremes(gate, variant, monkeypatch):
     # Every token at -5 (a chunk's cumulative decay reaches -160 at chunk 32; a 16-row block's rows are then exactly
     # 40 nats from its middle row: the "mm" Gram kernels' fast path at its limit), at 0, or -1000 at a few tokens
@@ -103,7 +100,7 @@ def _rel_rms(actual, expected):
 
 
 @pytest.mark.parametrize("rule,variant", [("kda", None), ("kda", "mml2/kernels-mml2"), ("gdn", "mm2/kernels-mm2"),
-                                          ("kda", "mml2/kernels-saved"), ("gdn", "fused2/kernels-saved")])
+                                          ("kda", "mml2/kernels-saved"), ("gdn", None)])
 def test_pallas_bf16_against_fp32_oracle(rule, variant, monkeypatch):
     if variant is not None:
         monkeypatch.setattr(pallas_api, "INTRA", variant.split("/")[0])
@@ -149,4 +146,16 @@ def test_pallas_backend_selection_and_errors():
         ops.linear_attention("delta_element", x["q"], x["k"], x["v"], x["g"], x["beta"], backend="pallas")
     x = make_inputs("kda", B=1, T=8, H=1, K=24, V=16)
     with pytest.raises(ValueError, match="powers of two"):
+        ops.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], backend="pallas")
+
+
+@pytest.mark.parametrize("intra,backward,match", [("fused", "xla", "intra must be one of"),
+                                                  ("split", "passes", "backward must be one of"),
+                                                  ("split", "kernels-saved", "needs intra 'mm2' or 'mml2'")])
+def test_pallas_unknown_variants_raise(intra, backward, match, monkeypatch):
+    # A variant name that does not exist (or a removed one) is an error, never a silent fallback.
+    monkeypatch.setattr(pallas_api, "INTRA", intra)
+    monkeypatch.setattr(pallas_api, "BACKWARD", backward)
+    x = make_inputs("kda", B=1, T=8, H=1, K=16, V=16)
+    with pytest.raises(ValueError, match=match):
         ops.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], backend="pallas")

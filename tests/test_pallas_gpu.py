@@ -55,8 +55,8 @@ def _run(rule, x, backend, monkeypatch=None, variant=None):
 
 
 # The defaults (None: mml2 / kernels-saved), the previous defaults and the variants still to run on a GPU.
-VARIANTS = [("kda", None), ("gdn", None), ("kda", ("fused", "xla")), ("kda", ("split", "kernels")),
-            ("gdn", ("split", "kernels")), ("kda", ("fused2", "kernels-saved")), ("kda", ("mml2", "kernels-mml2")),
+VARIANTS = [("kda", None), ("gdn", None), ("kda", ("split", "xla")), ("kda", ("split", "kernels")),
+            ("gdn", ("split", "kernels")), ("kda", ("mml2", "kernels-mml2")),
             ("gdn", ("mml2", "kernels-mml2")), ("kda", ("mml2", "kernels-saved", 4))]
 
 

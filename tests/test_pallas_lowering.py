@@ -28,10 +28,9 @@ def fake_h200(monkeypatch):
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: info)
 
 
-@pytest.mark.parametrize("intra,backward", [("fused", "passes"), ("split", "kernels"), ("split-mm", "kernels-mm"),
+@pytest.mark.parametrize("intra,backward", [("split", "xla"), ("split", "kernels"), ("split-mm", "kernels-mm"),
                                             ("split-bcast", "kernels-bcast"), ("mm2", "kernels-mm2"),
-                                            ("mml2", "kernels-mml2"), ("mml2", "kernels-saved"),
-                                            ("fused2", "kernels-saved")])
+                                            ("mml2", "kernels-mml2"), ("mml2", "kernels-saved")])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_chunk_kernels_lower_for_sm90(fake_h200, dtype, intra, backward):
     B, T, H, K, V = 1, 100, 2, 128, 128
@@ -43,14 +42,13 @@ def test_chunk_kernels_lower_for_sm90(fake_h200, dtype, intra, backward):
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
 
     text = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    # forward: intra (fused: 1 kernel; split*: gram + solve) and the state pass; backward "passes": states and
-    # reverse; "kernels": gram, states, reverse, Gram-gradient rows and columns; "kernels-mm" / "kernels-bcast":
+    # forward: intra (split*: gram + solve) and the state pass; backward "xla": none; "kernels": gram, states,
+    # reverse, Gram-gradient rows and columns; "kernels-mm" / "kernels-bcast":
     # gram, states, reverse and one Gram-gradient kernel; "mm2"/"mml2": cumsum, gram, solve, state pass;
     # "kernels-mm2"/"kernels-mml2": cumsum, gram, solve, states, reverse, chunk grads, WY, Gram gradients, combine;
-    # "kernels-saved": the same without the Gram and solve (the forward's terms are kept); "fused2": one intra
-    # kernel and the state pass
-    expected = ({"fused": 2, "mm2": 4, "mml2": 4, "fused2": 2}.get(intra, 3)
-                + {"passes": 2, "kernels": 5, "kernels-mm2": 9, "kernels-mml2": 9, "kernels-saved": 7}.get(backward, 4))
+    # "kernels-saved": the same without the Gram and solve (the forward's terms are kept)
+    expected = ({"mm2": 4, "mml2": 4}.get(intra, 3)
+                + {"xla": 0, "kernels": 5, "kernels-mm2": 9, "kernels-mml2": 9, "kernels-saved": 7}.get(backward, 4))
     assert text.count("__gpu$xla.gpu.triton") == expected
 
 

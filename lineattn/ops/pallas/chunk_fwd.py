@@ -1,22 +1,22 @@
-"""Chunkwise delta-rule forward in two Pallas kernels (see ../shared/CHUNK_ALGORITHM.md for the algebra).
+"""Chunkwise delta-rule forward as Pallas kernels (see ../shared/CHUNK_ALGORITHM.md for the algebra).
 
-Kernel 1, `intra`, one program per (batch, head, chunk), all in parallel. For a chunk of C tokens it works in
-16-row sub-blocks (loaded one by one from the refs: the Triton backend cannot slice a register tile):
-  - gate cumsum G inside the chunk, per sub-block with a running carry (the carry before block a is G at the end
-    of block a-1: the block's reference point);
-  - the gated Gram matrices M (queries x keys, j <= i) and A (keys x keys, j < i, times beta_i). Off-diagonal
-    sub-blocks (a > b) factor the decay through the reference point n of block a:
-    `(x_a e^(G_a - G_n)) (k_b e^(G_n - G_b))^T`, both exponents <= 0. Diagonal sub-blocks take `e^(G_i - G_j)`
-    pair by pair, one key column j at a time, masked before the exp: exact for any g <= 0 (also -1000);
-  - R = (I + A)^-1 by forward substitution inside each 16x16 diagonal block and block forward substitution
-    below it (the same numbers as merging 16 -> 32 -> 64);
-  - U = R Diag(b) V, W = R Diag(b) Kin, and writes Qin = scale q e^G, Kg = k e^(G_C - G), W, U, M and e^(G_C).
-Kernel 2, `state_pass`, one program per (batch, head, V tile): the sequential pass over chunks with the fp32
-state in registers, E = U - W S, O = Qin S + M E, S <- Diag(e^(G_C)) S + Kg^T E; writes O and the final state.
+The intra-chunk stage, parallel over (batch, head, chunk) (`_intra_split`; default "mml2"):
+  - `gate_cumsum`: G, the cumsum of the log gate inside each chunk, and e^(G_C);
+  - `gram_rows`: one program per (chunk, 16-row block a) for the gated Gram matrices M (queries x keys, j <= i)
+    and A (keys x keys, j < i, times beta_i), and Qin = scale q e^G, Kg = k e^(G_C - G). Off-diagonal sub-blocks
+    (a > b) factor the decay through a reference row of block a, `(x_a e^(G_a - G_r)) (k_b e^(G_r - G_b))^T`, so
+    no exponent overflows; a diagonal block takes the same factoring through its middle row when all its rows
+    lie within LIMIT (40) nats of it, and is computed exactly otherwise (pair by pair, masked before the exp):
+    exact for any g <= 0 (also -1000);
+  - `solve_full`: R = (I + A)^-1 for the whole chunk by block doubling (the same numbers as block forward
+    substitution, 16 -> 32 -> 64), then U = R Diag(b) V and W = R Diag(b) Kin.
+`state_pass`, one program per (batch, head, V tile): the sequential pass over chunks with the fp32 state in
+registers, E = U - W S, O = Qin S + M E, S <- Diag(e^(G_C)) S + Kg^T E; writes O and the final state.
 
-Precision: bf16 inputs keep bf16 intermediates (Qin, Kg, W, U, M) and run kernel 2's products on bf16 tensor
-cores with fp32 accumulation; kernel 1's products take TF32. fp32 inputs run everything in exact fp32.
-Intermediate memory: (3 K + V + C) values per token and head in the input dtype, plus K fp32 per chunk.
+Precision: bf16 inputs keep bf16 intermediates (Qin, Kg, W, U, M) and run the state pass's products on bf16
+tensor cores with fp32 accumulation; the Gram products take TF32 and the solve bf16x3. fp32 inputs run
+everything in exact fp32. Intermediate memory: (3 K + V + C) values per token and head in the input dtype, plus
+K fp32 per chunk.
 """
 
 from __future__ import annotations
@@ -36,102 +36,13 @@ def _iota(shape, dim):
     return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
-def _row(x, i, rows):
-    """Row i of a register tile x [s, D] (traced i) as a vector [D]."""
-    return jnp.sum(jnp.where(rows == i, x, 0.0), axis=0)
-
-
-def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
-                  qin_ref, kg_ref, w_ref, u_ref, m_ref, dend_ref, *, C, scale, prec, delta):
-    s, nb = SUB, C // SUB
-    K = k_ref.shape[-1]
-    rows_s1, cols_ss, rows_ss = _iota((s, 1), 0), _iota((s, s), 1), _iota((s, s), 0)
-    cols_1s = _iota((1, s), 1)
-    eye = (rows_ss == cols_ss).astype(f32)
-    load = lambda ref, a: ref[pl.ds(a * s, s), :].astype(f32)
-
-    q = [load(q_ref, a) * scale for a in range(nb)]
-    k = [load(k_ref, a) for a in range(nb)]
-    G, start = [], []
-    carry = jnp.zeros((K,), f32)
-    for a in range(nb):
-        g_a = load(g_ref, a)
-        start.append(carry)
-        G.append(jnp.cumsum(g_a, axis=0) + carry[None, :])
-        carry = carry + jnp.sum(g_a, axis=0)
-    G_end = carry
-
-    M, KK = {}, {}
-    for a in range(nb):
-        qa, ka, Ga = q[a], k[a], G[a]
-
-        def column(j, acc, qa=qa, ka=ka, Ga=Ga):
-            m_acc, kk_acc = acc
-            kj, Gj = _row(ka, j, rows_s1), _row(Ga, j, rows_s1)
-            decay = jnp.exp(jnp.where(rows_s1 >= j, Ga - Gj[None, :], -jnp.inf))  # masked before the exp
-            kd = decay * kj[None, :]
-            m_col = jnp.sum(qa * kd, axis=1)[:, None]
-            kk_col = jnp.sum(ka * kd, axis=1)[:, None]
-            m_acc = jnp.where(cols_ss == j, m_col, m_acc)
-            kk_acc = jnp.where((cols_ss == j) & (rows_ss > j), kk_col, kk_acc)
-            return m_acc, kk_acc
-
-        zero = jnp.zeros((s, s), f32)
-        M[a, a], KK[a, a] = jax.lax.fori_loop(0, s, column, (zero, zero))
-        if a:
-            row_decay = jnp.exp(Ga - start[a][None, :])
-            qa_r, ka_r = qa * row_decay, ka * row_decay
-            for b in range(a):
-                kb_l = k[b] * jnp.exp(start[a][None, :] - G[b])
-                M[a, b] = dot(qa_r, kb_l, prec, trans_b=True)
-                if delta:
-                    KK[a, b] = dot(ka_r, kb_l, prec, trans_b=True)
-
-    kin = [k[a] * jnp.exp(G[a]) for a in range(nb)]
-    for a in range(nb):
-        t = pl.ds(a * s, s)
-        qin_ref[t, :] = (q[a] * jnp.exp(G[a])).astype(qin_ref.dtype)
-        kg_ref[t, :] = (k[a] * jnp.exp(G_end[None, :] - G[a])).astype(kg_ref.dtype)
-        for b in range(nb):
-            m_ref[t, pl.ds(b * s, s)] = (M[a, b] if b <= a else jnp.zeros((s, s), f32)).astype(m_ref.dtype)
-    dend_ref[...] = jnp.exp(G_end)
-
-    if not delta:  # additive write: E = V, no solve
-        return
-    beta = [beta_ref[pl.ds(a * s, s)].astype(f32)[:, None] for a in range(nb)]
-    A = {ab: beta[ab[0]] * KK[ab] for ab in KK}
-    X = {}
-    for a in range(nb):
-        A_aa = A[a, a]
-
-        def substitute(i, Xa, A_aa=A_aa):
-            a_i = _row(A_aa, i, rows_ss)  # row i of the strictly lower block, indexed by column j
-            new = (cols_1s == i).astype(f32) - jnp.sum(a_i[:, None] * Xa, axis=0)[None, :]
-            return jnp.where(rows_ss == i, new, Xa)
-
-        X[a, a] = jax.lax.fori_loop(1, s, substitute, eye)
-        for b in range(a - 1, -1, -1):
-            acc = dot(A[a, b], X[b, b], prec)
-            for c in range(b + 1, a):
-                acc = acc + dot(A[a, c], X[c, b], prec)
-            X[a, b] = -dot(X[a, a], acc, prec)
-    bv = [beta[b] * load(v_ref, b) for b in range(nb)]
-    bk = [beta[b] * kin[b] for b in range(nb)]
-    for a in range(nb):
-        t = pl.ds(a * s, s)
-        u = sum(dot(X[a, b], bv[b], prec) for b in range(a + 1))
-        w = sum(dot(X[a, b], bk[b], prec) for b in range(a + 1))
-        u_ref[t, :] = u.astype(u_ref.dtype)
-        w_ref[t, :] = w.astype(w_ref.dtype)
-
-# ---- The same stage as several smaller programs ("split"): the default (GPU-tested; faster on the H200). ----
-# The single-program `_intra_kernel` keeps a whole chunk's tiles live (register spills) and assembles the
-# diagonal blocks column by column in registers; on the H200 it took 8.2 of the forward's 9 ms at 8 x 4096.
-# Here the in-chunk cumsum G is done by XLA, `_gram_kernel` runs one program per (chunk, 16-row block a) and stores
-# its row of M and A = Diag(b) KK (diagonal-block columns go straight to memory), and `_solve_kernel` runs one
-# program per chunk for (I + A)^-1, U and W from A read back in 16x16 tiles. Its 16x16 diagonal blocks are inverted
-# as the finite series (I - A)(I + A^2)(I + A^4)(I + A^8) (A is nilpotent, A^16 = 0: exact, six small matmuls
-# instead of a 16-step row loop); below them, block forward substitution as in the fused kernel.
+# ---- The intra-chunk stage ("split" family) ----
+# `_gram_kernel` runs one program per (chunk, 16-row block a) and stores its row of M and A = Diag(b) KK
+# (diagonal-block columns go straight to memory), and `_solve_kernel` runs one program per chunk for (I + A)^-1,
+# U and W from A read back in 16x16 tiles. Its 16x16 diagonal blocks are inverted as the finite series
+# (I - A)(I + A^2)(I + A^4)(I + A^8) (A is nilpotent, A^16 = 0: exact, six small matmuls instead of a 16-step row
+# loop); below them, block forward substitution. (A single-program kernel for the whole stage kept a chunk's tiles
+# live and spilled registers: 9.4 ms for the forward at 8 x 4096 on the H200; removed 2026-12-01.)
 
 
 def _gram_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta):
@@ -461,138 +372,6 @@ def _intra_split(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, inter
     return qin, kg, w, u, m, dend
 
 
-# ---- The whole intra-chunk stage in one program per chunk, without column loops ("fused2") ----
-# One program per (batch, head, chunk), K in tiles of `bk`: the gate cumsum, Qin, Kg and e^(G_C); the Gram
-# matrices of all four 16-row blocks at once as C x C tiles: block a's rows are scaled through its middle row r_a
-# (x e^(G - G_{r_a}), rows of other blocks zeroed) against k e^(min(G_{r_a} - G, 40)), one product per block and
-# tile, valid when every block's rows lie within LIMIT nats of their middle row (as "mm"); if any block does not
-# (a cut or reset gate in the chunk: one `lax.cond` per chunk), the whole chunk takes the exact path (off-diagonal
-# blocks through each block's first row, diagonal blocks by a column loop masked before the exp). Then the solve
-# by block doubling on the C x C tile (as `_solve_full_kernel`) and W, U. Nothing but the outputs leaves the
-# program: no G, no A in memory.
-
-
-def _intra_fused2_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, qin_ref, kg_ref, w_ref, u_ref, m_ref, dend_ref,
-                         *saved_refs, C, scale, prec, inv_prec, delta, bk, save):
-    s, nb = SUB, C // SUB
-    K = k_ref.shape[-1]
-    rows, cols = _iota((C, C), 0), _iota((C, C), 1)
-    rows_k = _iota((C, 1), 0)
-    blk_k = rows_k // s
-    tiles = [pl.ds(t * bk, bk) for t in range(K // bk)]
-
-    def gates(d):  # the tile's in-chunk cumsum G [C, bk] and its value at each block's middle row ([C, bk])
-        G = jnp.cumsum(g_ref[:, d].astype(f32), axis=0)
-        Gm = [jnp.sum(jnp.where(rows_k == a * s + s // 2, G, 0.0), axis=0)[None, :] for a in range(nb)]
-        Gr = Gm[0]
-        for a in range(1, nb):
-            Gr = jnp.where(blk_k == a, Gm[a], Gr)
-        return G, Gm, Gr
-
-    spread = jnp.float32(0.0)
-    for d in tiles:
-        G, _, Gr = gates(d)
-        g_end = jnp.sum(g_ref[:, d].astype(f32), axis=0)
-        dend_ref[d] = jnp.exp(g_end)
-        qin_ref[:, d] = (q_ref[:, d].astype(f32) * scale * jnp.exp(G)).astype(qin_ref.dtype)
-        kg_ref[:, d] = (k_ref[:, d].astype(f32) * jnp.exp(g_end[None, :] - G)).astype(kg_ref.dtype)
-        spread = jnp.maximum(spread, jnp.max(jnp.abs(G - Gr)))
-
-    def fast():
-        Mx, Ax = jnp.zeros((C, C), f32), jnp.zeros((C, C), f32)
-        for d in tiles:
-            G, Gm, Gr = gates(d)
-            xr = jnp.exp(jnp.minimum(G - Gr, LIMIT))
-            xq, xk = q_ref[:, d].astype(f32) * (scale * xr), k_ref[:, d].astype(f32) * xr
-            k = k_ref[:, d].astype(f32)
-            for a in range(nb):
-                kc = k * jnp.exp(jnp.minimum(Gm[a] - G, LIMIT))
-                Mx = Mx + dot(jnp.where(blk_k == a, xq, 0.0), kc, prec, trans_b=True)
-                if delta:
-                    Ax = Ax + dot(jnp.where(blk_k == a, xk, 0.0), kc, prec, trans_b=True)
-        return Mx, Ax
-
-    def exact():
-        Mx, Ax = jnp.zeros((C, C), f32), jnp.zeros((C, C), f32)
-        first = rows // s * s  # each row's block start
-        for d in tiles:
-            G = jnp.cumsum(g_ref[:, d].astype(f32), axis=0)
-            Gn = [jnp.sum(jnp.where(rows_k == a * s, G, 0.0), axis=0)[None, :] for a in range(nb)]
-            Gf = Gn[0]
-            for a in range(1, nb):
-                Gf = jnp.where(blk_k == a, Gn[a], Gf)
-            xr = jnp.exp(G - Gf)  # <= 1
-            q, k = q_ref[:, d].astype(f32) * scale, k_ref[:, d].astype(f32)
-            Mo, Ao = jnp.zeros((C, C), f32), jnp.zeros((C, C), f32)
-            for a in range(1, nb):  # off-diagonal blocks (columns before block a) through block a's first row
-                kc = k * jnp.exp(jnp.minimum(Gn[a] - G, 0.0))
-                Mo = Mo + dot(jnp.where(blk_k == a, q * xr, 0.0), kc, prec, trans_b=True)
-                if delta:
-                    Ao = Ao + dot(jnp.where(blk_k == a, k * xr, 0.0), kc, prec, trans_b=True)
-            Mx, Ax = Mx + jnp.where(cols < first, Mo, 0.0), Ax + jnp.where(cols < first, Ao, 0.0)
-
-            def column(j, acc, G=G, q=q, k=k, d=d):  # diagonal blocks: column j against the rows of its block
-                row = pl.ds(j, 1)
-                Gj = jnp.sum(jnp.where(rows_k == j, G, 0.0), axis=0)[None, :]
-                same = (blk_k == j // s) & (rows_k >= j)
-                kd = k_ref[row, d].astype(f32) * jnp.exp(jnp.where(same, G - Gj, -jnp.inf))
-                m = jnp.where(cols == j, acc[0] + jnp.sum(q * kd, axis=1, keepdims=True), acc[0])
-                a = jnp.where(cols == j, acc[1] + jnp.sum(k * kd, axis=1, keepdims=True), acc[1]) if delta \
-                    else acc[1]
-                return m, a
-
-            Mx, Ax = jax.lax.fori_loop(0, C, column, (Mx, Ax))
-        return Mx, Ax
-
-    Mx, Ax = jax.lax.cond(spread <= LIMIT, fast, exact)
-    m_ref[...] = jnp.where(cols <= rows, Mx, 0.0).astype(m_ref.dtype)
-    if not delta:
-        return
-    beta = beta_ref[...].astype(f32)[:, None]
-    KK = jnp.where(cols < rows, Ax, 0.0)
-    A = beta * KK
-    X = jnp.where(rows == cols, 1.0, jnp.where((rows // 2 == cols // 2) & (rows != cols), -A, 0.0))
-    b = 2
-    while b < C:
-        X = X - dot(dot(X, jnp.where((rows // (2 * b) == cols // (2 * b)) & (rows // b != cols // b), A, 0.0),
-                        inv_prec), X, inv_prec)
-        b *= 2
-    u_ref[...] = dot(X, beta * v_ref[...].astype(f32), prec).astype(u_ref.dtype)
-    for d in tiles:
-        G = jnp.cumsum(g_ref[:, d].astype(f32), axis=0)
-        w_ref[:, d] = dot(X, beta * k_ref[:, d].astype(f32) * jnp.exp(G), prec).astype(w_ref.dtype)
-    if save:
-        saved_refs[0][...] = KK
-        saved_refs[1][...] = X
-
-
-def intra_fused2(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, save=False, bk=32):
-    """Kernel 1's outputs (qin, kg, w, u, m, e^(G_C) as [B, H, K, N]; with save also KK, R) by
-    `_intra_fused2_kernel`."""
-    B, Tp, H, K = q.shape
-    V, N = v.shape[-1], Tp // C
-    tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
-    chunk_out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
-    outs = pl.pallas_call(
-        functools.partial(_intra_fused2_kernel, C=C, scale=scale, prec=prec, delta=delta, bk=min(bk, K), save=save,
-                          inv_prec="ieee" if prec == "ieee" else "bf16x3"),
-        grid=(B, H, N),
-        in_specs=[tok(K), tok(K), tok(V), tok(K), pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))],
-        out_specs=[chunk_out(K), chunk_out(K), chunk_out(K), chunk_out(V), chunk_out(C),
-                   pl.BlockSpec((None, None, K, None), lambda b, h, n: (b, h, 0, n))]
-        + [chunk_out(C)] * (2 if save else 0),
-        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, K), store)] * 3
-        + [jax.ShapeDtypeStruct((B, H, Tp, V), store), jax.ShapeDtypeStruct((B, H, Tp, C), store),
-           jax.ShapeDtypeStruct((B, H, K, N), f32)] + [jax.ShapeDtypeStruct((B, H, Tp, C), f32)] * (2 if save else 0),
-        compiler_params=compiler_params(num_warps=warps, num_stages=1),
-        interpret=interpret,
-        name="lineattn_chunk_intra_fused2",
-    )(q, k, v, g, beta)
-    if not delta:
-        return (*outs[:2], None, None, *outs[4:6]) + ((None, None) if save else ())
-    return tuple(outs)
-
-
 def _state_pass_kernel(qin_ref, kg_ref, w_ref, u_ref, m_ref, dend_ref, h0_ref, o_ref, ht_ref, *s0_ref, C, N, prec,
                        delta, export):
     def body(n, S):
@@ -637,12 +416,12 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
 
     q, k [B, T, H, K] and v [B, T, H, V] (bf16 or fp32, one dtype), g [B, T, H, K] log decay (fp32; zeros for
     no gate), beta [B, T, H] or None (additive write), h0 [B, H, K, V] fp32. block_v, warps (intra, state
-    pass; default (2, 4), (4, 4) for fused, (8, 4) for fused2) and only_intra (return the intra stage's outputs)
+    pass; default (2, 4)) and only_intra (return the intra stage's outputs)
     are for tuning and timing. intra (H200 forward at 8 x 4096 x 16 x 128 bf16, benchmarks/results/README.md):
     "mml2" (the default, 2.74 ms: `gate_cumsum`, `_gram_rows_kernel` with the column-loop exact path,
     `_solve_full_kernel`), "mm2" (the same with the 3-D exact path), "split" (5.97 ms: XLA cumsum,
-    `_gram_kernel`, `_solve_kernel`), "split-mm" / "split-bcast" (4.44 / 8.01 ms), "fused2" (7.15 ms:
-    `_intra_fused2_kernel`), "fused" (9.40 ms: `_intra_kernel`).
+    `_gram_kernel`, `_solve_kernel`), "split-mm" / "split-bcast" (4.44 / 8.01 ms). (Two single-program
+    stages, "fused2" 7.15 ms and "fused" 9.40 ms, were removed on 2026-12-01.)
     export_chunks: chunk indices n whose incoming fp32 state the state pass also writes; when given, the
     return is (o, final state, S0 [B, H, len(export_chunks), K, V], w [B, H, Tp, K], u [B, H, Tp, V]) with w, u
     kernel 1's WY terms (None for the additive write), from which `lineattn.ops.checkpoints` advances S0
@@ -658,7 +437,7 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     check_shapes(K, V, C)
     interpret = interpret_mode(interpret)
     if warps is None:
-        warps = {"fused": (4, 4), "fused2": (8, 4)}.get(intra, (2, 4))
+        warps = (2, 4)
     delta = beta is not None
     pad = -T % C
     if pad:
@@ -672,36 +451,14 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     if not delta:
         beta = jnp.zeros((B, Tp, H), dt)  # unused by the additive kernel
 
-    tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
-    chunk_out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
-    split = functools.partial(_intra_split, C=C, scale=scale, store=store, prec="ieee" if exact else "tf32",
-                              delta=delta, warps=warps[0], interpret=interpret, loop=LOOP if loop is None else loop)
-    diag, fast = SPLIT_DIAG.get(intra, (None, None))
-    if save and not fast and intra != "fused2":
-        raise ValueError(f"save needs the intra stage mm2, mml2 or fused2, got {intra!r}")
-    extra = ()
-    if intra == "fused2":
-        qin, kg, w, u, m, dend, *extra = intra_fused2(q, k, v, g, beta, C=C, scale=scale, store=store,
-                                                      prec="ieee" if exact else "tf32", delta=delta,
-                                                      warps=warps[0], interpret=interpret, save=save)
-    elif save:
-        qin, kg, w, u, m, dend, *extra = split(q, k, v, g, beta, diag=diag, fast=fast, save=True)
-    elif intra in SPLIT_DIAG:
-        qin, kg, w, u, m, dend = split(q, k, v, g, beta, diag=diag, fast=fast)
-    else:
-        qin, kg, w, u, m, dend = pl.pallas_call(
-            functools.partial(_intra_kernel, C=C, scale=scale, prec="ieee" if exact else "tf32", delta=delta),
-            grid=(B, H, N),
-            in_specs=[tok(K), tok(K), tok(V), tok(K), pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))],
-            out_specs=[chunk_out(K), chunk_out(K), chunk_out(K), chunk_out(V), chunk_out(C),
-                       pl.BlockSpec((None, None, K, None), lambda b, h, n: (b, h, 0, n))],
-            out_shape=[jax.ShapeDtypeStruct((B, H, Tp, K), store)] * 3
-            + [jax.ShapeDtypeStruct((B, H, Tp, V), store), jax.ShapeDtypeStruct((B, H, Tp, C), store),
-               jax.ShapeDtypeStruct((B, H, K, N), f32)],
-            compiler_params=compiler_params(num_warps=warps[0], num_stages=1),
-            interpret=interpret,
-            name="lineattn_chunk_intra",
-        )(q, k, v, g, beta)
+    if intra not in SPLIT_DIAG:
+        raise ValueError(f"intra must be one of {sorted(SPLIT_DIAG)}, got {intra!r}")
+    diag, fast = SPLIT_DIAG[intra]
+    if save and not fast:
+        raise ValueError(f"save needs the intra stage mm2 or mml2, got {intra!r}")
+    qin, kg, w, u, m, dend, *extra = _intra_split(
+        q, k, v, g, beta, C=C, scale=scale, store=store, prec="ieee" if exact else "tf32", delta=delta,
+        warps=warps[0], interpret=interpret, loop=LOOP if loop is None else loop, diag=diag, fast=fast, save=save)
     if only_intra:
         return qin, kg, w, u, m, dend
     if not delta:
