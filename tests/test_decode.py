@@ -169,6 +169,25 @@ def test_pallas_decode_kernel_step_equals_the_oracle_step(mixer):
     assert rel_err(got.layers[0].recurrent, want.layers[0].recurrent) <= 1e-5
 
 
+@pytest.mark.parametrize("mixer", ["kda", "gdn"])
+def test_pallas_verify_block_through_the_decode_kernel(mixer):
+    # A speculative verify block (5 tokens from a state, the state after each kept) on a backend="pallas" model
+    # runs the decode kernel with output_states (interpret mode on CPU): logits and every snapshot equal the
+    # oracle model's.
+    cfg = tiny([mixer, "attention"], head_dim=16)
+    oracle = HybridLM(ModelConfig(**{**cfg.__dict__, "backend": "recurrent"}), rngs=nnx.Rngs(0))
+    kernel = HybridLM(ModelConfig(**{**cfg.__dict__, "backend": "pallas"}), rngs=nnx.Rngs(0))
+    assert kernel.blocks[0].mixer._decode_kernel_ok(kernel.blocks[0].mixer.rule, jnp.float32)
+    x = tokens(2, 13)
+    _, state = decode.prefill(oracle, x[:, :8], decode.init_state(oracle, 2, 13))
+    with jax.default_matmul_precision("highest"):
+        want_logits, want_state, want = decode.prefill_with_snapshots(oracle, x[:, 8:], state, range(6))
+        got_logits, got_state, got = decode.prefill_with_snapshots(kernel, x[:, 8:], state, range(6))
+    assert rel_err(got_logits, want_logits) <= 1e-5
+    assert rel_err(got[0].recurrent, want[0].recurrent) <= 1e-5
+    assert rel_err(got_state.layers[0].recurrent, want_state.layers[0].recurrent) <= 1e-5
+
+
 def test_pallas_prefill_snapshots_equal_the_oracle_models():
     # backend="pallas": the prefill's chunk kernels export the linear layers' states at the checkpoints (interpret
     # mode on CPU); they equal the oracle model's states after that many tokens, conv windows included.

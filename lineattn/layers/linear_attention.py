@@ -18,7 +18,8 @@ from lineattn.layers.conv import ShortConv
 from lineattn.layers.segments import RESET_LOG_GATE, context_segment_starts, segment_starts
 
 GATE_FNS = ("safe", "softplus")
-# Blocks of at most this many tokens continuing a decode state run the token-level recurrence (see __call__).
+# Blocks of at most this many tokens continuing a decode state take the decode kernel or the token-level
+# recurrence, not the chunk path (see __call__).
 SHORT_BLOCK = 16
 
 
@@ -187,19 +188,20 @@ class LinearAttention(nnx.Module):
         if context_axis is not None:
             o, _ = ops.context_parallel_attention(rule, q, k, v, g, beta, axis_name=context_axis)
             return self._output(x_BTD, o), None, None
-        if state is not None and T == 1 and not checkpoints and self._decode_kernel_ok(rule, q.dtype):
-            # One token per request through the Pallas decode kernel (fixed gates broadcast to head gates).
+        # A few tokens continuing a state (a decode step, a speculative verify block) take the decode kernel where
+        # its GPU tests cover the rule (it also emits the state after every token for checkpoints), else the
+        # token-level scan: both exact, and far cheaper than padding the tokens to a 64-token chunk.
+        short = state is not None and T <= SHORT_BLOCK
+        if short and self._decode_kernel_ok(rule, q.dtype):
             g_step = jnp.broadcast_to(g, (B, T, H)) if rule.gate == "fixed" else g
-            o, S = ops_pallas.decode_step(q, k, v, g_step, beta, state.recurrent)
-            out = (o, S)
+            out = ops_pallas.decode_step(q, k, v, g_step, beta, state.recurrent, output_states=bool(checkpoints))
+            if checkpoints:  # states after p tokens [P, B, H, K, V]; p = 0 is the incoming state
+                after = lambda p: state.recurrent if p == 0 else out[2][:, p - 1]
+                out = (*out[:2], jnp.stack([after(p) for p in checkpoints]))
         else:
-            # A few tokens continuing a state (a decode step, a speculative verify block) take the token-level
-            # scan: exact, and far cheaper than padding them to a 64-token chunk (the Pallas chunk kernels keep
-            # blocks of T > 1 under backend="pallas", where the GPU tests ran them).
-            short = state is not None and T <= SHORT_BLOCK and (T == 1 or self.backend != "pallas")
-            backend = "recurrent" if short else self.backend
             out = ops.linear_attention(rule, q, k, v, g, beta, initial_state=None if state is None else state.recurrent,
-                                       output_final_state=state is not None, backend=backend,
+                                       output_final_state=state is not None,
+                                       backend="recurrent" if short else self.backend,
                                        checkpoint_positions=list(checkpoints) if checkpoints else None)
         o, S = out[:2]
         snaps = LinearState(conv_snaps, out[2]) if checkpoints else None
