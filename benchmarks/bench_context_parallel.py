@@ -106,6 +106,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from bench_kda import versions, write_results
 from lineattn import ops
+from lineattn.train.metrics import device_memory
 
 OUTPUTS = ("o", "dq", "dk", "dv", "dg", "dbeta")
 GIB = 2**30
@@ -183,18 +184,6 @@ def fwd_bwd(f):
         o, vjp = jax.vjp(f, q, k, v, g, beta)
         return (o, *vjp(do.astype(o.dtype)))
     return jax.jit(step)
-
-
-def device_memory(devices) -> list[dict | None]:
-    """`memory_stats()` per device (None where the platform keeps none, e.g. CPU)."""
-    out = []
-    for d in devices:
-        try:
-            s = d.memory_stats()
-        except Exception:  # noqa: BLE001 - a platform without stats
-            s = None
-        out.append({k: s.get(k) for k in ("peak_bytes_in_use", "bytes_in_use", "bytes_limit")} if s else None)
-    return out
 
 
 def free_bytes(devices) -> int | None:

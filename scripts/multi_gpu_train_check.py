@@ -85,17 +85,6 @@ class MarkovTokens:
         return {"rows_consumed": step * self.batch_size}
 
 
-def device_memory(devices) -> list[dict | None]:
-    out = []
-    for d in devices:
-        try:
-            s = d.memory_stats()
-        except Exception:  # noqa: BLE001 - a platform without stats
-            s = None
-        out.append({k: s.get(k) for k in ("peak_bytes_in_use", "bytes_in_use", "bytes_limit")} if s else None)
-    return out
-
-
 def run_mesh(cfg, spec: str, source, steps: int, *, devices=None, peak_flops_per_device=None,
              keep_params: bool = True) -> tuple[dict, list | None]:
     """`steps` train steps of `cfg` on mesh `spec`; returns (record, final parameters as NumPy leaves or None)."""
@@ -158,6 +147,7 @@ def run_mesh(cfg, spec: str, source, steps: int, *, devices=None, peak_flops_per
         rec.update(status="oom" if "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() else "error",
                    error=text[:3000], traceback=traceback.format_exc()[-3000:])
         params = None
+    from lineattn.train.metrics import device_memory
     rec["device_memory"] = device_memory(devices)
     return rec, params
 

@@ -92,3 +92,15 @@ def plot_losses(metrics_path: str | Path, out_path: str | Path, *, title: str = 
     fig.savefig(out_path)
     plt.close(fig)
     return out_path
+
+
+def device_memory(devices) -> list[dict | None]:
+    """`memory_stats()` per device (None where the platform keeps none, e.g. CPU)."""
+    out = []
+    for d in devices:
+        try:
+            s = d.memory_stats()
+        except Exception:  # noqa: BLE001 - a platform without stats
+            s = None
+        out.append({k: s.get(k) for k in ("peak_bytes_in_use", "bytes_in_use", "bytes_limit")} if s else None)
+    return out

@@ -71,16 +71,16 @@ def _reverse_kernel(qin_ref, kg_ref, w_ref, u_ref, m_ref, dend_ref, s0_ref, do_r
     dh0_ref[...] = jax.lax.fori_loop(0, N, body, dht_ref[...].astype(f32))
 
 
-def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None, block_v=None):
-    """The Pallas passes: cotangents of `terms` (a ChunkTerms of [B, H, N, C, .] arrays) and d(h0).
-
-    do: [B, Tp, H, V] (Tp = N * C), dht: [B, H, K, V]. Returns (ChunkTerms of cotangents, dh0)."""
+def _pass_dims(terms: ChunkTerms):
+    """(B, H, N, C, K, V, Tp, delta) of chunk terms [B, H, N, C, .]."""
     B, H, N, C, K = terms.Qin_BHNCK.shape
-    V = terms.U_BHNCV.shape[-1]
-    Tp = N * C
-    delta = terms.W_BHNCK is not None
-    interpret = interpret_mode(interpret)
-    prec = "ieee" if exact else "tf32"
+    return B, H, N, C, K, terms.U_BHNCV.shape[-1], N * C, terms.W_BHNCK is not None
+
+
+def _pass_operands(terms: ChunkTerms):
+    """The state passes' operands: Qin, Kg, M, U, W as [B, H, Tp, .] (W zeros for the additive write) and e^(G_C)
+    as [B, H, K, N] (ones without a gate, broadcast across K for a head gate)."""
+    B, H, N, C, K, V, Tp, delta = _pass_dims(terms)
     flat = lambda x: x.reshape(B, H, Tp, x.shape[-1])
     qin, kg, m, u = map(flat, (terms.Qin_BHNCK, terms.Kg_BHNCK, terms.M_BHNCC, terms.U_BHNCV))
     w = flat(terms.W_BHNCK) if delta else jnp.zeros((B, H, Tp, K), f32)
@@ -89,14 +89,31 @@ def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None,
         dend = jnp.ones((B, H, N, K), f32)
     elif dend.ndim == 3:
         dend = jnp.broadcast_to(dend[..., None], (B, H, N, K))
-    dend_KN = jnp.swapaxes(dend, -1, -2)
-    BV = block_v or pick_block_v(B * H, V)
-    NV = V // BV
+    return qin, kg, m, u, w, jnp.swapaxes(dend, -1, -2)
+
+
+def _pass_specs(Tp: int, K: int, N: int, BV: int):
+    """Block specs of the (batch, head, V tile) grid: whole(D) [Tp, D], a V tile [Tp, BV], a state [K, BV], the
+    per-chunk states [N K, BV] and e^(G_C) [K, N]."""
     whole = lambda D: pl.BlockSpec((None, None, Tp, D), lambda b, h, j: (b, h, 0, 0))
     vtile = pl.BlockSpec((None, None, Tp, BV), lambda b, h, j: (b, h, 0, j))
     state = pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j))
     states = pl.BlockSpec((None, None, N * K, BV), lambda b, h, j: (b, h, 0, j))
     kn = pl.BlockSpec((None, None, K, N), lambda b, h, j: (b, h, 0, 0))
+    return whole, vtile, state, states, kn
+
+
+def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None, block_v=None):
+    """The Pallas passes: cotangents of `terms` (a ChunkTerms of [B, H, N, C, .] arrays) and d(h0).
+
+    do: [B, Tp, H, V] (Tp = N * C), dht: [B, H, K, V]. Returns (ChunkTerms of cotangents, dh0)."""
+    B, H, N, C, K, V, Tp, delta = _pass_dims(terms)
+    interpret = interpret_mode(interpret)
+    prec = "ieee" if exact else "tf32"
+    qin, kg, m, u, w, dend_KN = _pass_operands(terms)
+    BV = block_v or pick_block_v(B * H, V)
+    NV = V // BV
+    whole, vtile, state, states, kn = _pass_specs(Tp, K, N, BV)
 
     s0 = pl.pallas_call(
         functools.partial(_states_kernel, C=C, K=K, N=N, prec=prec, delta=delta),
@@ -379,13 +396,12 @@ def backward_kernels(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size:
 
     C = chunk_size
     B, T, H, K = q.shape
-    V = v.shape[-1]
     exact = q.dtype == f32
     interpret = interpret_mode(interpret)
     delta = beta is not None
     qf, kf, vf, gf, bf = (None if x is None else x.astype(f32) for x in pad_to_chunks(q, k, v, g, beta, C))
     Tp = qf.shape[1]
-    N, nb = Tp // C, C // SUB
+    N = Tp // C
     G = jnp.cumsum(gf.reshape(B, N, C, H, K), axis=2).reshape(B, Tp, H, K)
     M, KK, Qin, Kg = gram_rows(qf, kf, G, jnp.ones((B, Tp, H), f32), C=C, scale=scale, store=f32,  # KK: beta = 1
                                prec="ieee" if exact else "tf32", delta=True, diag=diag, warps=4,
@@ -622,28 +638,13 @@ def _chunk_grads_kernel(u_ref, w_ref, s0_ref, ds_ref, do_ref, du_ref, dqin_ref, 
 def state_passes_split(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None, block_v=None, warps=8, bk=32):
     """As `state_passes` (same arguments and result), by `_states_kernel`, `_reverse_ds_kernel` and
     `_chunk_grads_kernel`."""
-    B, H, N, C, K = terms.Qin_BHNCK.shape
-    V = terms.U_BHNCV.shape[-1]
-    Tp = N * C
-    delta = terms.W_BHNCK is not None
+    B, H, N, C, K, V, Tp, delta = _pass_dims(terms)
     interpret = interpret_mode(interpret)
     prec = "ieee" if exact else "tf32"
-    flat = lambda x: x.reshape(B, H, Tp, x.shape[-1])
-    qin, kg, m, u = map(flat, (terms.Qin_BHNCK, terms.Kg_BHNCK, terms.M_BHNCC, terms.U_BHNCV))
-    w = flat(terms.W_BHNCK) if delta else jnp.zeros((B, H, Tp, K), f32)
-    dend = terms.decay_end
-    if dend is None:
-        dend = jnp.ones((B, H, N, K), f32)
-    elif dend.ndim == 3:
-        dend = jnp.broadcast_to(dend[..., None], (B, H, N, K))
-    dend_KN = jnp.swapaxes(dend, -1, -2)
+    qin, kg, m, u, w, dend_KN = _pass_operands(terms)
     BV = block_v or pick_block_v(B * H, V)
     NV = V // BV
-    whole = lambda D: pl.BlockSpec((None, None, Tp, D), lambda b, h, j: (b, h, 0, 0))
-    vtile = pl.BlockSpec((None, None, Tp, BV), lambda b, h, j: (b, h, 0, j))
-    state = pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j))
-    states = pl.BlockSpec((None, None, N * K, BV), lambda b, h, j: (b, h, 0, j))
-    kn = pl.BlockSpec((None, None, K, N), lambda b, h, j: (b, h, 0, 0))
+    whole, vtile, state, states, kn = _pass_specs(Tp, K, N, BV)
     params = compiler_params(num_warps=4, num_stages=2)
     s0 = pl.pallas_call(
         functools.partial(_states_kernel, C=C, K=K, N=N, prec=prec, delta=delta),

@@ -348,7 +348,7 @@ def _intra_split(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, inter
     unscaled key Gram KK and R = (I + A)^-1 (fp32 [B, H, Tp, C]) for the backward: the Gram kernel then writes KK
     and the solve scales it by beta."""
     B, Tp, H, K = q.shape
-    V, N, nb = v.shape[-1], Tp // C, C // SUB
+    N = Tp // C
     if fast:
         G, dend = gate_cumsum(g, C=C, interpret=interpret, loop=loop)
     else:
