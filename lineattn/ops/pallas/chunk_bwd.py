@@ -92,15 +92,17 @@ def _pass_operands(terms: ChunkTerms):
     return qin, kg, m, u, w, jnp.swapaxes(dend, -1, -2)
 
 
-def _pass_specs(Tp: int, K: int, N: int, BV: int):
-    """Block specs of the (batch, head, V tile) grid: whole(D) [Tp, D], a V tile [Tp, BV], a state [K, BV], the
-    per-chunk states [N K, BV] and e^(G_C) [K, N]."""
+def _pass_setup(terms: ChunkTerms, block_v):
+    """(`_pass_operands`, the V tile BV, and the block specs of the (batch, head, V tile) grid: whole(D) [Tp, D], a
+    V tile [Tp, BV], a state [K, BV], the per-chunk states [N K, BV] and e^(G_C) [K, N])."""
+    B, H, N, C, K, V, Tp, delta = _pass_dims(terms)
+    BV = block_v or pick_block_v(B * H, V)
     whole = lambda D: pl.BlockSpec((None, None, Tp, D), lambda b, h, j: (b, h, 0, 0))
     vtile = pl.BlockSpec((None, None, Tp, BV), lambda b, h, j: (b, h, 0, j))
     state = pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j))
     states = pl.BlockSpec((None, None, N * K, BV), lambda b, h, j: (b, h, 0, j))
     kn = pl.BlockSpec((None, None, K, N), lambda b, h, j: (b, h, 0, 0))
-    return whole, vtile, state, states, kn
+    return _pass_operands(terms), BV, (whole, vtile, state, states, kn)
 
 
 def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None, block_v=None):
@@ -108,12 +110,9 @@ def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None,
 
     do: [B, Tp, H, V] (Tp = N * C), dht: [B, H, K, V]. Returns (ChunkTerms of cotangents, dh0)."""
     B, H, N, C, K, V, Tp, delta = _pass_dims(terms)
-    interpret = interpret_mode(interpret)
-    prec = "ieee" if exact else "tf32"
-    qin, kg, m, u, w, dend_KN = _pass_operands(terms)
-    BV = block_v or pick_block_v(B * H, V)
+    interpret, prec = interpret_mode(interpret), "ieee" if exact else "tf32"
+    (qin, kg, m, u, w, dend_KN), BV, (whole, vtile, state, states, kn) = _pass_setup(terms, block_v)
     NV = V // BV
-    whole, vtile, state, states, kn = _pass_specs(Tp, K, N, BV)
 
     s0 = pl.pallas_call(
         functools.partial(_states_kernel, C=C, K=K, N=N, prec=prec, delta=delta),
@@ -639,12 +638,9 @@ def state_passes_split(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret
     """As `state_passes` (same arguments and result), by `_states_kernel`, `_reverse_ds_kernel` and
     `_chunk_grads_kernel`."""
     B, H, N, C, K, V, Tp, delta = _pass_dims(terms)
-    interpret = interpret_mode(interpret)
-    prec = "ieee" if exact else "tf32"
-    qin, kg, m, u, w, dend_KN = _pass_operands(terms)
-    BV = block_v or pick_block_v(B * H, V)
+    interpret, prec = interpret_mode(interpret), "ieee" if exact else "tf32"
+    (qin, kg, m, u, w, dend_KN), BV, (whole, vtile, state, states, kn) = _pass_setup(terms, block_v)
     NV = V // BV
-    whole, vtile, state, states, kn = _pass_specs(Tp, K, N, BV)
     params = compiler_params(num_warps=4, num_stages=2)
     s0 = pl.pallas_call(
         functools.partial(_states_kernel, C=C, K=K, N=N, prec=prec, delta=delta),
