@@ -221,16 +221,23 @@ def _gram_cols_bwd(q_ref, k_ref, G_ref, dm_ref, dkk_ref, dmt_ref, dkkt_ref, dkq_
     dkk_out_ref[...] = off_k + diag_k
 
 
+def _gram_grad_specs(q, C):
+    """Shapes and block specs of the Gram-gradient grids (batch, head, 16-row block): (B, Tp, H, K, N, nb,
+    chunk_tok(D) [C, D] of a [B, Tp, H, D] input, chunk_mat [C, C] of a [B, H, Tp, C] matrix, out [16, K])."""
+    B, Tp, H, K = q.shape
+    N, nb = Tp // C, C // SUB
+    chunk_tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
+    chunk_mat = pl.BlockSpec((None, None, C, C), lambda b, h, i: (b, h, i // nb, 0))
+    out = pl.BlockSpec((None, None, SUB, K), lambda b, h, i: (b, h, i, 0))
+    return B, Tp, H, K, N, nb, chunk_tok, chunk_mat, out
+
+
 def gram_grads(q, k, G, dM, dKK, *, C, scale, exact, interpret):
     """Row and column sides of both Gram gradients. q, k, G [B, Tp, H, K]; dM, dKK [B, H, Tp, C] (masked).
     Returns dXq, dXk, dKq, dKk [B, H, Tp, K] (dXq is the gradient with respect to scale * q)."""
-    B, Tp, H, K = q.shape
-    N, nb = Tp // C, C // SUB
+    B, Tp, H, K, N, nb, chunk_tok, chunk_mat, out = _gram_grad_specs(q, C)
     prec = "ieee" if exact else "tf32"
-    chunk_tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
-    chunk_mat = pl.BlockSpec((None, None, C, C), lambda b, h, i: (b, h, i // nb, 0))
     rows_mat = pl.BlockSpec((None, None, SUB, C), lambda b, h, i: (b, h, i, 0))
-    out = pl.BlockSpec((None, None, SUB, K), lambda b, h, i: (b, h, i, 0))
     out_shape = [jax.ShapeDtypeStruct((B, H, Tp, K), f32)] * 2
     dxq, dxk = pl.pallas_call(
         functools.partial(_gram_rows_bwd, C=C, prec=prec), grid=(B, H, N * nb),
@@ -368,12 +375,8 @@ def _gram_bwd_kernel(q_ref, k_ref, G_ref, dm_ref, dkk_ref, dxq_ref, dxk_ref, dkq
 
 def gram_grads_fused(q, k, G, dM, dKK, *, C, scale, exact, interpret, diag="mm", warps=4, bk=64, bk3=16):
     """As `gram_grads`, by `_gram_bwd_kernel` (one kernel; no transposed copies of dM, dKK)."""
-    B, Tp, H, K = q.shape
-    N, nb = Tp // C, C // SUB
+    B, Tp, H, K, N, nb, chunk_tok, chunk_mat, out = _gram_grad_specs(q, C)
     prec = "ieee" if exact else "tf32"
-    chunk_tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
-    chunk_mat = pl.BlockSpec((None, None, C, C), lambda b, h, i: (b, h, i // nb, 0))
-    out = pl.BlockSpec((None, None, SUB, K), lambda b, h, i: (b, h, i, 0))
     return pl.pallas_call(
         functools.partial(_gram_bwd_kernel, C=C, scale=scale, prec=prec, diag=diag, bk=min(bk, K),
                           bk3=min(bk3, K)),
