@@ -88,6 +88,10 @@ def test_selection_order_seed_groups_and_claims(tmp_path, monkeypatch):
     (tmp_path / "runs/.claims/closed").touch()                                # a closed queue hands out nothing
     ablate.run_grid(cfg, tmp_path / "runs", only="*/attention/*", claim=True, log=lambda s: None)
     assert len(ran) == 2
+    # the seeds of one cell queued under separate globs are separate groups, each claimable by its own worker
+    split = ablate.select(ablate.cells(cfg), only="*/attention/*/seed0,*/attention/*/seed1")
+    assert [len(g) for g in ablate.seed_groups(split)] == [1, 1, 1, 1]
+    assert all(ablate._claim(tmp_path / "split", g) for g in ablate.seed_groups(split))
 
 
 @pytest.mark.parametrize("bad, message", [

@@ -284,7 +284,8 @@ def _claim(runs_dir: Path, group: list[Cell]) -> bool:
     if (claims / "closed").exists():
         return False
     try:
-        fd = os.open(claims / group[0].key.rsplit("/", 1)[0].replace("/", "__"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        # named by the group's first run (not its cell): seeds of one cell queued apart are separate groups
+        fd = os.open(claims / group[0].key.replace("/", "__"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         return False
     os.write(fd, str(os.getpid()).encode())
