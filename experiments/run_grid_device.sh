@@ -9,9 +9,12 @@
 #           (`ablate --list` says done; runs finished with another config, "other", are not redone either)
 #   GLOBS   comma-separated cell globs (setting/row/lrX/seedN) in priority order: the cells of the first glob are
 #           queued first; cells already done are left out
-#   env     WORKERS (12) parallel workers taking seed groups from one queue (`ablate --claim`); DEADLINE (480):
+#   env     WORKERS (2) processes x THREADS (6) threads taking seed groups from one queue (`ablate --claim
+#           --threads`): the driver time-slices processes on one GPU (2026-12-01, 12 single-run processes: every
+#           LM run at 82-85 K tokens/s, 12 x that is the 1.1 M tokens/s a run's log reached when it ran
+#           nearly alone), while the threads of one process share its context (not yet timed on the GPU); DEADLINE (480):
 #           seconds after this script's start at which unfinished workers are stopped (the script ends about
-#           15 s later); OUT (required: the folder that comes back); RUNS (/tmp/ablate_runs); PYTHON (python3);
+#           15 s later); OUT (required: the folder that comes back); RUNS (/tmp/ablate_runs_<config name>); PYTHON (python3);
 #           CLOSE (120): no run starts in the last CLOSE seconds; DRY=1: print the queue and stop
 #
 # $OUT receives: runs.tgz (every finished run: <key>/{result.json,metrics.jsonl}, to unpack into
@@ -33,8 +36,8 @@ case $1 in
   *)    config=$1; globs=$2; shift 2;;
 esac
 : "${OUT:?set OUT to the folder that comes back}"
-workers=${WORKERS:-12}; deadline=${DEADLINE:-480}; runs=${RUNS:-/tmp/ablate_runs}; py=${PYTHON:-python3}
 name=$(basename "$config" .yaml)
+workers=${WORKERS:-2}; threads=${THREADS:-6}; deadline=${DEADLINE:-480}; runs=${RUNS:-/tmp/ablate_runs_$name}; py=${PYTHON:-python3}
 done_dir=experiments/results/$name/runs
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 # One compile per model: the seeds of a group run one after another in one worker and find the train step in
@@ -49,7 +52,7 @@ rm -rf "${runs}_report"*; mkdir -p "$OUT" "$runs"
 # a run stopped in an earlier call on this machine has no checkpoint: it starts again from step 0
 (cd "$runs" && find . -name config.yaml -printf '%h\n' | while read -r d; do [ -f "$d/result.json" ] || rm -rf "$d"; done)
 log=$OUT/log.txt
-{ echo "# $(date -u +%FT%TZ) $config workers=$workers deadline=${deadline}s"; nvidia-smi -L 2>/dev/null
+{ echo "# $(date -u +%FT%TZ) $config workers=$workers threads=$threads deadline=${deadline}s"; nvidia-smi -L 2>/dev/null
   $py -c 'import jax; print("jax", jax.__version__, jax.devices())'; } > "$log" 2>&1
 
 # The queue: the selected cells not yet done in the committed results, in the order of the globs.
@@ -60,11 +63,11 @@ echo "# queue ($(tr ',' '\n' <<< "$todo" | wc -l) runs): $todo" >> "$log"
 if [ -n "${DRY:-}" ]; then tr ',' '\n' <<< "$todo"; exit 0; fi
 rm -rf "$runs/.claims"; mkdir -p "$runs/.claims"
 left=$(( deadline - ($(date +%s) - t0) ))
-echo "# $workers workers, stopped after $left s" >> "$log"
+echo "# $workers workers x $threads threads, stopped after $left s" >> "$log"
 pids=()
 for ((i = 0; i < workers; i++)); do
   timeout -k 10 "$left" $py -m lineattn.experiments.ablate --config "$config" --runs-dir "$runs" \
-      --out "${runs}_report$i" --only "$todo" --claim --set train.checkpoint_every=0 "$@" > "$runs/worker$i.log" 2>&1 &
+      --out "${runs}_report$i" --only "$todo" --claim --threads "$threads" --set train.checkpoint_every=0 "$@" > "$runs/worker$i.log" 2>&1 &
   pids+=($!)
 done
 # No new run starts in the last CLOSE seconds: the runs in flight get the GPU to themselves and finish in time.

@@ -1,6 +1,7 @@
 """The ablation runner (lineattn.experiments.ablate): grid, resume, outputs, summaries."""
 
 import json
+import threading
 
 import pytest
 import yaml
@@ -144,6 +145,35 @@ def test_grid_runs_resumes_and_writes_outputs(config, tmp_path, monkeypatch, cap
     assert "used another config" in capsys.readouterr().err
     assert ablate.main(args + ["--set", "train.steps=3", "--list"]) == 0
     assert "other default/attention/lr0.01/seed0" in capsys.readouterr().out
+
+
+def test_threads_run_every_group_once_with_the_sequential_results(config, tmp_path, monkeypatch):
+    cfg = ablate.load_ablate_config(config)
+    computed = lambda rs: {r["key"]: {k: v for k, v in r["final"].items() if k not in ("tokens_per_s", "mfu")}
+                           for r in rs}                                    # the rest is a function of the run
+    seq = computed(ablate.run_grid(cfg, tmp_path / "seq", log=lambda s: None))
+    par = computed(ablate.run_grid(cfg, tmp_path / "par", threads=2, log=lambda s: None))
+    assert par == seq and len(seq) == 2 and "val_accuracy" in seq["default/attention/lr0.01/seed0"]
+    # with a fake run: each of 6 groups runs once, in both threads, and a group's seeds stay in one thread
+    path = tmp_path / "six.yaml"
+    path.write_text(yaml.safe_dump(dict(TINY, grid=dict(TINY["grid"], seeds=[0, 1], lrs=[1e-2, 3e-3, 1e-3]))))
+    cfg = ablate.load_ablate_config(path)
+    ran, started, barrier = [], set(), threading.Barrier(2, timeout=10)
+
+    def fake_run(cfg, cell, runs_dir, log):
+        if threading.current_thread().name not in started:     # each thread's first run waits for the other's:
+            started.add(threading.current_thread().name)       # both run at once (else the barrier breaks)
+            barrier.wait()
+        ran.append((cell.key, threading.current_thread().name))
+        return {"key": cell.key, "final": {"val_accuracy": 0.5}, "wall_s": 0.0}
+
+    monkeypatch.setattr(ablate, "run_cell", fake_run)
+    ablate.run_grid(cfg, tmp_path / "fake", threads=2, log=lambda s: None)
+    assert sorted(k for k, _ in ran) == sorted(c.key for c in ablate.cells(cfg))
+    thread_of = dict(ran)
+    assert all(thread_of[k] == thread_of[k.replace("seed1", "seed0")] for k in thread_of)
+    with pytest.raises(ValueError, match="threads"):
+        ablate.run_grid(cfg, tmp_path / "fake", threads=0)
 
 
 def test_summary_picks_best_lr_by_seed_mean():
