@@ -29,6 +29,7 @@ from bench_kda import make_inputs, rel_err, time_jax, versions  # noqa: E402
 
 from lineattn import ops  # noqa: E402
 from lineattn.ops.pallas.decode import decode_step  # noqa: E402
+from lineattn.train.metrics import device_memory  # noqa: E402
 
 H, K, V = 16, 128, 128
 RECORDS: list[dict] = []
@@ -230,8 +231,9 @@ def bench_long(a, T):
     for mode, fn in (("fwd", jax.jit(f)), ("fwdbwd", jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))))):
         try:
             ms = time_jax(fn, args, 3)
+            mem = device_memory(jax.devices()[:1])[0] or {}   # the peak so far: this process's largest step
             record(a.out, op="kda", impl="lineattn-pallas", mode=mode, B=1, T=T, H=H, K=K, V=V, ms=ms,
-                   dtype="bfloat16")
+                   dtype="bfloat16", peak_gib=round(mem.get("peak_bytes_in_use", 0) / 2**30, 2) or None)
         except Exception as exc:
             print(f"long T={T} {mode}: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
 
@@ -260,7 +262,8 @@ def main():
     a.intras = [i for i in a.intras.split(",") if i]
     a.block_vs = [int(b) or None for b in a.block_vs.split(",") if b]
     print(f"{jax.devices()[0].device_kind}; {versions()}", flush=True)
-    for shape in a.shapes.split(","):
+    shapes = [s for s in a.shapes.split(",") if s]    # --shapes= (empty): e.g. only --long
+    for shape in shapes:
         B, T = map(int, shape.split("x"))
         bench_shape("kda", B, T, a, a.skip, fla_modes if shape in a.fla_shapes.split(",") else [])
     if a.decode_configs:
@@ -269,7 +272,7 @@ def main():
         for shape in a.tune_shapes.split(","):
             bench_tuning(a, *map(int, shape.split("x")))
     if a.gdn:
-        for shape in a.shapes.split(","):
+        for shape in shapes:
             B, T = map(int, shape.split("x"))
             fla_gdn = ["fwd"] if fla_modes and shape in a.fla_shapes.split(",") else []
             bench_shape("gdn", B, T, a, a.skip + ["lineattn-chunk"], fla_gdn)

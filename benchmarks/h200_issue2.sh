@@ -3,7 +3,8 @@
 # (lineattn-pallas variants beside jax-linear-attention's Mosaic GPU kernels and FLA, same inputs). Run through
 # the device tool with `.whl` carried (see ../shared/BENCHMARKING.md); writes into $OUT.
 #   SKIP_TESTS=1 / SKIP_BENCH=1   one part only        TESTS_K="expr"   a subset of the tests (pytest -k)
-#   BENCH_ARGS="..."   replaces the bench flags below; TEST_TIMEOUT / BENCH_TIMEOUT in seconds.
+#   BENCH_ARGS="..."   replaces the bench flags below; TEST_TIMEOUT / BENCH_TIMEOUT in seconds. The one long
+#   sequence alone (run6's call ran out of time before it): BENCH_ARGS="--shapes= --decode= --fla= --long 262144"
 #   PARTS=1 [PARTS_ARGS="..."]   bench_pallas_parts.py (every stage timed apart) instead of bench_pallas_kda.py
 # Tests take 2-3 minutes, the bench 6-8 (FLA autotunes on first use): one device call for each part.
 set -uo pipefail
