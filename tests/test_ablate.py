@@ -216,3 +216,9 @@ def test_fingerprints_of_committed_runs():
     saved = json.loads((root / "experiments/results/ablate_mqar/runs" / cell.key / "result.json").read_text())
     fp = ablate._fingerprint(ablate.run_config(mqar, cell))
     assert fp != saved["config"] and fp["no_mlp"] and fp["model"]["mlp_ratio"] == 0
+    # a finished run stays done when a row later runs on another backend (how, not what, it computes)
+    cell = next(c for c in ablate.cells(mqar) if c.key == "T512_kv64/delta-element/lr0.01/seed1")
+    other_backend = ablate.load_ablate_config(root / "configs/ablate_mqar.yaml", ("model.backend=chunk",))
+    assert ablate._fingerprint(ablate.run_config(other_backend, cell)) == ablate._fingerprint(
+        ablate.run_config(mqar, cell))
+    assert ablate.run_config(other_backend, cell).model["backend"] == "chunk"

@@ -128,8 +128,6 @@ def test_rule_specific_errors():
     with pytest.raises(ValueError, match="g must be None"):
         ops.linear_attention("norm_attn", x["q"], x["k"], x["v"], x["g"])
     e = make_inputs("delta_element", B=1, T=12, H=2, K=8, V=4)
-    with pytest.raises(ValueError, match="no chunk form"):
-        ops.linear_attention("delta_element", e["q"], e["k"], e["v"], e["g"], e["beta"], backend="chunk")
     with pytest.raises(ValueError, match="no scan form"):
         ops.linear_attention("delta_element", e["q"], e["k"], e["v"], e["g"], e["beta"], backend="scan")
     with pytest.raises(ValueError, match="unknown rule"):

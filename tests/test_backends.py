@@ -17,7 +17,7 @@ FAST_PATHS = [
     (name, backend)
     for name, rule in ops.RULES.items()
     for backend in ("chunk", "scan")
-    if (rule.has_chunk_form if backend == "chunk" else rule.has_scan_form)
+    if backend == "chunk" or rule.has_scan_form   # chunk: the per-element gate by value columns
 ]
 
 
@@ -66,3 +66,17 @@ def test_cut_gates_are_finite_and_exact(rule, backend):
 @pytest.mark.parametrize("rule", ["kda", "gdn", "gla"])
 def test_chunk_size(rule, chunk_size):
     _compare(rule, "chunk", make_inputs(rule, T=90, seed=2), chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("rule", ["element", "delta_element"])
+def test_element_chunk_by_value_columns_exports_the_oracles_states(rule):
+    # the per-element gate's chunk backend runs V channel-gate rules of value dim 1 (lineattn.ops.columns);
+    # the state exports come back in the [P, B, H, K, V] layout
+    x = make_inputs(rule, B=2, T=50, H=2, K=8, V=6, seed=4)
+    args = (rule, x["q"], x["k"], x["v"], x["g"], x["beta"])
+    kw = dict(initial_state=x["initial_state"], output_final_state=True, checkpoint_positions=[0, 17, 50])
+    o, ht, states = ops.linear_attention(*args, backend="chunk", chunk_size=16, **kw)
+    o_ref, ht_ref, states_ref = ops.linear_attention(*args, backend="recurrent", **kw)
+    assert_close({"o": o, "ht": ht, "states": states}, {"o": o_ref, "ht": ht_ref, "states": states_ref}, TOL, rule)
+    np.testing.assert_array_equal(states[0], x["initial_state"])
+    assert ops.select_backend(ops.RULES[rule], "auto") != "chunk"      # slower on a CPU: auto does not pick it

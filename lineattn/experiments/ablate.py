@@ -212,6 +212,7 @@ def _fingerprint(train_cfg) -> dict[str, Any]:
     d["data"].pop("cache_dir", None)
     for k in ("checkpoint_every", "keep_checkpoints", "async_checkpoint"):   # do not change what a run computes
         d["train"].pop(k, None)
+    d["model"].pop("backend", None)   # nor does the backend: each is exact against the oracle (tests/test_backends)
     d["no_mlp"] = float(d["model"].get("mlp_ratio", 1.0)) == 0
     return d
 

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from lineattn.ops import checkpoints, varlen
+from lineattn.ops.columns import per_value_column
 from lineattn.ops.chunk import SUB_CHUNK, chunk
 from lineattn.ops.pallas import api as pallas_api
 from lineattn.ops.recurrent import recurrent
@@ -80,8 +81,6 @@ def _validate(rule: Rule, q, k, v, g, beta, initial_state, cu_seqlens, backend, 
         _check_float("initial_state", initial_state, expected)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "chunk" and not rule.has_chunk_form:
-        raise ValueError(f"backend='chunk': {rule} has no chunk form (per-element gate); use 'scan' or 'recurrent'")
     if backend == "scan" and not rule.has_scan_form:
         raise ValueError(f"backend='scan': {rule} has no scan form; use 'recurrent'")
     if backend == "pallas":
@@ -190,6 +189,9 @@ def linear_attention(
         fn = {"recurrent": functools.partial(checkpoints.recurrent_checkpoints, positions=positions),
               "chunk": functools.partial(checkpoints.chunk_checkpoints, chunk_size=chunk_size, positions=positions),
               "pallas": functools.partial(pallas_api.run_checkpoints, chunk_size=chunk_size, positions=positions)}[name]
+    if name == "chunk" and rule.gate == "element":  # V channel-gate rules of value dim 1 (lineattn.ops.columns)
+        fn = per_value_column(fn)
+    if positions is not None:
         o, final_state, states = fn(q, k, v, g, beta, scale=scale, initial_state=f32(initial_state))
     else:
         o, final_state = fn(q, k, v, g, beta, scale=scale, initial_state=f32(initial_state))

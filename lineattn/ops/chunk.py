@@ -117,7 +117,8 @@ def _scale_rows(x, factor):
 def chunk_terms(q, k, v, g, beta, *, scale: float, chunk_size: int) -> ChunkTerms:
     """Stage 1: the per-chunk quantities, in parallel over chunks. Inputs [B, T, H, ...], T a multiple of C."""
     if g is not None and g.ndim == 5:
-        raise ValueError("the per-element gate (g [B, T, H, K, V]) has no chunk form")
+        raise ValueError("the per-element gate (g [B, T, H, K, V]) has no chunk form of one state; the chunk backend "
+                         "runs it by value columns (lineattn.ops.columns)")
     C = chunk_size
     q, k, v = (_to_chunks(x, C) for x in (q, k, v))
     if g is None:

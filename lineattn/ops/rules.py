@@ -55,13 +55,15 @@ class Rule:
 
     @property
     def has_chunk_form(self) -> bool:
-        """The per-element gate does not factor over key channels: no chunkwise form."""
+        """A chunk form of the [K, V] state itself. The per-element gate does not factor over key channels; its
+        `chunk` backend runs each value column as a channel-gate rule (`lineattn.ops.columns`), exact but ~10-20x
+        slower than its recurrence on a CPU, so `auto` does not pick it."""
         return self.gate != "element"
 
     @property
     def has_scan_form(self) -> bool:
         """Additive rules scan token by token; delta rules scan chunk-level affine pairs."""
-        return self.write == "additive" or self.has_chunk_form
+        return self.write == "additive" or self.gate != "element"
 
 
 RULES: dict[str, Rule] = {
