@@ -56,7 +56,7 @@ class Rule:
     @property
     def has_chunk_form(self) -> bool:
         """A chunk form of the [K, V] state itself. The per-element gate does not factor over key channels; its
-        `chunk` backend runs each value column as a channel-gate rule (`lineattn.ops.columns`), exact but ~10-20x
+        `chunk` backend runs each value column as a channel-gate rule (`lineattn.ops.columns`), exact but 13-20x
         slower than its recurrence on a CPU, so `auto` does not pick it."""
         return self.gate != "element"
 
