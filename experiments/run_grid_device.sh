@@ -44,8 +44,9 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_
 # the persistent cache (the lr is a constant of the compiled step, the seed is not).
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/lineattn_jax_cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.5
-# 12 processes share one GPU: XLA's autotuning of every GEMM and fusion (timing candidates on that shared GPU)
-# made a compile take 100-200 s; these models are too small for the chosen algorithm to matter.
+# A model's first run took 100-230 s where a second seed (its compile cached) took 20-40 s. XLA's autotuning
+# (timing candidate GEMM/fusion kernels on the shared GPU) is part of each compile: off, as these models are too
+# small for the chosen algorithm to matter (its share of the compile time was not measured).
 export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_autotune_level=0"
 t0=$(date +%s)
 rm -rf "${runs}_report"*; mkdir -p "$OUT" "$runs"
