@@ -191,17 +191,13 @@ def linear_attention(
               "pallas": functools.partial(pallas_api.run_checkpoints, chunk_size=chunk_size, positions=positions)}[name]
     if name == "chunk" and rule.gate == "element":  # V channel-gate rules of value dim 1 (lineattn.ops.columns)
         fn = per_value_column(fn)
-    if positions is not None:
-        o, final_state, states = fn(q, k, v, g, beta, scale=scale, initial_state=f32(initial_state))
-    else:
-        o, final_state = fn(q, k, v, g, beta, scale=scale, initial_state=f32(initial_state))
+    o, final_state, *states = fn(q, k, v, g, beta, scale=scale, initial_state=f32(initial_state))
 
     if layout is not None:
         o = layout.unpad(o)
     if rule.normalize:
         o = o[..., :V] / (o[..., V:] + _NORMALIZER_EPS)
-    out = (o.astype(out_dtype), final_state if output_final_state else None)
-    return out if positions is None else (*out, states)
+    return (o.astype(out_dtype), final_state if output_final_state else None, *states)  # states: [P, B, H, K, V]
 
 
 # FLA's names and positional signatures. Keyword arguments and returns as `linear_attention`.
