@@ -21,19 +21,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_kda import rel_err, time_jax, versions, write_results
+from bench_kda import make_inputs, rel_err, time_jax, versions, write_results
 from lineattn import ops
 
 H, K, V = 2, 64, 64
 
 
 def inputs(rule, B, T, seed=0):
-    rng = np.random.default_rng(seed)
-    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
-    x = [unit(rng.standard_normal((B, T, H, K))), unit(rng.standard_normal((B, T, H, K))),
-         rng.standard_normal((B, T, H, V)), rng.uniform(-5.0, 0.0, (B, T, H, K, V))]
-    beta = rng.uniform(0.0, 1.0, (B, T, H)) if ops.RULES[rule].write == "delta" else None
-    return [jnp.asarray(a, jnp.float32) for a in x], None if beta is None else jnp.asarray(beta, jnp.float32)
+    """bench_kda's inputs, with the log gate drawn per state element [B, T, H, K, V] in (-5, 0)."""
+    x, _ = make_inputs(B, T, H, K, V, "float32", seed)
+    g = np.random.default_rng(seed + 1).uniform(-5.0, 0.0, (B, T, H, K, V))
+    beta = jnp.asarray(x["beta"]) if ops.RULES[rule].write == "delta" else None
+    return [jnp.asarray(x["q"]), jnp.asarray(x["k"]), jnp.asarray(x["v"]), jnp.asarray(g, jnp.float32)], beta
 
 
 def main():
