@@ -43,6 +43,7 @@ def main():
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     device = str(jax.devices()[0].device_kind)
+    tag = "h200" if "H200" in device else jax.devices()[0].platform
     print(f"per-element rules, H={H} K={K} V={V} fp32 on {device}", flush=True)
     records = []
     for shape in a.shapes.split(","):
@@ -69,9 +70,8 @@ def main():
                 records.append(dict(op=rule, impl=f"lineattn-{impl}", mode="fwdbwd", B=B, T=T, H=H, K=K, V=V, ms=ms,
                                     compile_s=round(compile_s, 2), max_rel_err=err, device=device,
                                     versions=versions()))
-    if a.out:
-        tag = "h200" if "H200" in device else jax.devices()[0].platform
-        write_results(a.out, f"{tag}-element", records)
+                if a.out:  # after every record: a run stopped by a timeout keeps what it measured
+                    write_results(a.out, f"{tag}-element", records)
 
 
 if __name__ == "__main__":
