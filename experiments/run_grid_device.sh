@@ -12,7 +12,8 @@
 #   env     WORKERS (2) processes x THREADS (6) threads taking seed groups from one queue (`ablate --claim
 #           --threads`): the driver time-slices processes on one GPU (2026-12-01, 12 single-run processes: every
 #           LM run at 82-85 K tokens/s, 12 x that is the 1.1 M tokens/s a run's log reached when it ran
-#           nearly alone), while the threads of one process share its context (not yet timed on the GPU); DEADLINE (480):
+#           nearly alone), while the threads of one process share its context (2 x 6 threads: 18 LM runs in 326 s,
+#           62-440 K tokens/s a run; give the per-element rows a call of their own, see experiments/README.md); DEADLINE (480):
 #           seconds after this script's start at which unfinished workers are stopped (the script ends about
 #           15 s later); OUT (required: the folder that comes back); RUNS (/tmp/ablate_runs_<config name>); PYTHON (python3);
 #           CLOSE (120): no run starts in the last CLOSE seconds; DRY=1: print the queue and stop
