@@ -3,7 +3,8 @@
 # the tiny models share the GPU) within a deadline, and packs what came out into $OUT.
 #
 #   bash experiments/run_grid_device.sh CONFIG GLOBS [--set KEY=VALUE ...]
-#   bash experiments/run_grid_device.sh mqar|lm [--set ...]      (the shipped configs, in the order below)
+#   bash experiments/run_grid_device.sh mqar|lm [--set ...]      (a shipped config's runs but the per-element rows)
+#   bash experiments/run_grid_device.sh mqar-element|lm-element   (its per-element rows alone: a call of their own)
 #
 #   CONFIG  configs/ablate_<name>.yaml; the committed runs in experiments/results/<name>/runs count as done
 #           (`ablate --list` says done; runs finished with another config, "other", are not redone either)
@@ -27,13 +28,15 @@
 #   python -m lineattn.experiments.ablate --config CONFIG --runs-dir experiments/results/<name>/runs \
 #       --out experiments/results/<name> --report-only
 set -u
-# Priorities: the longest runs first, one seed per claim (the per-element rows: token-level scans, 100-300 s a run
-# on a shared H200; seed 0 and seed 1 sit under separate globs, so they are separate groups and two workers run
-# them side by side), then the rest in grid order (the seeds of a cell together: one compile for both).
-long=*/*-element/*/seed0,*/*-element/*/seed1
+# The per-element rows (token-level recurrences, 5-10x another row's run) get calls of their own: 16 of them
+# beside each other finished none in 530 s; 4 LM additive-element runs alone took 120 s each (2026-12-01).
+# Seed 0 and seed 1 sit under separate globs, so they are separate groups that run side by side; the other rows
+# keep the seeds of a cell together (one compile for both), in grid order.
+element=*/*-element/*/seed0,*/*-element/*/seed1
+rest=*/*-none/*,*/*-fixed/*,*/*-head/*,*/*-channel/*,*/attention/*
 case $1 in
-  mqar) config=configs/ablate_mqar.yaml; shift; globs=$long,*;;
-  lm)   config=configs/ablate_lm.yaml; shift; globs=$long,*;;
+  mqar|lm) config=configs/ablate_$1.yaml; shift; globs=$rest;;
+  mqar-element|lm-element) config=configs/ablate_${1%-element}.yaml; shift; globs=$element;;
   *)    config=$1; globs=$2; shift 2;;
 esac
 : "${OUT:?set OUT to the folder that comes back}"
