@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TOL = 1e-5
 # The gate parameters' gradients (A_log, dt_bias, the gate projections) come through dg, which carries the fp32
 # rounding of the segment resets' -120 log gates in the in-chunk cumsums directly (ulp(240) = 1.5e-5); seen
-# 1.0-1.4e-5 there at P = 4 against <= 3.6e-6 for every other parameter. Their own budget, as FLA's tests give dg one.
+# 1.0-1.4e-5 there at P = 4 against <= 4.3e-6 for every other parameter. Their own budget, as FLA's tests give dg one.
 GATE_TOL = 5e-5
 GATE_PARAMS = ("A_log", "dt_bias", "g_proj", "g_up")
 B, T = 2, 128
