@@ -2,11 +2,14 @@
 
 import json
 import threading
+from pathlib import Path
 
 import pytest
 import yaml
 
 from lineattn.experiments import ablate
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TINY = {
     "name": "tiny",
@@ -204,21 +207,19 @@ def test_fingerprints_of_committed_runs():
     # The committed LM runs (with MLP) keep their fingerprints, so their grid can be resumed; the committed MQAR
     # runs (made with the old zero-MLP swap, which drew initialisation keys for the unused MLPs) do not match
     # the mlp_ratio-0 config, so they are never mixed into a resumed grid as if they were the same runs.
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
-    lm = ablate.load_ablate_config(root / "configs/ablate_lm.yaml", LM_CPU_REDUCTION)
+    lm = ablate.load_ablate_config(ROOT / "configs/ablate_lm.yaml", LM_CPU_REDUCTION)
     cell = next(c for c in ablate.cells(lm) if c.key == "shakespeare_T256/delta-channel/lr0.003/seed1")
-    saved = json.loads((root / "experiments/results/ablate_lm/cpu_reduced/runs" / cell.key / "result.json").read_text())
+    saved = json.loads((ROOT / "experiments/results/ablate_lm/cpu_reduced/runs" / cell.key / "result.json").read_text())
     assert ablate._fingerprint(ablate.run_config(lm, cell)) == saved["config"]
 
-    mqar = ablate.load_ablate_config(root / "configs/ablate_mqar.yaml", ("train.checkpoint_every=0",))
+    mqar = ablate.load_ablate_config(ROOT / "configs/ablate_mqar.yaml", ("train.checkpoint_every=0",))
     cell = next(c for c in ablate.cells(mqar) if c.key == "T256_kv16/delta-none/lr0.003/seed0")
-    saved = json.loads((root / "experiments/results/ablate_mqar/runs" / cell.key / "result.json").read_text())
+    saved = json.loads((ROOT / "experiments/results/ablate_mqar/runs" / cell.key / "result.json").read_text())
     fp = ablate._fingerprint(ablate.run_config(mqar, cell))
     assert fp != saved["config"] and fp["no_mlp"] and fp["model"]["mlp_ratio"] == 0
     # a finished run stays done when a row later runs on another backend (how, not what, it computes)
     cell = next(c for c in ablate.cells(mqar) if c.key == "T512_kv64/delta-element/lr0.01/seed1")
-    other_backend = ablate.load_ablate_config(root / "configs/ablate_mqar.yaml", ("model.backend=chunk",))
+    other_backend = ablate.load_ablate_config(ROOT / "configs/ablate_mqar.yaml", ("model.backend=chunk",))
     assert ablate._fingerprint(ablate.run_config(other_backend, cell)) == ablate._fingerprint(
         ablate.run_config(mqar, cell))
     assert ablate.run_config(other_backend, cell).model["backend"] == "chunk"
@@ -229,10 +230,8 @@ def test_committed_grids_are_complete_and_their_reports_follow_from_the_runs(nam
     # The results READMEs call both shipped grids complete: every cell of the shipped config has a committed run
     # (done, or "other": finished with the pre-mlp_ratio MQAR config), and results.json / table.md are what the
     # runner makes from those runs, so the reported numbers cannot drift from the per-run files.
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
-    cfg = ablate.load_ablate_config(root / f"configs/{name}.yaml")
-    out = root / "experiments/results" / name
+    cfg = ablate.load_ablate_config(ROOT / f"configs/{name}.yaml")
+    out = ROOT / "experiments/results" / name
     todo = [c.key for c in ablate.cells(cfg) if ablate.status(cfg, c, out / "runs") == "todo"]
     assert todo == []
     records = ablate.collect(cfg, out / "runs")
