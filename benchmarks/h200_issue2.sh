@@ -5,6 +5,7 @@
 #   SKIP_TESTS=1 / SKIP_BENCH=1   one part only        TESTS_K="expr"   a subset of the tests (pytest -k)
 #   BENCH_ARGS="..."   replaces the bench flags below; TEST_TIMEOUT / BENCH_TIMEOUT in seconds. The one long
 #   sequence alone (run6's call ran out of time before it): BENCH_ARGS="--shapes= --decode= --fla= --long 262144"
+#   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py (per-kernel device time of one call, lineattn and jla)
 #   PARTS=1 [PARTS_ARGS="..."]   bench_pallas_parts.py (every stage timed apart) instead of bench_pallas_kda.py
 # Tests take 2-3 minutes, the bench 6-8 (FLA autotunes on first use): one device call for each part.
 set -uo pipefail
@@ -16,6 +17,11 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee $OUT/gpu_tests.log | grep -v "^$" | tail -12
 fi
 [ -n "${SKIP_BENCH:-}" ] && exit 0
+if [ -n "${PROFILE:-}" ]; then  # per-kernel device times from a profiler trace (PROFILE_ARGS: its flags)
+  timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/profile_pallas_kda.py --out $OUT ${PROFILE_ARGS:-} 2>&1 \
+    | grep -v "slow_operation_alarm\|Constant folding\|^$" | tee $OUT/profile.log
+  exit 0
+fi
 if [ -n "${PARTS:-}" ]; then  # the per-stage timings instead (bench_pallas_parts.py; PARTS_ARGS: its flags)
   timeout ${BENCH_TIMEOUT:-500} python3 benchmarks/bench_pallas_parts.py --out $OUT ${PARTS_ARGS:---jla} 2>&1 \
     | grep -v "slow_operation_alarm\|Constant folding\|^$" | tee $OUT/parts.log

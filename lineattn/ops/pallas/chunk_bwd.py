@@ -30,15 +30,24 @@ from lineattn.ops.pallas.common import SUB, compiler_params, dot, interpret_mode
 
 f32 = jnp.float32
 KERNELS_DIAG = {"kernels": "loop", "kernels-mm": "mm", "kernels-bcast": "bcast"}  # backward -> Gram kernels' diag
+# Products of `backward_fast` for bf16 inputs (fp32 inputs: "ieee"), read when a call is traced: the split state
+# passes and chunk gradients (`state_passes_split`), and the WY backward (`_wy_bwd_kernel`); see `common.dot`.
+# H200, 8 x 4096 x 16 x 128 (2026-12-01 run7c profile): bf16 passes 0.60 / 1.41 ms (reverse / chunk gradients)
+# against 0.94 / 2.11 with tf32; the WY backward 1.23 ms at tf32 against 1.78 at bf16x3; the relative RMS errors
+# of o and the five gradients against the fp32 XLA chunk form were the same to two digits (2.4e-3, dg 5.2e-3).
+PASS_PREC = "bf16"
+WY_PREC = "tf32"
 
 
-def _states_kernel(kg_ref, w_ref, u_ref, dend_ref, h0_ref, s0_ref, *, C, K, N, prec, delta):
-    def body(n, S):
+def _states_kernel(kg_ref, w_ref, u_ref, dend_ref, h0_ref, s0_ref, *e_ref, C, K, N, prec, delta):
+    def body(n, S):  # e_ref: also write E = U - W S0 per chunk (the backward's `_chunk_grads_kernel` reads it)
         s0_ref[pl.ds(n * K, K), :] = S
         t = pl.ds(n * C, C)
         E = u_ref[t, :].astype(f32)
         if delta:
             E = E - dot(w_ref[t, :], S, prec)
+        if e_ref:
+            e_ref[0][t, :] = E
         return S * dend_ref[:, pl.ds(n, 1)] + dot(kg_ref[t, :], E, prec, trans_a=True)
 
     jax.lax.fori_loop(0, N, body, h0_ref[...].astype(f32))
@@ -470,23 +479,33 @@ def backward_kernels(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size:
 
 
 def _wy_bwd_kernel(r_ref, kk_ref, du_ref, dw_ref, v_ref, k_ref, G_ref, beta_ref, dv_ref, dbeta_ref, dkk_ref,
-                   dkin_ref, *, C, prec):
+                   dkin_ref, *, C, prec, bt):
     """dBv = R^T dU, dBk = R^T dW, dR = dU (bV)^T + dW (bKin)^T, dA = -strict(R^T dR R^T); writes dv = b dBv,
-    dbeta = rowsum(dBv V + dBk Kin + dA KK), dKK = b dA and dKin = b dBk."""
+    dbeta = rowsum(dBv V + dBk Kin + dA KK), dKK = b dA and dKin = b dBk. V and K in tiles of bt columns, so
+    only [C, bt] tiles and the [C, C] R and dR are live (whole [C, V] fp32 tiles spilled registers: 3.3 ms at
+    8 x 4096 x 16 x 128 on the H200, 2026-12-01 profile)."""
     i, j = _iota((C, C), 0), _iota((C, C), 1)
-    R, dU, dW = r_ref[...], du_ref[...], dw_ref[...]
+    R = r_ref[...]
     beta = beta_ref[...].astype(f32)[:, None]
-    v = v_ref[...].astype(f32)
-    kin = k_ref[...].astype(f32) * jnp.exp(G_ref[...])
-    dBv = dot(R, dU, prec, trans_a=True)
-    dBk = dot(R, dW, prec, trans_a=True)
-    dR = dot(dU, beta * v, prec, trans_b=True) + dot(dW, beta * kin, prec, trans_b=True)
+    dR = jnp.zeros((C, C), f32)
+    dbeta = jnp.zeros((C,), f32)
+    for t in range(v_ref.shape[-1] // bt):  # the value side: dv, and dU (bV)^T into dR
+        d = pl.ds(t * bt, bt)
+        dU, v = du_ref[:, d], v_ref[:, d].astype(f32)
+        dBv = dot(R, dU, prec, trans_a=True)
+        dv_ref[:, d] = (beta * dBv).astype(dv_ref.dtype)
+        dbeta = dbeta + jnp.sum(dBv * v, axis=1)
+        dR = dR + dot(dU, beta * v, prec, trans_b=True)
+    for t in range(k_ref.shape[-1] // bt):  # the key side: dKin, and dW (bKin)^T into dR
+        d = pl.ds(t * bt, bt)
+        dW, kin = dw_ref[:, d], k_ref[:, d].astype(f32) * jnp.exp(G_ref[:, d])
+        dBk = dot(R, dW, prec, trans_a=True)
+        dkin_ref[:, d] = beta * dBk
+        dbeta = dbeta + jnp.sum(dBk * kin, axis=1)
+        dR = dR + dot(dW, beta * kin, prec, trans_b=True)
     dA = -jnp.where(j < i, dot(dot(R, dR, prec, trans_a=True), R, prec, trans_b=True), 0.0)
-    dv_ref[...] = (beta * dBv).astype(dv_ref.dtype)
-    dbeta_ref[...] = (jnp.sum(dBv * v, axis=1) + jnp.sum(dBk * kin, axis=1)
-                      + jnp.sum(dA * kk_ref[...], axis=1)).astype(dbeta_ref.dtype)
+    dbeta_ref[...] = (dbeta + jnp.sum(dA * kk_ref[...], axis=1)).astype(dbeta_ref.dtype)
     dkk_ref[...] = beta * dA
-    dkin_ref[...] = beta * dBk
 
 
 def _combine_kernel(q_ref, k_ref, G_ref, dend_ref, ddend_ref, dqin_ref, dkg_ref, dkin_ref, dxq_ref, dxk_ref, dkq_ref,
@@ -560,7 +579,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     params = compiler_params(num_warps=4, num_stages=1)
     if delta:
         dv, dbeta, dKK, dKin = pl.pallas_call(
-            functools.partial(_wy_bwd_kernel, C=C, prec=inv_prec),
+            functools.partial(_wy_bwd_kernel, C=C, prec="ieee" if exact else WY_PREC, bt=min(64, K, V)),
             grid=(B, H, N),
             in_specs=[chunk(C), chunk(C), chunk(V), chunk(K), tok(V), tok(K), tok(K), tok1],
             out_specs=[tok(V), tok1, chunk(C), chunk(K)],
@@ -598,8 +617,9 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
 # `state_passes` writes, per V tile, partial sums of dQin, dKg, dW, dM (4 values of K or C per token, times the
 # number of V tiles, summed by XLA: about 8 GB of traffic at 8 x 4096 x 16 x 128). Here the reverse pass only
 # carries the state cotangent dS and writes dS per chunk and dE = M^T dO + Kg dS (both per V tile, no partials);
-# the cotangents that sum over V come from `_chunk_grads_kernel`, one program per chunk holding all of V:
-#     E = U - W S0,  dQin = dO S0^T,  dM = dO E^T,  dKg = E dS^T,  dW = -dE S0^T,  d e^(G_C) = rowsum(S0 * dS).
+# the cotangents that sum over V come from `_chunk_grads_kernel`, one program per chunk looping over V tiles, with
+# E = U - W S0 written by the states pass:
+#     dQin = dO S0^T,  dM = dO E^T,  dKg = E dS^T,  dW = -dE S0^T,  d e^(G_C) = rowsum(S0 * dS).
 
 
 def _reverse_ds_kernel(qin_ref, kg_ref, w_ref, m_ref, dend_ref, do_ref, dht_ref, ds_ref, du_ref, dh0_ref, *, C, K, N,
@@ -619,37 +639,48 @@ def _reverse_ds_kernel(qin_ref, kg_ref, w_ref, m_ref, dend_ref, do_ref, dht_ref,
     dh0_ref[...] = jax.lax.fori_loop(0, N, body, dht_ref[...].astype(f32))
 
 
-def _chunk_grads_kernel(u_ref, w_ref, s0_ref, ds_ref, do_ref, du_ref, dqin_ref, dm_ref, dkg_ref, dw_ref, ddend_ref, *,
-                        C, K, prec, delta, bk):
-    dO, dE = do_ref[...].astype(f32), du_ref[...]
-    E = u_ref[...].astype(f32)
-    if delta:
-        for t in range(K // bk):
-            E = E - dot(w_ref[:, pl.ds(t * bk, bk)], s0_ref[pl.ds(t * bk, bk), :], prec)
-    dm_ref[...] = dot(dO, E, prec, trans_b=True)
+def _chunk_grads_kernel(e_ref, s0_ref, ds_ref, do_ref, du_ref, dqin_ref, dm_ref, dkg_ref, dw_ref, ddend_ref, *, C, prec,
+                        delta, bk, bv):
+    # [C, bk] accumulators per K tile over V tiles of bv (a chunk's whole [C, K] fp32 cotangents at once spilled
+    # registers: 5.0 ms at 8 x 4096 x 16 x 128 on the H200, 2026-12-01 profile)
+    K, V = s0_ref.shape
+    dM = jnp.zeros((C, C), f32)
     for t in range(K // bk):
         d = pl.ds(t * bk, bk)
-        S0, dS = s0_ref[d, :], ds_ref[d, :]
-        dqin_ref[:, d] = dot(dO, S0, prec, trans_b=True)
-        dkg_ref[:, d] = dot(E, dS, prec, trans_b=True)
+        dqin, dkg, dw = (jnp.zeros((C, bk), f32) for _ in range(3))
+        dd = jnp.zeros((bk,), f32)
+        for c in range(V // bv):
+            e = pl.ds(c * bv, bv)
+            dO, E, S0, dS = do_ref[:, e].astype(f32), e_ref[:, e], s0_ref[d, e], ds_ref[d, e]
+            if t == 0:
+                dM = dM + dot(dO, E, prec, trans_b=True)
+            dqin = dqin + dot(dO, S0, prec, trans_b=True)
+            dkg = dkg + dot(E, dS, prec, trans_b=True)
+            if delta:
+                dw = dw - dot(du_ref[:, e], S0, prec, trans_b=True)
+            dd = dd + jnp.sum(S0 * dS, axis=1)
+        dqin_ref[:, d] = dqin
+        dkg_ref[:, d] = dkg
         if delta:
-            dw_ref[:, d] = -dot(dE, S0, prec, trans_b=True)
-        ddend_ref[d] = jnp.sum(S0 * dS, axis=1)
+            dw_ref[:, d] = dw
+        ddend_ref[d] = dd
+    dm_ref[...] = dM
 
 
-def state_passes_split(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None, block_v=None, warps=8, bk=32):
+def state_passes_split(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None, block_v=None, warps=8, bk=64,
+                       bv=64):
     """As `state_passes` (same arguments and result), by `_states_kernel`, `_reverse_ds_kernel` and
     `_chunk_grads_kernel`."""
     B, H, N, C, K, V, Tp, delta = _pass_dims(terms)
-    interpret, prec = interpret_mode(interpret), "ieee" if exact else "tf32"
+    interpret, prec = interpret_mode(interpret), "ieee" if exact else PASS_PREC
     (qin, kg, m, u, w, dend_KN), BV, (whole, vtile, state, states, kn) = _pass_setup(terms, block_v)
     NV = V // BV
     params = compiler_params(num_warps=4, num_stages=2)
-    s0 = pl.pallas_call(
+    s0, E = pl.pallas_call(
         functools.partial(_states_kernel, C=C, K=K, N=N, prec=prec, delta=delta),
-        grid=(B, H, NV), in_specs=[whole(K), whole(K), vtile, kn, state], out_specs=states,
-        out_shape=jax.ShapeDtypeStruct((B, H, N * K, V), f32), compiler_params=params, interpret=interpret,
-        name="lineattn_chunk_bwd_states",
+        grid=(B, H, NV), in_specs=[whole(K), whole(K), vtile, kn, state], out_specs=[states, vtile],
+        out_shape=[jax.ShapeDtypeStruct((B, H, N * K, V), f32), jax.ShapeDtypeStruct((B, H, Tp, V), f32)],
+        compiler_params=params, interpret=interpret, name="lineattn_chunk_bwd_states",
     )(kg, w, u, dend_KN, h0.astype(f32))
     ds, du, dh0 = pl.pallas_call(
         functools.partial(_reverse_ds_kernel, C=C, K=K, N=N, prec=prec, delta=delta),
@@ -664,10 +695,9 @@ def state_passes_split(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret
     chunk = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
     kv = pl.BlockSpec((None, None, K, V), lambda b, h, n: (b, h, n, 0))
     dqin, dm, dkg, dw, ddend = pl.pallas_call(
-        functools.partial(_chunk_grads_kernel, C=C, K=K, prec=prec, delta=delta, bk=min(bk, K)),
+        functools.partial(_chunk_grads_kernel, C=C, prec=prec, delta=delta, bk=min(bk, K), bv=min(bv, V)),
         grid=(B, H, N),
-        in_specs=[chunk(V), chunk(K), kv, kv, pl.BlockSpec((None, C, None, V), lambda b, h, n: (b, n, h, 0)),
-                  chunk(V)],
+        in_specs=[chunk(V), kv, kv, pl.BlockSpec((None, C, None, V), lambda b, h, n: (b, n, h, 0)), chunk(V)],
         out_specs=[chunk(K), chunk(C), chunk(K), chunk(K), pl.BlockSpec((None, None, K, None),
                                                                          lambda b, h, n: (b, h, 0, n))],
         out_shape=[jax.ShapeDtypeStruct((B, H, Tp, K), f32), jax.ShapeDtypeStruct((B, H, Tp, C), f32),
@@ -675,7 +705,7 @@ def state_passes_split(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret
                    jax.ShapeDtypeStruct((B, H, K, N), f32)],
         compiler_params=compiler_params(num_warps=warps, num_stages=1), interpret=interpret,
         name="lineattn_chunk_bwd_chunk_grads",
-    )(u, w, s0, ds, do, du)
+    )(E, s0, ds, do, du)
     chunked = lambda x: x.reshape(B, H, N, C, x.shape[-1])
     ddend = jnp.swapaxes(ddend, -1, -2)  # [B, H, N, K]
     if terms.decay_end is None:

@@ -1,0 +1,164 @@
+"""Per-kernel device time of one KDA forward and one forward+backward, from a JAX profiler trace.
+
+    python benchmarks/profile_pallas_kda.py --out $OUT [--impls lineattn,jla] [--shape 8x4096]
+        [--configs "default;chunk_bwd.PASS_PREC=bf16+chunk_bwd.WY_PREC=tf32"] [--check]
+
+Each implementation is compiled and run once, then traced for --iters calls; the trace's GPU planes are read back
+with `jax.profiler.ProfileData` and every kernel's time is summed over the traced calls and divided by --iters,
+so each row is one kernel's device time per call. --configs profiles lineattn once per configuration, each
+setting module constants of `lineattn.ops.pallas` (`module.NAME=value`, joined by '+'); --check first compares
+each configuration's o and five gradients with the XLA chunk form in fp32 on the same inputs (relative RMS). Kernels named by lineattn (`name=` of its `pallas_call`s:
+`lineattn_chunk_gram`, ...) and XLA fusions (pads, transposes, sums) appear under their own names. Writes
+<out>/<date>-h200-kda-profile.json: {impl: {mode: {"per_call_ms": {kernel: ms}, "total_ms": ..., "wall_ms": ...}}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import glob
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_kda import make_inputs, versions  # noqa: E402
+
+import importlib  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from lineattn.ops import chunk as xla_chunk  # noqa: E402
+from lineattn.ops.pallas import api  # noqa: E402
+from lineattn.ops.pallas.chunk import chunk_pallas  # noqa: E402
+
+f32 = jnp.float32
+
+
+def kernel_times(trace_dir: str) -> dict[str, float]:
+    """{kernel name: total ns} over the device planes of the trace in trace_dir (stream lines only, so that the
+    'XLA Ops' / 'XLA Modules' summary lines are not counted twice)."""
+    from jax.profiler import ProfileData
+
+    totals: dict[str, float] = collections.defaultdict(float)
+    for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
+        for plane in ProfileData.from_file(path).planes:
+            if not plane.name.startswith("/device:"):
+                continue
+            for line in plane.lines:
+                if not line.name.startswith("Stream"):
+                    continue
+                for event in line.events:
+                    totals[event.name] += event.duration_ns
+    return totals
+
+
+def profile(fn, args, iters: int) -> dict:
+    jax.block_until_ready(fn(*args))  # compile and warm up outside the trace
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                out = fn(*args)
+            jax.block_until_ready(out)
+            wall = (time.perf_counter() - t0) * 1e3 / iters
+        totals = kernel_times(tmp)
+    per_call = {name: ns / iters / 1e6 for name, ns in sorted(totals.items(), key=lambda kv: -kv[1])}
+    return {"per_call_ms": per_call, "total_ms": sum(per_call.values()), "wall_ms": wall}
+
+
+def apply_config(config: str) -> dict:
+    """Set `lineattn.ops.pallas.<module>.<NAME>` for each 'module.NAME=value' in config ('+'-joined; 'default':
+    none). Returns the previous values, for `restore`."""
+    old = {}
+    for item in ([] if config == "default" else config.split("+")):
+        target, value = item.split("=")
+        mod_name, attr = target.rsplit(".", 1)
+        mod = importlib.import_module(f"lineattn.ops.pallas.{mod_name}")
+        old[(mod, attr)] = getattr(mod, attr)  # AttributeError for a misspelt name
+        setattr(mod, attr, int(value) if value.lstrip("-").isdigit() else value)
+    return old
+
+
+def restore(old: dict):
+    for (mod, attr), value in old.items():
+        setattr(mod, attr, value)
+
+
+def rel_rms(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.sqrt(np.mean((a - b) ** 2)) / max(np.sqrt(np.mean(b**2)), 1e-30))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--shape", default="8x4096")
+    p.add_argument("--impls", default="lineattn,jla")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--top", type=int, default=25, help="rows printed per profile")
+    p.add_argument("--configs", default="default", help="';'-separated lineattn configurations (see above)")
+    p.add_argument("--check", action="store_true", help="compare with the XLA chunk form in fp32 first")
+    a = p.parse_args()
+    B, T = map(int, a.shape.split("x"))
+    H, K = 16, 128
+    x, _ = make_inputs(B, T, H, K, K, "bfloat16")
+    bf = lambda n: jnp.asarray(x[n], jnp.bfloat16)
+    q, k, v, beta, do = bf("q"), bf("k"), bf("v"), bf("beta"), bf("do")
+    g = jnp.asarray(x["g"])
+    h0 = jnp.zeros((B, H, K, K), f32)
+    scale = K**-0.5
+    impls = {}
+    if "lineattn" in a.impls:
+        for config in a.configs.split(";"):
+            fwd = lambda q, k, v, g, b: chunk_pallas(q, k, v, g, b, h0, scale, 64, None, api.BACKWARD, api.INTRA)[0]
+            impls["lineattn-pallas" + ("" if config == "default" else f" [{config}]")] = (fwd, config)
+    if "jla" in a.impls:
+        import jla.ops as jla_ops
+
+        impls["jla"] = (lambda q, k, v, g, b: jla_ops.linear_attention("kda", q, k, v, g=g, beta=b,
+                                                                        impl="mosaic_gpu")[0], "default")
+    device = jax.devices()[0].device_kind
+    print(f"{device}; {versions()}; B={B} T={T} H={H} K=V={K}", flush=True)
+    result = {"device": device, "versions": versions(), "B": B, "T": T, "H": H, "K": K, "V": K}
+    a.out.mkdir(parents=True, exist_ok=True)
+    path = a.out / f"{datetime.date.today()}-h200-kda-profile.json"
+    ref = None
+    if a.check:
+        def xla_loss(*xs):
+            o, _ = xla_chunk.chunk(*xs, scale=scale, initial_state=h0, chunk_size=64)
+            return jnp.sum(o * do.astype(f32)), o
+
+        (_, o_ref), grads_ref = jax.jit(jax.value_and_grad(xla_loss, argnums=tuple(range(5)), has_aux=True))(
+            *[y.astype(f32) for y in (q, k, v, g, beta)])
+        ref = [np.asarray(o_ref)] + [np.asarray(x) for x in grads_ref]
+    for name, (fwd, config) in impls.items():
+        old = apply_config(config)
+        try:
+            loss = lambda *xs, fwd=fwd: jnp.sum(fwd(*xs).astype(f32) * do.astype(f32))
+            modes = {"fwd": jax.jit(fwd), "fwdbwd": jax.jit(jax.grad(loss, argnums=tuple(range(5))))}
+            if ref is not None:
+                got = [modes["fwd"](q, k, v, g, beta)] + list(modes["fwdbwd"](q, k, v, g, beta))
+                errors = {n: rel_rms(np.asarray(x, np.float32), r)
+                          for n, x, r in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), got, ref)}
+                result.setdefault(name, {})["rel_rms"] = errors
+                print(f"{name}: rel RMS vs the XLA chunk form in fp32: "
+                      + " ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+            for mode, fn in modes.items():
+                rec = profile(fn, (q, k, v, g, beta), a.iters)
+                result.setdefault(name, {})[mode] = rec
+                print(f"{name} {mode}: kernels {rec['total_ms']:.3f} ms per call (wall {rec['wall_ms']:.3f} ms)")
+                for kname, ms in list(rec["per_call_ms"].items())[:a.top]:
+                    print(f"   {ms:8.3f}  {kname[:110]}")
+                path.write_text(json.dumps(result, indent=1))
+        finally:
+            restore(old)
+
+if __name__ == "__main__":
+    main()
