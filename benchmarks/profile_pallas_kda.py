@@ -83,12 +83,14 @@ def apply_config(config: str) -> dict:
         mod = importlib.import_module(f"lineattn.ops.pallas.{mod_name}")
         old[(mod, attr)] = getattr(mod, attr)  # AttributeError for a misspelt name
         setattr(mod, attr, int(value) if value.lstrip("-").isdigit() else value)
+    jax.clear_caches()  # `chunk_fwd.forward` is jitted: its cached trace would keep the old constants
     return old
 
 
 def restore(old: dict):
     for (mod, attr), value in old.items():
         setattr(mod, attr, value)
+    jax.clear_caches()
 
 
 def rel_rms(a, b):

@@ -37,17 +37,21 @@ KERNELS_DIAG = {"kernels": "loop", "kernels-mm": "mm", "kernels-bcast": "bcast"}
 # of o and the five gradients against the fp32 XLA chunk form were the same to two digits (2.4e-3, dg 5.2e-3).
 PASS_PREC = "bf16"
 WY_PREC = "tf32"
+# The dtype of the per-chunk states S0, their cotangents dS and E = U - W S0 that the split passes store for the
+# chunk gradients, for bf16 inputs: with PASS_PREC "bf16" the products round them to bf16 anyway; only
+# d e^(G_C) = rowsum(S0 * dS) sees the difference.
+STATES_DTYPE = "float32"
 
 
 def _states_kernel(kg_ref, w_ref, u_ref, dend_ref, h0_ref, s0_ref, *e_ref, C, K, N, prec, delta):
     def body(n, S):  # e_ref: also write E = U - W S0 per chunk (the backward's `_chunk_grads_kernel` reads it)
-        s0_ref[pl.ds(n * K, K), :] = S
+        s0_ref[pl.ds(n * K, K), :] = S.astype(s0_ref.dtype)
         t = pl.ds(n * C, C)
         E = u_ref[t, :].astype(f32)
         if delta:
             E = E - dot(w_ref[t, :], S, prec)
         if e_ref:
-            e_ref[0][t, :] = E
+            e_ref[0][t, :] = E.astype(e_ref[0].dtype)
         return S * dend_ref[:, pl.ds(n, 1)] + dot(kg_ref[t, :], E, prec, trans_a=True)
 
     jax.lax.fori_loop(0, N, body, h0_ref[...].astype(f32))
@@ -276,6 +280,59 @@ def gram_grads(q, k, G, dM, dKK, *, C, scale, exact, interpret):
 # before the exp.
 
 
+def _gram_grad_fast(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, *, scale, prec):
+    """The "mm" fast path for the 16-row block at r0 and channels d: (dXq, dXk, dKq, dKk) as [16, |d|] values."""
+    from lineattn.ops.pallas.chunk_fwd import LIMIT
+
+    blk = pl.ds(r0, SUB)
+    Gr, Ga, G = G_ref[pl.ds(r0 + SUB // 2, 1), d], G_ref[blk, d], G_ref[:, d]
+    kc = k_ref[:, d].astype(f32) * jnp.exp(jnp.minimum(Gr - G, LIMIT))
+    up = jnp.exp(jnp.minimum(G - Gr, LIMIT))
+    row, col = jnp.exp(Ga - Gr), jnp.exp(Gr - Ga)
+    return (row * dot(dm_ref[blk, :], kc, prec), row * dot(dkk_ref[blk, :], kc, prec),
+            col * dot(dm_ref[:, blk], q_ref[:, d].astype(f32) * (scale * up), prec, trans_a=True),
+            col * dot(dkk_ref[:, blk], k_ref[:, d].astype(f32) * up, prec, trans_a=True))
+
+
+def _gram_grad_exact_loop(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, *, scale, prec):
+    """The exact path with 16-step loops for the diagonal block (few registers), as `_gram_grad_fast`."""
+    s, C = SUB, dm_ref.shape[-1]
+    iota = lambda shape, dim: jax.lax.broadcasted_iota(jnp.int32, shape, dim)
+    blk = pl.ds(r0, s)
+    rows_s1 = iota((s, 1), 0)
+    dM_off = jnp.where(iota((s, C), 1) < r0, dm_ref[blk, :], 0.0)
+    dKK_off = jnp.where(iota((s, C), 1) < r0, dkk_ref[blk, :], 0.0)
+    dMc_off = jnp.where(iota((C, s), 0) >= r0 + s, dm_ref[:, blk], 0.0)
+    dKKc_off = jnp.where(iota((C, s), 0) >= r0 + s, dkk_ref[:, blk], 0.0)
+    dM_d, dKK_d = dm_ref[blk, blk], dkk_ref[blk, blk]  # [s (i), s (j)], zero above the diagonal
+    Gn, Gm = G_ref[pl.ds(r0, 1), d], G_ref[pl.ds(r0 + s - 1, 1), d]
+    Ga, G = G_ref[blk, d], G_ref[:, d]
+    kc = k_ref[:, d].astype(f32) * jnp.exp(jnp.minimum(Gn - G, 0.0))
+    down = jnp.exp(jnp.minimum(G - Gm, 0.0))
+    row = jnp.exp(Ga - Gn)
+    col = jnp.exp(Gm - Ga)
+    xq = row * dot(dM_off, kc, prec)
+    xk = row * dot(dKK_off, kc, prec)
+    kq = col * dot(dMc_off, q_ref[:, d].astype(f32) * (scale * down), prec, trans_a=True)
+    kk = col * dot(dKKc_off, k_ref[:, d].astype(f32) * down, prec, trans_a=True)
+
+    def step(j, acc):  # j: a column of the block (row side), then a row (column side)
+        xq, xk, kq, kk = acc
+        r = pl.ds(r0 + j, 1)
+        Gj = G_ref[r, d]
+        e_row = jnp.exp(jnp.where(rows_s1 >= j, Ga - Gj, -jnp.inf)) * k_ref[r, d].astype(f32)  # i >= j
+        xq = xq + dm_ref[blk, r] * e_row
+        xk = xk + dkk_ref[blk, r] * e_row
+        e_col = jnp.exp(jnp.where(rows_s1 <= j, Gj - Ga, -jnp.inf))  # row j against columns <= j
+        wq = jnp.sum(jnp.where(rows_s1 == j, dM_d, 0.0), axis=0)[:, None]  # dP[j, :] as a column
+        wk = jnp.sum(jnp.where(rows_s1 == j, dKK_d, 0.0), axis=0)[:, None]
+        kq = kq + wq * e_col * (q_ref[r, d].astype(f32) * scale)
+        kk = kk + wk * e_col * k_ref[r, d].astype(f32)
+        return xq, xk, kq, kk
+
+    return jax.lax.fori_loop(0, s, step, (xq, xk, kq, kk))
+
+
 def _gram_bwd_kernel(q_ref, k_ref, G_ref, dm_ref, dkk_ref, dxq_ref, dxk_ref, dkq_ref, dkk_out_ref, *, C, scale,
                      prec, diag, bk, bk3):
     from lineattn.ops.pallas.chunk_fwd import LIMIT
@@ -286,35 +343,30 @@ def _gram_bwd_kernel(q_ref, k_ref, G_ref, dm_ref, dkk_ref, dxq_ref, dxk_ref, dkq
     K = k_ref.shape[-1]
     blk = pl.ds(r0, s)
     iota = lambda shape, d: jax.lax.broadcasted_iota(jnp.int32, shape, d)
+    outs = (dxq_ref, dxk_ref, dkq_ref, dkk_out_ref)
     spread = jnp.float32(0.0)
     for t in range(K // bk):
         d = pl.ds(t * bk, bk)
         spread = jnp.maximum(spread, jnp.max(jnp.abs(G_ref[blk, d] - G_ref[pl.ds(r0 + s // 2, 1), d])))
-    dM_row, dKK_row = dm_ref[blk, :], dkk_ref[blk, :]  # [s, C]
-    dM_col, dKK_col = dm_ref[:, blk], dkk_ref[:, blk]  # [C, s]
 
-    def fast():
-        Gr_row = pl.ds(r0 + s // 2, 1)
-        for t in range(K // bk):
-            d = pl.ds(t * bk, bk)
-            Gr, Ga, G = G_ref[Gr_row, d], G_ref[blk, d], G_ref[:, d]
-            kc = k_ref[:, d].astype(f32) * jnp.exp(jnp.minimum(Gr - G, LIMIT))
-            up = jnp.exp(jnp.minimum(G - Gr, LIMIT))
-            row, col = jnp.exp(Ga - Gr), jnp.exp(Gr - Ga)
-            dxq_ref[:, d] = row * dot(dM_row, kc, prec)
-            dxk_ref[:, d] = row * dot(dKK_row, kc, prec)
-            dkq_ref[:, d] = col * dot(dM_col, q_ref[:, d].astype(f32) * (scale * up), prec, trans_a=True)
-            dkk_out_ref[:, d] = col * dot(dKK_col, k_ref[:, d].astype(f32) * up, prec, trans_a=True)
+    def per_tile(path):
+        def run():
+            for t in range(K // bk):
+                d = pl.ds(t * bk, bk)
+                for ref, x in zip(outs, path(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, scale=scale, prec=prec)):
+                    ref[:, d] = x
+        return run
 
     def exact():
-        rows_C, cols_C = iota((s, C), 0) + r0, iota((s, C), 1)
+        cols_C = iota((s, C), 1)
         cols_M = iota((C, s), 0)  # row index of the [C, s] column block
+        dM_row, dKK_row = dm_ref[blk, :], dkk_ref[blk, :]  # [s, C]
+        dM_col, dKK_col = dm_ref[:, blk], dkk_ref[:, blk]  # [C, s]
         dM_off, dKK_off = jnp.where(cols_C < r0, dM_row, 0.0), jnp.where(cols_C < r0, dKK_row, 0.0)
         dMc_off = jnp.where(cols_M >= r0 + s, dM_col, 0.0)
         dKKc_off = jnp.where(cols_M >= r0 + s, dKK_col, 0.0)
         dM_d, dKK_d = dm_ref[blk, blk], dkk_ref[blk, blk]  # [s, s] diagonal blocks (zero above the diagonal)
         i3, j3 = iota((s, s, 1), 0), iota((s, s, 1), 1)
-        del rows_C
         for t in range(K // bk3):
             d = pl.ds(t * bk3, bk3)
             Gn, Gm = G_ref[pl.ds(r0, 1), d], G_ref[pl.ds(r0 + s - 1, 1), d]
@@ -334,50 +386,9 @@ def _gram_bwd_kernel(q_ref, k_ref, G_ref, dm_ref, dkk_ref, dxq_ref, dxk_ref, dkq
             dkk_out_ref[:, d] = (col * dot(dKKc_off, k_all * down, prec, trans_a=True)
                                  + jnp.sum(dKK_d[:, :, None] * (e * ka[:, None, :]), axis=0))
 
-    def exact_loop():  # as exact(), the diagonal block by 16-step loops on [s, bk] tiles (few registers)
-        cols_C = iota((s, C), 1)
-        cols_M = iota((C, s), 0)
-        rows_s1 = iota((s, 1), 0)
-        dM_off, dKK_off = jnp.where(cols_C < r0, dM_row, 0.0), jnp.where(cols_C < r0, dKK_row, 0.0)
-        dMc_off = jnp.where(cols_M >= r0 + s, dM_col, 0.0)
-        dKKc_off = jnp.where(cols_M >= r0 + s, dKK_col, 0.0)
-        dM_d, dKK_d = dm_ref[blk, blk], dkk_ref[blk, blk]  # [s (i), s (j)], zero above the diagonal
-        for t in range(K // bk):
-            d = pl.ds(t * bk, bk)
-            Gn, Gm = G_ref[pl.ds(r0, 1), d], G_ref[pl.ds(r0 + s - 1, 1), d]
-            Ga, G = G_ref[blk, d], G_ref[:, d]
-            kc = k_ref[:, d].astype(f32) * jnp.exp(jnp.minimum(Gn - G, 0.0))
-            down = jnp.exp(jnp.minimum(G - Gm, 0.0))
-            row = jnp.exp(Ga - Gn)
-            col = jnp.exp(Gm - Ga)
-            xq = row * dot(dM_off, kc, prec)
-            xk = row * dot(dKK_off, kc, prec)
-            kq = col * dot(dMc_off, q_ref[:, d].astype(f32) * (scale * down), prec, trans_a=True)
-            kk = col * dot(dKKc_off, k_ref[:, d].astype(f32) * down, prec, trans_a=True)
-
-            def step(j, acc, Ga=Ga, d=d):  # j: a column of the block (row side), then a row (column side)
-                xq, xk, kq, kk = acc
-                r = pl.ds(r0 + j, 1)
-                Gj = G_ref[r, d]
-                e_row = jnp.exp(jnp.where(rows_s1 >= j, Ga - Gj, -jnp.inf)) * k_ref[r, d].astype(f32)  # i >= j
-                xq = xq + dm_ref[blk, r] * e_row
-                xk = xk + dkk_ref[blk, r] * e_row
-                e_col = jnp.exp(jnp.where(rows_s1 <= j, Gj - Ga, -jnp.inf))  # row j against columns <= j
-                wq = jnp.sum(jnp.where(rows_s1 == j, dM_d, 0.0), axis=0)[:, None]  # dP[j, :] as a column
-                wk = jnp.sum(jnp.where(rows_s1 == j, dKK_d, 0.0), axis=0)[:, None]
-                kq = kq + wq * e_col * (q_ref[r, d].astype(f32) * scale)
-                kk = kk + wk * e_col * k_ref[r, d].astype(f32)
-                return xq, xk, kq, kk
-
-            xq, xk, kq, kk = jax.lax.fori_loop(0, s, step, (xq, xk, kq, kk))
-            dxq_ref[:, d] = xq
-            dxk_ref[:, d] = xk
-            dkq_ref[:, d] = kq
-            dkk_out_ref[:, d] = kk
-
     if diag in ("mm", "mml"):
-        pl.when(spread <= LIMIT)(fast)
-        pl.when(spread > LIMIT)(exact if diag == "mm" else exact_loop)
+        pl.when(spread <= LIMIT)(per_tile(_gram_grad_fast))
+        pl.when(spread > LIMIT)(exact if diag == "mm" else per_tile(_gram_grad_exact_loop))
     else:
         exact()
 
@@ -473,9 +484,10 @@ def backward_kernels(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size:
 
 # ---- "kernels-mm2": the backward with the XLA algebra replaced by kernels ----
 # gate cumsum kernel -> Gram rows ("mm") -> whole-tile solve writing R -> the two state passes -> `_wy_bwd_kernel`
-# (the WY part: dv, dbeta, dKK = Diag(b) dA, dKin, one program per chunk) -> `_gram_bwd_kernel` -> `_combine_kernel`
-# (dq, dk, dg with the in-chunk reverse cumsum, written in the inputs' [B, T, H, .] layout). What XLA still does:
-# padding, the sums of the state pass's per-V-tile partials, masking dM, and small reshapes.
+# (the WY part: dv, dbeta, dKK = Diag(b) dA, dKin, one program per chunk) -> `_gram_combine_kernel` (the Gram
+# gradients and dq, dk, dg with the in-chunk reverse cumsum, written in the inputs' [B, T, H, .] layout; a separate
+# Gram-gradient kernel and combine kernel took 1.90 + 1.08 ms at 8 x 4096 x 16 x 128 on the H200, run7c). What XLA
+# still does: padding and small reshapes.
 
 
 def _wy_bwd_kernel(r_ref, kk_ref, du_ref, dw_ref, v_ref, k_ref, G_ref, beta_ref, dv_ref, dbeta_ref, dkk_ref,
@@ -508,33 +520,48 @@ def _wy_bwd_kernel(r_ref, kk_ref, du_ref, dw_ref, v_ref, k_ref, G_ref, beta_ref,
     dkk_ref[...] = beta * dA
 
 
-def _combine_kernel(q_ref, k_ref, G_ref, dend_ref, ddend_ref, dqin_ref, dkg_ref, dkin_ref, dxq_ref, dxk_ref, dkq_ref,
-                    dkk_ref, dq_ref, dk_ref, dg_ref, *, C, scale, delta):
-    rows = _iota((C, 1), 0)
-    q, k, G = q_ref[...].astype(f32), k_ref[...].astype(f32), G_ref[...]
-    G_end = jnp.sum(jnp.where(rows == C - 1, G, 0.0), axis=0)[None, :]
-    eG, eGk = jnp.exp(G), jnp.exp(G_end - G)
-    dQin, dKg, dxq = dqin_ref[...], dkg_ref[...], dxq_ref[...]
-    Kg = k * eGk
-    dq = scale * (eG * dQin + dxq)
-    dk = eGk * dKg + dkq_ref[...] + dxk_ref[...] + dkk_ref[...]
-    dG = scale * q * (eG * dQin + dxq) - Kg * dKg - k * dkq_ref[...] + k * dxk_ref[...] - k * dkk_ref[...]
-    if delta:
-        dKin = dkin_ref[...]
-        dk = dk + eG * dKin
-        dG = dG + k * eG * dKin
-    dG_end = jnp.sum(Kg * dKg, axis=0)[None, :] + dend_ref[...][None, :] * ddend_ref[...][None, :]
-    dG = dG + jnp.where(rows == C - 1, dG_end, 0.0)
-    dq_ref[...] = dq.astype(dq_ref.dtype)
-    dk_ref[...] = dk.astype(dk_ref.dtype)
-    dg_ref[...] = (jnp.sum(dG, axis=0)[None, :] - jnp.cumsum(dG, axis=0) + dG).astype(dg_ref.dtype)  # reverse cumsum
+def _gram_combine_kernel(q_ref, k_ref, G_ref, dm_ref, dkk_ref, dqin_ref, dkg_ref, dkin_ref, dend_ref, ddend_ref,
+                         dq_ref, dk_ref, dg_ref, *, C, scale, prec, delta):
+    """One program per (chunk, K tile): the four Gram gradients of each 16-row block (`_gram_grad_fast`, or
+    `_gram_grad_exact_loop` when the block's rows are not all within LIMIT nats of its middle row in this tile),
+    combined at once with the other cotangents into dq, dk and dG = d(loss)/d(in-chunk cumsum), and dg as the
+    in-chunk reverse cumsum of dG, the blocks taken last to first with the sum of the later blocks carried."""
+    from lineattn.ops.pallas.chunk_fwd import LIMIT
+
+    s = SUB
+    d = pl.ds(0, q_ref.shape[-1])  # the refs hold this program's K tile only
+    G_end = G_ref[pl.ds(C - 1, 1), :]
+    kg = k_ref[...].astype(f32) * jnp.exp(G_end - G_ref[...])
+    carry = jnp.sum(kg * dkg_ref[...], axis=0) + dend_ref[...] * ddend_ref[...]  # d(G_C): every row's dg has it
+    for a in reversed(range(C // s)):
+        r0, blk = a * s, pl.ds(a * s, s)
+        spread = jnp.max(jnp.abs(G_ref[blk, :] - G_ref[pl.ds(r0 + s // 2, 1), :]))
+        refs = (q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d)
+        xq, xk, kq, kk = jax.lax.cond(
+            spread <= LIMIT, functools.partial(_gram_grad_fast, *refs, scale=scale, prec=prec),
+            functools.partial(_gram_grad_exact_loop, *refs, scale=scale, prec=prec))
+        q, k, G = q_ref[blk, :].astype(f32), k_ref[blk, :].astype(f32), G_ref[blk, :]
+        eG, eGk = jnp.exp(G), jnp.exp(G_end - G)
+        gq = eG * dqin_ref[blk, :] + xq  # d(loss)/d(scale q e^G) through Qin and M
+        kg_dkg = k * eGk * dkg_ref[blk, :]
+        dk = eGk * dkg_ref[blk, :] + kq + xk + kk
+        dG = scale * q * gq - kg_dkg + k * (xk - kq - kk)
+        if delta:
+            dkin = dkin_ref[blk, :]
+            dk = dk + eG * dkin
+            dG = dG + k * eG * dkin
+        dq_ref[blk, :] = (scale * gq).astype(dq_ref.dtype)
+        dk_ref[blk, :] = dk.astype(dk_ref.dtype)
+        block_sum = jnp.sum(dG, axis=0)
+        dg_ref[blk, :] = (carry[None, :] + block_sum[None, :] - jnp.cumsum(dG, axis=0) + dG).astype(dg_ref.dtype)
+        carry = carry + block_sum
 
 
 def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: int, interpret=None,
-                  gram_diag: str = "mml", gram_warps: int = 2, grads_warps: int = 4, passes: str = "split",
-                  grads_diag: str | None = None, saved=None):
+                  gram_diag: str = "mml", gram_warps: int = 2, grads_warps: int = 4, saved=None):
     """Same result as `backward`, every chunk-parallel stage a Pallas kernel (see the comment above). gram_diag:
-    the Gram recompute's exact path ("mml": column loop, "mm": 3-D broadcast; see `chunk_fwd._gram_rows_kernel`).
+    the Gram recompute's exact path ("mml": column loop, "mm": 3-D broadcast; see `chunk_fwd._gram_rows_kernel`);
+    the Gram gradients (`_gram_combine_kernel`) always take the column-loop exact path.
     saved: `chunk_fwd.forward(..., save=True)`'s terms (backward "kernels-saved"): no Gram recompute and no solve
     here, and the state passes read the stored (bf16 for bf16 inputs) Qin, Kg, M, W, U."""
     from lineattn.ops.pallas import chunk_fwd
@@ -546,9 +573,8 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     V = v.shape[-1]
     exact = q.dtype == f32
     prec = "ieee" if exact else "tf32"
-    inv_prec = "ieee" if exact else "bf16x3"
+    inv_prec = "ieee" if exact else chunk_fwd.SOLVE_PREC
     interpret = interpret_mode(interpret)
-    grads_diag = grads_diag or gram_diag
     delta = beta is not None
     qp, kp, vp, gp, bp = pad_to_chunks(q, k, v, g, beta, C)
     gp = gp.astype(f32)
@@ -569,9 +595,8 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
         else:
             U, W, R = jnp.moveaxis(vp, 2, 1).astype(f32), None, None
     terms = ChunkTerms(ch(Qin), ch(M), ch(Kg), jnp.swapaxes(dend_KN, -1, -2), ch(U), None if W is None else ch(W))
-    dop = jnp.pad(do.astype(f32), [(0, 0), (0, Tp - T), (0, 0), (0, 0)])
-    run_passes = state_passes_split if passes == "split" else state_passes
-    cot, dh0 = run_passes(terms, h0, dop, dht, exact=exact, interpret=interpret)
+    dop = jnp.pad(do, [(0, 0), (0, Tp - T), (0, 0), (0, 0)])  # the kernels read it in its dtype
+    cot, dh0 = state_passes_split(terms, h0, dop, dht, exact=exact, interpret=interpret)
     flat = lambda x: x.reshape(B, H, Tp, x.shape[-1])
     tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
     tok1 = pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
@@ -591,24 +616,22 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     else:
         dv = jnp.moveaxis(flat(cot.U_BHNCV), 1, 2).astype(v.dtype)
         dbeta, dKK, dKin = None, jnp.zeros((B, H, Tp, C), f32), jnp.zeros((B, H, Tp, K), f32)
-    dM = jnp.where(jnp.tril(jnp.ones((C, C), bool)), cot.M_BHNCC, 0.0)
-    dxq, dxk, dkq, dkk = gram_grads_fused(qp, kp, G, flat(dM), dKK, C=C, scale=scale, exact=exact,
-                                          interpret=interpret, diag=grads_diag, warps=grads_warps)
-    ddend = cot.decay_end  # [B, H, N, K] (None: ungated, never here: g is always given to the kernels)
-    ddend_KN = jnp.swapaxes(ddend, -1, -2)
-    bk = min(K, 32)  # K tiles: the combine is independent per channel
+    ddend_KN = jnp.swapaxes(cot.decay_end, -1, -2)  # [B, H, K, N] (g is always given to the kernels)
+    bk = min(K, 64)  # K tiles: the Gram gradients and the combine are independent per channel
     ktok = pl.BlockSpec((None, C, None, bk), lambda b, h, n, t: (b, n, h, t))
     kchunk = pl.BlockSpec((None, None, C, bk), lambda b, h, n, t: (b, h, n, t))
+    cc = pl.BlockSpec((None, None, C, C), lambda b, h, n, t: (b, h, n, 0))
     kn = pl.BlockSpec((None, None, bk, None), lambda b, h, n, t: (b, h, t, n))
     dq, dk, dg = pl.pallas_call(
-        functools.partial(_combine_kernel, C=C, scale=scale, delta=delta),
+        functools.partial(_gram_combine_kernel, C=C, scale=scale, prec=prec, delta=delta),
         grid=(B, H, N, K // bk),
-        in_specs=[ktok, ktok, ktok, kn, kn] + [kchunk] * 7,
+        in_specs=[ktok, ktok, ktok, cc, cc, kchunk, kchunk, kchunk, kn, kn],
         out_specs=[ktok] * 3,
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
                    jax.ShapeDtypeStruct((B, Tp, H, K), g.dtype)],
-        compiler_params=params, interpret=interpret, name="lineattn_chunk_bwd_combine",
-    )(qp, kp, G, dend_KN, ddend_KN, flat(cot.Qin_BHNCK), flat(cot.Kg_BHNCK), dKin, dxq, dxk, dkq, dkk)
+        compiler_params=compiler_params(num_warps=grads_warps, num_stages=1), interpret=interpret,
+        name="lineattn_chunk_bwd_gram_combine",
+    )(qp, kp, G, flat(cot.M_BHNCC), dKK, flat(cot.Qin_BHNCK), flat(cot.Kg_BHNCK), dKin, dend_KN, ddend_KN)
     cut = lambda x: None if x is None else x[:, :T]
     return cut(dq), cut(dk), cut(dv), cut(dg), cut(dbeta), dh0.astype(h0.dtype)
 
@@ -627,7 +650,7 @@ def _reverse_ds_kernel(qin_ref, kg_ref, w_ref, m_ref, dend_ref, do_ref, dht_ref,
     def body(i, dS):
         n = N - 1 - i
         t = pl.ds(n * C, C)
-        ds_ref[pl.ds(n * K, K), :] = dS
+        ds_ref[pl.ds(n * K, K), :] = dS.astype(ds_ref.dtype)
         dO = do_ref[t, :].astype(f32)
         dE = dot(m_ref[t, :], dO, prec, trans_a=True) + dot(kg_ref[t, :], dS, prec)
         du_ref[t, :] = dE
@@ -651,7 +674,8 @@ def _chunk_grads_kernel(e_ref, s0_ref, ds_ref, do_ref, du_ref, dqin_ref, dm_ref,
         dd = jnp.zeros((bk,), f32)
         for c in range(V // bv):
             e = pl.ds(c * bv, bv)
-            dO, E, S0, dS = do_ref[:, e].astype(f32), e_ref[:, e], s0_ref[d, e], ds_ref[d, e]
+            dO, E = do_ref[:, e].astype(f32), e_ref[:, e].astype(f32)
+            S0, dS = s0_ref[d, e].astype(f32), ds_ref[d, e].astype(f32)
             if t == 0:
                 dM = dM + dot(dO, E, prec, trans_b=True)
             dqin = dqin + dot(dO, S0, prec, trans_b=True)
@@ -664,7 +688,7 @@ def _chunk_grads_kernel(e_ref, s0_ref, ds_ref, do_ref, du_ref, dqin_ref, dm_ref,
         if delta:
             dw_ref[:, d] = dw
         ddend_ref[d] = dd
-    dm_ref[...] = dM
+    dm_ref[...] = jnp.where(_iota((C, C), 1) <= _iota((C, C), 0), dM, 0.0)  # M is lower triangular
 
 
 def state_passes_split(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None, block_v=None, warps=8, bk=64,
@@ -676,10 +700,11 @@ def state_passes_split(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret
     (qin, kg, m, u, w, dend_KN), BV, (whole, vtile, state, states, kn) = _pass_setup(terms, block_v)
     NV = V // BV
     params = compiler_params(num_warps=4, num_stages=2)
+    kept = f32 if exact else jnp.dtype(STATES_DTYPE)
     s0, E = pl.pallas_call(
         functools.partial(_states_kernel, C=C, K=K, N=N, prec=prec, delta=delta),
         grid=(B, H, NV), in_specs=[whole(K), whole(K), vtile, kn, state], out_specs=[states, vtile],
-        out_shape=[jax.ShapeDtypeStruct((B, H, N * K, V), f32), jax.ShapeDtypeStruct((B, H, Tp, V), f32)],
+        out_shape=[jax.ShapeDtypeStruct((B, H, N * K, V), kept), jax.ShapeDtypeStruct((B, H, Tp, V), kept)],
         compiler_params=params, interpret=interpret, name="lineattn_chunk_bwd_states",
     )(kg, w, u, dend_KN, h0.astype(f32))
     ds, du, dh0 = pl.pallas_call(
@@ -688,7 +713,7 @@ def state_passes_split(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret
         in_specs=[whole(K), whole(K), whole(K), whole(C), kn,
                   pl.BlockSpec((None, Tp, None, BV), lambda b, h, j: (b, 0, h, j)), state],
         out_specs=[states, vtile, state],
-        out_shape=[jax.ShapeDtypeStruct((B, H, N * K, V), f32), jax.ShapeDtypeStruct((B, H, Tp, V), f32),
+        out_shape=[jax.ShapeDtypeStruct((B, H, N * K, V), kept), jax.ShapeDtypeStruct((B, H, Tp, V), f32),
                    jax.ShapeDtypeStruct((B, H, K, V), f32)],
         compiler_params=params, interpret=interpret, name="lineattn_chunk_bwd_reverse_ds",
     )(qin, kg, w, m, dend_KN, do, dht.astype(f32))

@@ -293,6 +293,7 @@ def gate_cumsum(g, *, C, interpret, loop=1):
 
 
 # ---- The solve on the whole chunk tile by block doubling ("solve": "full") ----
+SOLVE_PREC = "bf16x3"  # the doubling products' precision for bf16 inputs (read when a call is traced)
 # R = (I + A)^-1 for the unit lower triangular I + A of one chunk, in registers, from X_1 = I by
 # X_2b = X_b - X_b A_b X_b, A_b = A restricted to the blocks below the diagonal inside each diagonal block of 2b
 # (X_b is block diagonal with inverted diagonal blocks of size b): the recursive block inverse
@@ -362,11 +363,11 @@ def _intra_split(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, inter
         return (qin, kg, None, None, m, dend) + ((None, None) if save else ())
     if save:
         w, u, R = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec, inv_prec="ieee" if prec == "ieee" else
-                             "bf16x3", warps=4, interpret=interpret, with_r=True, kk=True, loop=loop)
+                             SOLVE_PREC, warps=4, interpret=interpret, with_r=True, kk=True, loop=loop)
         return qin, kg, w, u, m, dend, A, R
     if fast:
         w, u = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec, inv_prec="ieee" if prec == "ieee" else
-                          "bf16x3", warps=4, interpret=interpret, loop=loop)
+                          SOLVE_PREC, warps=4, interpret=interpret, loop=loop)
     else:
         w, u = solve_wu(A, k, v, G, beta, C=C, store=store, prec=prec, warps=warps, interpret=interpret)
     return qin, kg, w, u, m, dend
