@@ -39,8 +39,9 @@ PASS_PREC = "bf16"
 WY_PREC = "tf32"
 # The dtype of the per-chunk states S0, their cotangents dS and E = U - W S0 that the split passes store for the
 # chunk gradients, for bf16 inputs: with PASS_PREC "bf16" the products round them to bf16 anyway; only
-# d e^(G_C) = rowsum(S0 * dS) sees the difference.
-STATES_DTYPE = "float32"
+# d e^(G_C) = rowsum(S0 * dS) sees the difference. bf16 (H200, 8 x 4096, run7d profile): states / reverse / chunk
+# gradients 0.27 / 0.51 / 1.10 ms against 0.38 / 0.58 / 1.33 in fp32, the same relative RMS errors to two digits.
+STATES_DTYPE = "bfloat16"
 
 
 def _states_kernel(kg_ref, w_ref, u_ref, dend_ref, h0_ref, s0_ref, *e_ref, C, K, N, prec, delta):
@@ -484,10 +485,11 @@ def backward_kernels(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size:
 
 # ---- "kernels-mm2": the backward with the XLA algebra replaced by kernels ----
 # gate cumsum kernel -> Gram rows ("mm") -> whole-tile solve writing R -> the two state passes -> `_wy_bwd_kernel`
-# (the WY part: dv, dbeta, dKK = Diag(b) dA, dKin, one program per chunk) -> `_gram_combine_kernel` (the Gram
-# gradients and dq, dk, dg with the in-chunk reverse cumsum, written in the inputs' [B, T, H, .] layout; a separate
-# Gram-gradient kernel and combine kernel took 1.90 + 1.08 ms at 8 x 4096 x 16 x 128 on the H200, run7c). What XLA
-# still does: padding and small reshapes.
+# (the WY part: dv, dbeta, dKK = Diag(b) dA, dKin, one program per chunk) -> `_gram_bwd_kernel` -> `_combine_kernel`
+# (dq, dk, dg with the in-chunk reverse cumsum, written in the inputs' [B, T, H, .] layout). What XLA still does:
+# padding and small reshapes. (One kernel per (chunk, K tile) for both of the last two, the four 16-row blocks in
+# turn with the reverse cumsum carried, took 5.8 ms at 8 x 4096 x 16 x 128 on the H200 against 1.90 + 1.08 for the
+# pair, run7d: removed.)
 
 
 def _wy_bwd_kernel(r_ref, kk_ref, du_ref, dw_ref, v_ref, k_ref, G_ref, beta_ref, dv_ref, dbeta_ref, dkk_ref,
@@ -520,48 +522,33 @@ def _wy_bwd_kernel(r_ref, kk_ref, du_ref, dw_ref, v_ref, k_ref, G_ref, beta_ref,
     dkk_ref[...] = beta * dA
 
 
-def _gram_combine_kernel(q_ref, k_ref, G_ref, dm_ref, dkk_ref, dqin_ref, dkg_ref, dkin_ref, dend_ref, ddend_ref,
-                         dq_ref, dk_ref, dg_ref, *, C, scale, prec, delta):
-    """One program per (chunk, K tile): the four Gram gradients of each 16-row block (`_gram_grad_fast`, or
-    `_gram_grad_exact_loop` when the block's rows are not all within LIMIT nats of its middle row in this tile),
-    combined at once with the other cotangents into dq, dk and dG = d(loss)/d(in-chunk cumsum), and dg as the
-    in-chunk reverse cumsum of dG, the blocks taken last to first with the sum of the later blocks carried."""
-    from lineattn.ops.pallas.chunk_fwd import LIMIT
-
-    s = SUB
-    d = pl.ds(0, q_ref.shape[-1])  # the refs hold this program's K tile only
-    G_end = G_ref[pl.ds(C - 1, 1), :]
-    kg = k_ref[...].astype(f32) * jnp.exp(G_end - G_ref[...])
-    carry = jnp.sum(kg * dkg_ref[...], axis=0) + dend_ref[...] * ddend_ref[...]  # d(G_C): every row's dg has it
-    for a in reversed(range(C // s)):
-        r0, blk = a * s, pl.ds(a * s, s)
-        spread = jnp.max(jnp.abs(G_ref[blk, :] - G_ref[pl.ds(r0 + s // 2, 1), :]))
-        refs = (q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d)
-        xq, xk, kq, kk = jax.lax.cond(
-            spread <= LIMIT, functools.partial(_gram_grad_fast, *refs, scale=scale, prec=prec),
-            functools.partial(_gram_grad_exact_loop, *refs, scale=scale, prec=prec))
-        q, k, G = q_ref[blk, :].astype(f32), k_ref[blk, :].astype(f32), G_ref[blk, :]
-        eG, eGk = jnp.exp(G), jnp.exp(G_end - G)
-        gq = eG * dqin_ref[blk, :] + xq  # d(loss)/d(scale q e^G) through Qin and M
-        kg_dkg = k * eGk * dkg_ref[blk, :]
-        dk = eGk * dkg_ref[blk, :] + kq + xk + kk
-        dG = scale * q * gq - kg_dkg + k * (xk - kq - kk)
-        if delta:
-            dkin = dkin_ref[blk, :]
-            dk = dk + eG * dkin
-            dG = dG + k * eG * dkin
-        dq_ref[blk, :] = (scale * gq).astype(dq_ref.dtype)
-        dk_ref[blk, :] = dk.astype(dk_ref.dtype)
-        block_sum = jnp.sum(dG, axis=0)
-        dg_ref[blk, :] = (carry[None, :] + block_sum[None, :] - jnp.cumsum(dG, axis=0) + dG).astype(dg_ref.dtype)
-        carry = carry + block_sum
+def _combine_kernel(q_ref, k_ref, G_ref, dend_ref, ddend_ref, dqin_ref, dkg_ref, dkin_ref, dxq_ref, dxk_ref, dkq_ref,
+                    dkk_ref, dq_ref, dk_ref, dg_ref, *, C, scale, delta):
+    rows = _iota((C, 1), 0)
+    q, k, G = q_ref[...].astype(f32), k_ref[...].astype(f32), G_ref[...]
+    G_end = jnp.sum(jnp.where(rows == C - 1, G, 0.0), axis=0)[None, :]
+    eG, eGk = jnp.exp(G), jnp.exp(G_end - G)
+    dQin, dKg, dxq = dqin_ref[...], dkg_ref[...], dxq_ref[...]
+    Kg = k * eGk
+    dq = scale * (eG * dQin + dxq)
+    dk = eGk * dKg + dkq_ref[...] + dxk_ref[...] + dkk_ref[...]
+    dG = scale * q * (eG * dQin + dxq) - Kg * dKg - k * dkq_ref[...] + k * dxk_ref[...] - k * dkk_ref[...]
+    if delta:
+        dKin = dkin_ref[...]
+        dk = dk + eG * dKin
+        dG = dG + k * eG * dKin
+    dG_end = jnp.sum(Kg * dKg, axis=0)[None, :] + dend_ref[...][None, :] * ddend_ref[...][None, :]
+    dG = dG + jnp.where(rows == C - 1, dG_end, 0.0)
+    dq_ref[...] = dq.astype(dq_ref.dtype)
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dg_ref[...] = (jnp.sum(dG, axis=0)[None, :] - jnp.cumsum(dG, axis=0) + dG).astype(dg_ref.dtype)  # reverse cumsum
 
 
 def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: int, interpret=None,
                   gram_diag: str = "mml", gram_warps: int = 2, grads_warps: int = 4, saved=None):
     """Same result as `backward`, every chunk-parallel stage a Pallas kernel (see the comment above). gram_diag:
-    the Gram recompute's exact path ("mml": column loop, "mm": 3-D broadcast; see `chunk_fwd._gram_rows_kernel`);
-    the Gram gradients (`_gram_combine_kernel`) always take the column-loop exact path.
+    the exact path of the Gram recompute and of the Gram gradients ("mml": column loop, "mm": 3-D broadcast; see
+    `chunk_fwd._gram_rows_kernel`).
     saved: `chunk_fwd.forward(..., save=True)`'s terms (backward "kernels-saved"): no Gram recompute and no solve
     here, and the state passes read the stored (bf16 for bf16 inputs) Qin, Kg, M, W, U."""
     from lineattn.ops.pallas import chunk_fwd
@@ -616,22 +603,23 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     else:
         dv = jnp.moveaxis(flat(cot.U_BHNCV), 1, 2).astype(v.dtype)
         dbeta, dKK, dKin = None, jnp.zeros((B, H, Tp, C), f32), jnp.zeros((B, H, Tp, K), f32)
-    ddend_KN = jnp.swapaxes(cot.decay_end, -1, -2)  # [B, H, K, N] (g is always given to the kernels)
-    bk = min(K, 64)  # K tiles: the Gram gradients and the combine are independent per channel
+    dxq, dxk, dkq, dkk = gram_grads_fused(qp, kp, G, flat(cot.M_BHNCC), dKK, C=C, scale=scale, exact=exact,
+                                          interpret=interpret, diag=gram_diag, warps=grads_warps)
+    ddend = cot.decay_end  # [B, H, N, K] (None: ungated, never here: g is always given to the kernels)
+    ddend_KN = jnp.swapaxes(ddend, -1, -2)
+    bk = min(K, 32)  # K tiles: the combine is independent per channel
     ktok = pl.BlockSpec((None, C, None, bk), lambda b, h, n, t: (b, n, h, t))
     kchunk = pl.BlockSpec((None, None, C, bk), lambda b, h, n, t: (b, h, n, t))
-    cc = pl.BlockSpec((None, None, C, C), lambda b, h, n, t: (b, h, n, 0))
     kn = pl.BlockSpec((None, None, bk, None), lambda b, h, n, t: (b, h, t, n))
     dq, dk, dg = pl.pallas_call(
-        functools.partial(_gram_combine_kernel, C=C, scale=scale, prec=prec, delta=delta),
+        functools.partial(_combine_kernel, C=C, scale=scale, delta=delta),
         grid=(B, H, N, K // bk),
-        in_specs=[ktok, ktok, ktok, cc, cc, kchunk, kchunk, kchunk, kn, kn],
+        in_specs=[ktok, ktok, ktok, kn, kn] + [kchunk] * 7,
         out_specs=[ktok] * 3,
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
                    jax.ShapeDtypeStruct((B, Tp, H, K), g.dtype)],
-        compiler_params=compiler_params(num_warps=grads_warps, num_stages=1), interpret=interpret,
-        name="lineattn_chunk_bwd_gram_combine",
-    )(qp, kp, G, flat(cot.M_BHNCC), dKK, flat(cot.Qin_BHNCK), flat(cot.Kg_BHNCK), dKin, dend_KN, ddend_KN)
+        compiler_params=params, interpret=interpret, name="lineattn_chunk_bwd_combine",
+    )(qp, kp, G, dend_KN, ddend_KN, flat(cot.Qin_BHNCK), flat(cot.Kg_BHNCK), dKin, dxq, dxk, dkq, dkk)
     cut = lambda x: None if x is None else x[:, :T]
     return cut(dq), cut(dk), cut(dv), cut(dg), cut(dbeta), dh0.astype(h0.dtype)
 
