@@ -42,6 +42,11 @@ WY_PREC = "tf32"
 # d e^(G_C) = rowsum(S0 * dS) sees the difference. bf16 (H200, 8 x 4096, run7d profile): states / reverse / chunk
 # gradients 0.27 / 0.51 / 1.10 ms against 0.38 / 0.58 / 1.33 in fp32, the same relative RMS errors to two digits.
 STATES_DTYPE = "bfloat16"
+# Launch settings of `backward_fast`'s chunk-parallel kernels (read when a call is traced; for timing sweeps):
+# warps of the Gram gradients, the WY backward and the chunk gradients, and the combine's K tile (H200 sweep, run7e:
+# 2 or 8 warps for the Gram gradients 3.62 / 2.63 ms against 1.62 with 4; WY 4 / 16 warps 1.28 / 2.42 against 1.24
+# with 8; chunk gradients 0.95 with 4 warps against 1.11 with 8; the combine 1.01 with K tile 64, 1.09 with 32).
+GRADS_WARPS, WY_WARPS, CHUNK_GRADS_WARPS, COMBINE_BK = 4, 8, 4, 64
 
 
 def _states_kernel(kg_ref, w_ref, u_ref, dend_ref, h0_ref, s0_ref, *e_ref, C, K, N, prec, delta):
@@ -545,7 +550,7 @@ def _combine_kernel(q_ref, k_ref, G_ref, dend_ref, ddend_ref, dqin_ref, dkg_ref,
 
 
 def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: int, interpret=None,
-                  gram_diag: str = "mml", gram_warps: int = 2, grads_warps: int = 4, saved=None):
+                  gram_diag: str = "mml", gram_warps: int = 2, grads_warps: int | None = None, saved=None):
     """Same result as `backward`, every chunk-parallel stage a Pallas kernel (see the comment above). gram_diag:
     the exact path of the Gram recompute and of the Gram gradients ("mml": column loop, "mm": 3-D broadcast; see
     `chunk_fwd._gram_rows_kernel`).
@@ -597,17 +602,17 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
             out_specs=[tok(V), tok1, chunk(C), chunk(K)],
             out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), jax.ShapeDtypeStruct((B, Tp, H), beta.dtype),
                        jax.ShapeDtypeStruct((B, H, Tp, C), f32), jax.ShapeDtypeStruct((B, H, Tp, K), f32)],
-            compiler_params=compiler_params(num_warps=8, num_stages=1), interpret=interpret,
+            compiler_params=compiler_params(num_warps=WY_WARPS, num_stages=1), interpret=interpret,
             name="lineattn_chunk_wy_bwd",
         )(R, KK, flat(cot.U_BHNCV), flat(cot.W_BHNCK), vp, kp, G, bp)
     else:
         dv = jnp.moveaxis(flat(cot.U_BHNCV), 1, 2).astype(v.dtype)
         dbeta, dKK, dKin = None, jnp.zeros((B, H, Tp, C), f32), jnp.zeros((B, H, Tp, K), f32)
     dxq, dxk, dkq, dkk = gram_grads_fused(qp, kp, G, flat(cot.M_BHNCC), dKK, C=C, scale=scale, exact=exact,
-                                          interpret=interpret, diag=gram_diag, warps=grads_warps)
+                                          interpret=interpret, diag=gram_diag, warps=grads_warps or GRADS_WARPS)
     ddend = cot.decay_end  # [B, H, N, K] (None: ungated, never here: g is always given to the kernels)
     ddend_KN = jnp.swapaxes(ddend, -1, -2)
-    bk = min(K, 32)  # K tiles: the combine is independent per channel
+    bk = min(K, COMBINE_BK)  # K tiles: the combine is independent per channel
     ktok = pl.BlockSpec((None, C, None, bk), lambda b, h, n, t: (b, n, h, t))
     kchunk = pl.BlockSpec((None, None, C, bk), lambda b, h, n, t: (b, h, n, t))
     kn = pl.BlockSpec((None, None, bk, None), lambda b, h, n, t: (b, h, t, n))
@@ -679,8 +684,8 @@ def _chunk_grads_kernel(e_ref, s0_ref, ds_ref, do_ref, du_ref, dqin_ref, dm_ref,
     dm_ref[...] = jnp.where(_iota((C, C), 1) <= _iota((C, C), 0), dM, 0.0)  # M is lower triangular
 
 
-def state_passes_split(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None, block_v=None, warps=8, bk=64,
-                       bv=64):
+def state_passes_split(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None, block_v=None, warps=None,
+                       bk=64, bv=64):
     """As `state_passes` (same arguments and result), by `_states_kernel`, `_reverse_ds_kernel` and
     `_chunk_grads_kernel`."""
     B, H, N, C, K, V, Tp, delta = _pass_dims(terms)
@@ -716,7 +721,7 @@ def state_passes_split(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret
         out_shape=[jax.ShapeDtypeStruct((B, H, Tp, K), f32), jax.ShapeDtypeStruct((B, H, Tp, C), f32),
                    jax.ShapeDtypeStruct((B, H, Tp, K), f32), jax.ShapeDtypeStruct((B, H, Tp, K), f32),
                    jax.ShapeDtypeStruct((B, H, K, N), f32)],
-        compiler_params=compiler_params(num_warps=warps, num_stages=1), interpret=interpret,
+        compiler_params=compiler_params(num_warps=warps or CHUNK_GRADS_WARPS, num_stages=1), interpret=interpret,
         name="lineattn_chunk_bwd_chunk_grads",
     )(E, s0, ds, do, du)
     chunked = lambda x: x.reshape(B, H, N, C, x.shape[-1])
