@@ -11,15 +11,16 @@ GATES = ("none", "fixed", "head", "channel")  # a head gate is a channel gate eq
 
 # What the GPU tests (tests/test_pallas*.py run on the H200, plus benchmarks/bench_pallas_*.py) cover: `auto`
 # picks the kernels only inside this set, on a GPU. The defaults below (mml2 / kernels-saved) ran on the H200
-# (2026-12-01 run5) for KDA and GDN at K = V = 128, bf16, chunk 64, T = 16381 with an initial state, and for
-# KDA in fp32 at K = V = 32, chunk 32 with -1000 gates; DeltaNet, GLA, K = 32 in bf16 and chunk 32 in bf16 have
-# not run with them on a GPU, so `auto` sends those to the XLA chunk path until they have.
+# (2026-12-01 run5; the backward again after its kernels changed: run7e, and run7f for the final launch settings)
+# for KDA and GDN at K = V = 128, bf16, chunk 64, T = 16381 with an initial state, and for KDA in fp32 at
+# K = V = 32, chunk 32 with -1000 gates, -5 gates and varlen; DeltaNet, GLA, K = 32 in bf16 and chunk 32 in
+# bf16 have not run with them on a GPU, so `auto` sends those to the XLA chunk path until they have.
 AUTO_RULES = (("delta", "channel"), ("delta", "head"))  # kda, gdn
 AUTO_DIMS = (128,)  # head dims the GPU tests of the defaults ran in bf16
 AUTO_CHUNKS = (64,)
 
 # The backward `backend="pallas"` uses (see `lineattn.ops.pallas.chunk`): "kernels-saved" (the forward keeps its
-# intra-chunk terms; every stage a Pallas kernel; 15.5 ms fwd+bwd at 8 x 4096 x 16 x 128 on the H200, run5),
+# intra-chunk terms; every stage a Pallas kernel; 8.06 ms fwd+bwd at 8 x 4096 x 16 x 128 on the H200, run7f),
 # "kernels-mml2" (the same, recomputing the terms: no extra memory; CPU-tested only), "kernels" (29.9 ms, run4),
 # "xla" (autodiff of the XLA chunk form, 40.7 ms); see `chunk.py`. Read when a call is traced.
 BACKWARD = "kernels-saved"

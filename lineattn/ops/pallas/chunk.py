@@ -3,7 +3,8 @@
 Forward: the kernels of `chunk_fwd.forward` (intra-chunk stage, then the state pass). Backwards, chosen by the
 static `backward` argument (H200 times: fwd+bwd at B = 8, T = 4096, H = 16, K = V = 128, bf16; runs in
 benchmarks/results/README.md):
-  - "kernels-saved" (the default; 15.5 ms, run5): the forward (intra "mm2" or "mml2") also keeps its
+  - "kernels-saved" (the default; 8.06 ms, run7f; 15.5 ms in run5 before the chunk-gradient and WY kernels were
+    tiled): the forward (intra "mm2" or "mml2") also keeps its
     intra-chunk terms Qin, Kg, W, U, M (input dtype), e^(G_C), KK and R = (I + A)^-1 (fp32): about 1.7 KB per
     token and head at K = V = 128, C = 64 in bf16, on top of the inputs. `chunk_bwd.backward_fast` then runs
     only kernels: gate cumsum, the three state-pass kernels, the WY backward, the Gram gradients, the combine.
@@ -12,8 +13,8 @@ benchmarks/results/README.md):
   - "kernels" (29.9 ms, run4) / "kernels-mm" (24.6 ms, run4) / "kernels-bcast" (53.6 ms): `chunk_bwd.
     backward_kernels`: Pallas Gram recompute, state passes and Gram gradients, the WY part as XLA algebra.
   - "xla" (40.7 ms): `jax.vjp` of the XLA chunk form (`lineattn.ops.chunk.chunk`) in fp32. No Pallas kernel.
-Transient memory of `backward_fast`: about 7 KB per token and head at K = V = 128 (per-chunk states and state
-cotangents K*V/C fp32, fp32 cotangents of the terms, Gram gradients).
+Transient memory of `backward_fast`: about 6.5 KB per token and head at K = V = 128, C = 64 (per-chunk states,
+state cotangents K*V/C and E in bf16, fp32 cotangents of the terms, Gram gradients).
 """
 
 from __future__ import annotations
