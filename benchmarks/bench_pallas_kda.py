@@ -73,8 +73,6 @@ def jax_kda_impls(op):
     from lineattn.ops.pallas import api as pallas_api
     impls = {  # "lineattn-pallas": the defaults (pallas.api.INTRA, BACKWARD); the others by name
         "lineattn-pallas": pallas_variant(rule, pallas_api.INTRA, pallas_api.BACKWARD),
-        "lineattn-pallas-split": pallas_variant(rule, "split", "xla"),
-        "lineattn-pallas-split-kernels": pallas_variant(rule, "split", "kernels"),
         "lineattn-pallas-mml2-kernels-mml2": pallas_variant(rule, "mml2", "kernels-mml2"),
         "lineattn-chunk": lambda q, k, v, g, b: ops.linear_attention(rule, q, k, v, g, b, backend="chunk")[0],
     }
@@ -120,7 +118,7 @@ def bench_shape(op, B, T, a, skip, fla_modes):
         errs = dict(max_rel_err=rel_err(o, reference), rel_rms_err=rel_rms(o, reference))
         loss = lambda *xs, f=f: jnp.sum(f(*xs).astype(jnp.float32) * do.astype(jnp.float32))
         fwdbwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
-        modes = [("fwd", fwd)] + ([] if name in ("lineattn-chunk", "lineattn-pallas-split") and op == "gdn"
+        modes = [("fwd", fwd)] + ([] if name == "lineattn-chunk" and op == "gdn"
                                   else [("fwdbwd", fwdbwd)])
         for mode, fn in modes:
             try:
@@ -253,7 +251,7 @@ def main():
     p.add_argument("--long", type=int, default=0, help="also time one sequence of this length (0: no)")
     p.add_argument("--tune", action="store_true", help="time the forward's kernels apart and launch settings")
     p.add_argument("--warps", default="4x4,8x4,4x8,8x8")
-    p.add_argument("--intras", default="mml2,split", help="intra-chunk stages to tune")
+    p.add_argument("--intras", default="mml2,mm2", help="intra-chunk stages to tune")
     p.add_argument("--block-vs", default="0,16,32,64", help="V tiles of the state pass (0: the default rule)")
     a = p.parse_args()
     a.decode_configs = [tuple(map(int, c.split("x"))) for c in a.decode.split(",") if c]

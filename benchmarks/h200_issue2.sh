@@ -5,9 +5,10 @@
 #   SKIP_TESTS=1 / SKIP_BENCH=1   one part only        TESTS_K="expr"   a subset of the tests (pytest -k)
 #   BENCH_ARGS="..."   replaces the bench flags below; TEST_TIMEOUT / BENCH_TIMEOUT in seconds. The one long
 #   sequence alone (run6's call ran out of time before it): BENCH_ARGS="--shapes= --decode= --fla= --long 262144"
-#   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py (per-kernel device time of one call, lineattn and jla)
-#   PARTS=1 [PARTS_ARGS="..."]   bench_pallas_parts.py (every stage timed apart) instead of bench_pallas_kda.py
-# Tests take 2-3 minutes, the bench 6-8 (FLA autotunes on first use): one device call for each part.
+#   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
+#   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.LOOP=4 for sweeps)
+# Tests take 1-3 minutes, the bench 6-9 (FLA autotunes on first use): one device call for each part. Environment
+# variables go before `bash` (`SKIP_BENCH=1 bash ...`; an argument after the script name is ignored).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -22,14 +23,8 @@ if [ -n "${PROFILE:-}" ]; then  # per-kernel device times from a profiler trace 
     | grep -v "slow_operation_alarm\|Constant folding\|^$" | tee $OUT/profile.log
   exit 0
 fi
-if [ -n "${PARTS:-}" ]; then  # the per-stage timings instead (bench_pallas_parts.py; PARTS_ARGS: its flags)
-  timeout ${BENCH_TIMEOUT:-500} python3 benchmarks/bench_pallas_parts.py --out $OUT ${PARTS_ARGS:---jla} 2>&1 \
-    | grep -v "slow_operation_alarm\|Constant folding\|^$" | tee $OUT/parts.log
-  exit 0
-fi
 # Default: the issue's table with the default kernels only: KDA at (8, 4096) and (1, 32768) beside jla and FLA
 # (forward and forward+backward), the decode sweep, GDN beside jla (and FLA's forward), one sequence of 262144.
 timeout ${BENCH_TIMEOUT:-540} python3 benchmarks/bench_pallas_kda.py --out $OUT ${BENCH_ARGS:---iters 10 --gdn \
-  --fla fwd,fwdbwd --fla-shapes 8x4096,1x32768 --skip lineattn-chunk lineattn-pallas-split \
-  lineattn-pallas-split-kernels lineattn-pallas-mml2-kernels-mml2 \
+  --fla fwd,fwdbwd --fla-shapes 8x4096,1x32768 --skip lineattn-chunk lineattn-pallas-mml2-kernels-mml2 \
   --long 262144} 2>&1 | grep -v "slow_operation_alarm\|Constant folding\|^$" | tee $OUT/bench.log

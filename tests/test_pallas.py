@@ -40,12 +40,8 @@ def test_pallas_matches_oracle_fp32(rule):
     _compare(rule, make_inputs(rule, B=2, **SMALL))
 
 
-@pytest.mark.parametrize("rule,intra,backward,chunk_size", [("kda", "split", "xla", 64),
-                                                            ("kda", "split", "kernels", 64),
-                                                            ("gla", "split", "kernels", 32),
-                                                            ("gdn", "split", "xla", 32),
-                                                            ("kda", "split-mm", "kernels-mm", 64),
-                                                            ("gdn", "split-bcast", "kernels-bcast", 32),
+@pytest.mark.parametrize("rule,intra,backward,chunk_size", [("kda", "mml2", "xla", 64),
+                                                            ("gdn", "mm2", "xla", 32),
                                                             ("kda", "mml2", "kernels-mml2", 64),
                                                             ("gdn", "mm2", "kernels-mm2", 32),
                                                             ("gla", "mml2", "kernels-mml2", 32),
@@ -58,9 +54,8 @@ def test_pallas_variants_chunk_64_unequal_dims(rule, intra, backward, chunk_size
     _compare(rule, make_inputs(rule, B=1, T=80, H=2, K=32, V=64, seed=9), chunk_size=chunk_size)
 
 
-@pytest.mark.parametrize("gate,variant", [("lower_bound", "split-mm/kernels-mm"), ("lower_bound", "mml2/kernels-mml2"),
-                                          ("zero", None), ("cut", None), ("cut", "split-mm/kernels-mm"),
-                                          ("cut", "split-bcast/kernels-bcast"), ("cut", "mml2/kernels-mml2"),
+@pytest.mark.parametrize("gate,variant", [("lower_bound", "mm2/kernels-mm2"), ("lower_bound", "mml2/kernels-mml2"),
+                                          ("zero", None), ("cut", None), ("cut", "mml2/kernels-mml2"),
                                           ("cut", "mm2/kernels-mm2"), ("cut", "mml2/kernels-saved"),
                                           ("lower_bound", "mml2/kernels-saved")])
 def test_pallas_gate_extremes(gate, variant, monkeypatch):
@@ -150,8 +145,9 @@ def test_pallas_backend_selection_and_errors():
 
 
 @pytest.mark.parametrize("intra,backward,match", [("fused", "xla", "intra must be one of"),
-                                                  ("split", "passes", "backward must be one of"),
-                                                  ("split", "kernels-saved", "needs intra 'mm2' or 'mml2'")])
+                                                  ("split", "kernels-saved", "intra must be one of"),
+                                                  ("mml2", "passes", "backward must be one of"),
+                                                  ("mml2", "kernels", "backward must be one of")])
 def test_pallas_unknown_variants_raise(intra, backward, match, monkeypatch):
     # A variant name that does not exist (or a removed one) is an error, never a silent fallback.
     monkeypatch.setattr(pallas_api, "INTRA", intra)

@@ -54,9 +54,8 @@ def _run(rule, x, backend, monkeypatch=None, variant=None):
     return {"o": o, "ht": ht, **{"d" + n: g for n, g in zip(names, grads)}}
 
 
-# The defaults (None: mml2 / kernels-saved), the previous defaults and the variants still to run on a GPU.
-VARIANTS = [("kda", None), ("gdn", None), ("kda", ("split", "xla")), ("kda", ("split", "kernels")),
-            ("gdn", ("split", "kernels")), ("kda", ("mml2", "kernels-mml2")),
+# The defaults (None: mml2 / kernels-saved) and the other variants.
+VARIANTS = [("kda", None), ("gdn", None), ("kda", ("mml2", "xla")), ("kda", ("mml2", "kernels-mml2")),
             ("gdn", ("mml2", "kernels-mml2")), ("kda", ("mml2", "kernels-saved", 4))]
 
 

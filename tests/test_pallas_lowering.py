@@ -28,8 +28,7 @@ def fake_h200(monkeypatch):
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: info)
 
 
-@pytest.mark.parametrize("intra,backward", [("split", "xla"), ("split", "kernels"), ("split-mm", "kernels-mm"),
-                                            ("split-bcast", "kernels-bcast"), ("mm2", "kernels-mm2"),
+@pytest.mark.parametrize("intra,backward", [("mml2", "xla"), ("mm2", "kernels-mm2"),
                                             ("mml2", "kernels-mml2"), ("mml2", "kernels-saved")])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_chunk_kernels_lower_for_sm90(fake_h200, dtype, intra, backward):
@@ -42,13 +41,10 @@ def test_chunk_kernels_lower_for_sm90(fake_h200, dtype, intra, backward):
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
 
     text = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    # forward: intra (split*: gram + solve) and the state pass; backward "xla": none; "kernels": gram, states,
-    # reverse, Gram-gradient rows and columns; "kernels-mm" / "kernels-bcast":
-    # gram, states, reverse and one Gram-gradient kernel; "mm2"/"mml2": cumsum, gram, solve, state pass;
+    # forward: cumsum, gram, solve, state pass; backward "xla": none;
     # "kernels-mm2"/"kernels-mml2": cumsum, gram, solve, states, reverse, chunk grads, WY, Gram gradients, combine;
     # "kernels-saved": the same without the Gram and solve (the forward's terms are kept)
-    expected = ({"mm2": 4, "mml2": 4}.get(intra, 3)
-                + {"xla": 0, "kernels": 5, "kernels-mm2": 9, "kernels-mml2": 9, "kernels-saved": 7}.get(backward, 4))
+    expected = 4 + {"xla": 0, "kernels-mm2": 9, "kernels-mml2": 9, "kernels-saved": 7}[backward]
     assert text.count("__gpu$xla.gpu.triton") == expected
 
 

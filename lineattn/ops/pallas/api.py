@@ -21,11 +21,11 @@ AUTO_CHUNKS = (64,)
 
 # The backward `backend="pallas"` uses (see `lineattn.ops.pallas.chunk`): "kernels-saved" (the forward keeps its
 # intra-chunk terms; every stage a Pallas kernel; 8.06 ms fwd+bwd at 8 x 4096 x 16 x 128 on the H200, run7f),
-# "kernels-mml2" (the same, recomputing the terms: no extra memory; CPU-tested only), "kernels" (29.9 ms, run4),
-# "xla" (autodiff of the XLA chunk form, 40.7 ms); see `chunk.py`. Read when a call is traced.
+# "kernels-mml2" / "kernels-mm2" (the same, recomputing the terms: no extra memory), "xla" (autodiff of the XLA
+# chunk form, 40.7 ms); see `chunk.py`. Read when a call is traced.
 BACKWARD = "kernels-saved"
 # The forward's intra-chunk stage: "mml2" (gate cumsum kernel, Gram rows without column loops, whole-chunk solve:
-# 2.74 ms forward at 8 x 4096, run5), "split" (5.97 ms, run4), "split-mm" (4.44 ms); see
+# 2.76 ms forward at 8 x 4096, run7f) or "mm2" (a 3-D exact path for blocks holding a cut); see
 # `chunk_fwd.forward`.
 INTRA = "mml2"
 

@@ -4,14 +4,11 @@ Forward: the kernels of `chunk_fwd.forward` (intra-chunk stage, then the state p
 static `backward` argument (H200 times: fwd+bwd at B = 8, T = 4096, H = 16, K = V = 128, bf16; runs in
 benchmarks/results/README.md):
   - "kernels-saved" (the default; 8.06 ms, run7f; 15.5 ms in run5 before the chunk-gradient and WY kernels were
-    tiled): the forward (intra "mm2" or "mml2") also keeps its
-    intra-chunk terms Qin, Kg, W, U, M (input dtype), e^(G_C), KK and R = (I + A)^-1 (fp32): about 1.7 KB per
+    tiled): the forward also keeps its intra-chunk terms Qin, Kg, W, U, M (input dtype), e^(G_C), KK and R = (I + A)^-1 (fp32): about 1.7 KB per
     token and head at K = V = 128, C = 64 in bf16, on top of the inputs. `chunk_bwd.backward_fast` then runs
     only kernels: gate cumsum, the three state-pass kernels, the WY backward, the Gram gradients, the combine.
   - "kernels-mml2" / "kernels-mm2": `chunk_bwd.backward_fast` recomputing the terms (Gram kernel, whole-chunk
     solve writing R): the forward saves only its inputs. CPU-tested; not yet run on a GPU.
-  - "kernels" (29.9 ms, run4) / "kernels-mm" (24.6 ms, run4) / "kernels-bcast" (53.6 ms): `chunk_bwd.
-    backward_kernels`: Pallas Gram recompute, state passes and Gram gradients, the WY part as XLA algebra.
   - "xla" (40.7 ms): `jax.vjp` of the XLA chunk form (`lineattn.ops.chunk.chunk`) in fp32. No Pallas kernel.
 Transient memory of `backward_fast`: about 6.5 KB per token and head at K = V = 128, C = 64 (per-chunk states,
 state cotangents K*V/C and E in bf16, fp32 cotangents of the terms, Gram gradients).
@@ -31,22 +28,21 @@ from lineattn.ops.pallas.chunk_fwd import forward
 f32 = jnp.float32
 
 
-BACKWARDS = ("kernels-saved", "kernels-mml2", "kernels-mm2", *chunk_bwd.KERNELS_DIAG, "xla")
+BACKWARDS = ("kernels-saved", "kernels-mml2", "kernels-mm2", "xla")
 
 
 def _check(backward, intra):
     if backward not in BACKWARDS:
         raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
-    if backward == "kernels-saved" and intra not in ("mm2", "mml2"):
-        raise ValueError(f"backward 'kernels-saved' needs intra 'mm2' or 'mml2', got {intra!r}")
+    if intra not in chunk_fwd.INTRAS:
+        raise ValueError(f"intra must be one of {sorted(chunk_fwd.INTRAS)}, got {intra!r}")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
 def chunk_pallas(q, k, v, g, beta, h0, scale, chunk_size=64, interpret=None, backward="kernels-saved",
                  intra="mml2"):
     """(o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32). Arguments as `chunk_fwd.forward`;
-    backward: see the module docstring ("kernels-saved" needs intra "mm2" or "mml2"); intra: see
-    `chunk_fwd.forward`."""
+    backward: see the module docstring; intra: "mml2" or "mm2", see `chunk_fwd.forward`."""
     _check(backward, intra)
     return forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret, intra=intra,
                    loop=chunk_fwd.LOOP)
@@ -72,9 +68,6 @@ def _bwd(scale, chunk_size, interpret, backward, intra, residuals, cotangents):
     if backward in ("kernels-mm2", "kernels-mml2"):
         return chunk_bwd.backward_fast(*residuals, do, dht, scale=scale, chunk_size=chunk_size, interpret=interpret,
                                        gram_diag=backward[8:-1])
-    if backward in chunk_bwd.KERNELS_DIAG:
-        return chunk_bwd.backward_kernels(*residuals, do, dht, scale=scale, chunk_size=chunk_size,
-                                          interpret=interpret, diag=chunk_bwd.KERNELS_DIAG[backward])
     as_f32 = lambda x: None if x is None else x.astype(f32)
 
     def xla(q, k, v, g, beta, h0):

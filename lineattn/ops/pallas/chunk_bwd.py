@@ -6,13 +6,13 @@ Per chunk (../shared/CHUNK_ALGORITHM.md, "Backward"), with E = U - W S0 recomput
     dU  = dE,  dW = -dE S0^T,  dQin = dO S0^T,  dM = dO E^T,  dKg = E dS^T,  d e^(G_C) = rowsum(S0 * dS)
     dS0 = Qin^T dO + Diag(e^(G_C)) dS - W^T dE  (handed to the previous chunk)
 
-`states` runs the forward pass again and writes every chunk's incoming state S0 (fp32, K*V/C values per token
-and head); `reverse` runs the reverse pass, one program per (batch, head, V tile), and writes the cotangents of
-the chunk terms (those that sum over V as one partial per V tile, summed afterwards) and d(initial state).
-The intra-chunk part, terms -> (dq, dk, dv, dg, dbeta), is parallel over chunks: `backward_kernels` (Pallas
-Gram gradients, XLA for the WY part) and `backward_fast` (kernels only) below. (A backward pairing these passes
-with the XLA VJP of `lineattn.ops.chunk.chunk_terms`, "passes", took 76.6 ms at 8 x 4096 on the H200 and was
-removed on 2026-12-01.)
+`_states_kernel` runs the forward pass again and writes every chunk's incoming state S0 (K*V/C values per
+token and head) and E; `_reverse_ds_kernel` runs the reverse pass, one program per (batch, head, V tile), writing
+dS per chunk, dE and d(initial state); `_chunk_grads_kernel`, one program per chunk, the cotangents that sum over V.
+The intra-chunk part, terms -> (dq, dk, dv, dg, dbeta), is parallel over chunks: `backward_fast` below, all
+Pallas kernels. (Removed on 2026-12-01 as slower on the H200: a reverse pass writing per-V-tile partials and the
+"kernels" backwards with XLA algebra for the WY part, 24.6-53.6 ms at 8 x 4096 x 16 x 128; the "passes" backward
+with the XLA VJP of `lineattn.ops.chunk.chunk_terms`, 76.6 ms.)
 """
 
 from __future__ import annotations
@@ -29,15 +29,14 @@ from lineattn.ops.pallas.chunk_fwd import _iota
 from lineattn.ops.pallas.common import SUB, compiler_params, dot, interpret_mode
 
 f32 = jnp.float32
-KERNELS_DIAG = {"kernels": "loop", "kernels-mm": "mm", "kernels-bcast": "bcast"}  # backward -> Gram kernels' diag
-# Products of `backward_fast` for bf16 inputs (fp32 inputs: "ieee"), read when a call is traced: the split state
-# passes and chunk gradients (`state_passes_split`), and the WY backward (`_wy_bwd_kernel`); see `common.dot`.
+# Products of `backward_fast` for bf16 inputs (fp32 inputs: "ieee"), read when a call is traced: the state
+# passes and chunk gradients (`state_passes`), and the WY backward (`_wy_bwd_kernel`); see `common.dot`.
 # H200, 8 x 4096 x 16 x 128 (2026-12-01 run7c profile): bf16 passes 0.60 / 1.41 ms (reverse / chunk gradients)
 # against 0.94 / 2.11 with tf32; the WY backward 1.23 ms at tf32 against 1.78 at bf16x3; the relative RMS errors
 # of o and the five gradients against the fp32 XLA chunk form were the same to two digits (2.4e-3, dg 5.2e-3).
 PASS_PREC = "bf16"
 WY_PREC = "tf32"
-# The dtype of the per-chunk states S0, their cotangents dS and E = U - W S0 that the split passes store for the
+# The dtype of the per-chunk states S0, their cotangents dS and E = U - W S0 that the state passes store for the
 # chunk gradients, for bf16 inputs: with PASS_PREC "bf16" the products round them to bf16 anyway; only
 # d e^(G_C) = rowsum(S0 * dS) sees the difference. bf16 (H200, 8 x 4096, run7d profile): states / reverse / chunk
 # gradients 0.27 / 0.51 / 1.10 ms against 0.38 / 0.58 / 1.33 in fp32, the same relative RMS errors to two digits.
@@ -61,33 +60,6 @@ def _states_kernel(kg_ref, w_ref, u_ref, dend_ref, h0_ref, s0_ref, *e_ref, C, K,
         return S * dend_ref[:, pl.ds(n, 1)] + dot(kg_ref[t, :], E, prec, trans_a=True)
 
     jax.lax.fori_loop(0, N, body, h0_ref[...].astype(f32))
-
-
-def _reverse_kernel(qin_ref, kg_ref, w_ref, u_ref, m_ref, dend_ref, s0_ref, do_ref, dht_ref,
-                    du_ref, dqin_ref, dkg_ref, dw_ref, dm_ref, ddend_ref, dh0_ref, *, C, K, N, prec, delta):
-    def body(i, dS):
-        n = N - 1 - i
-        t = pl.ds(n * C, C)
-        S0 = s0_ref[pl.ds(n * K, K), :]
-        Qin, Kg, M = qin_ref[t, :], kg_ref[t, :], m_ref[t, :]
-        dO = do_ref[t, :].astype(f32)
-        E = u_ref[t, :].astype(f32)
-        if delta:
-            W = w_ref[t, :]
-            E = E - dot(W, S0, prec)
-        dE = dot(M, dO, prec, trans_a=True) + dot(Kg, dS, prec)
-        du_ref[t, :] = dE
-        dqin_ref[t, :] = dot(dO, S0, prec, trans_b=True)
-        dm_ref[t, :] = dot(dO, E, prec, trans_b=True)
-        dkg_ref[t, :] = dot(E, dS, prec, trans_b=True)
-        ddend_ref[:, pl.ds(n, 1)] = jnp.sum(S0 * dS, axis=1, keepdims=True)
-        dS_prev = dot(Qin, dO, prec, trans_a=True) + dS * dend_ref[:, pl.ds(n, 1)]
-        if delta:
-            dw_ref[t, :] = -dot(dE, S0, prec, trans_b=True)
-            dS_prev = dS_prev - dot(W, dE, prec, trans_a=True)
-        return dS_prev
-
-    dh0_ref[...] = jax.lax.fori_loop(0, N, body, dht_ref[...].astype(f32))
 
 
 def _pass_dims(terms: ChunkTerms):
@@ -124,166 +96,17 @@ def _pass_setup(terms: ChunkTerms, block_v):
     return _pass_operands(terms), BV, (whole, vtile, state, states, kn)
 
 
-def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None, block_v=None):
-    """The Pallas passes: cotangents of `terms` (a ChunkTerms of [B, H, N, C, .] arrays) and d(h0).
-
-    do: [B, Tp, H, V] (Tp = N * C), dht: [B, H, K, V]. Returns (ChunkTerms of cotangents, dh0)."""
-    B, H, N, C, K, V, Tp, delta = _pass_dims(terms)
-    interpret, prec = interpret_mode(interpret), "ieee" if exact else "tf32"
-    (qin, kg, m, u, w, dend_KN), BV, (whole, vtile, state, states, kn) = _pass_setup(terms, block_v)
-    NV = V // BV
-
-    s0 = pl.pallas_call(
-        functools.partial(_states_kernel, C=C, K=K, N=N, prec=prec, delta=delta),
-        grid=(B, H, NV),
-        in_specs=[whole(K), whole(K), vtile, kn, state],
-        out_specs=states,
-        out_shape=jax.ShapeDtypeStruct((B, H, N * K, V), f32),
-        compiler_params=compiler_params(num_warps=4, num_stages=2),
-        interpret=interpret,
-        name="lineattn_chunk_bwd_states",
-    )(kg, w, u, dend_KN, h0.astype(f32))
-
-    part = lambda D: pl.BlockSpec((None, None, None, Tp, D), lambda b, h, j: (j, b, h, 0, 0))
-    part_shape = lambda D: jax.ShapeDtypeStruct((NV, B, H, Tp, D), f32)
-    du, dqin, dkg, dw, dm, ddend, dh0 = pl.pallas_call(
-        functools.partial(_reverse_kernel, C=C, K=K, N=N, prec=prec, delta=delta),
-        grid=(B, H, NV),
-        in_specs=[whole(K), whole(K), whole(K), vtile, whole(C), kn, states,
-                  pl.BlockSpec((None, Tp, None, BV), lambda b, h, j: (b, 0, h, j)), state],
-        out_specs=[vtile, part(K), part(K), part(K), part(C),
-                   pl.BlockSpec((None, None, None, K, N), lambda b, h, j: (j, b, h, 0, 0)), state],
-        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, V), f32), part_shape(K), part_shape(K), part_shape(K),
-                   part_shape(C), jax.ShapeDtypeStruct((NV, B, H, K, N), f32),
-                   jax.ShapeDtypeStruct((B, H, K, V), f32)],
-        compiler_params=compiler_params(num_warps=4, num_stages=2),
-        interpret=interpret,
-        name="lineattn_chunk_bwd_reverse",
-    )(qin, kg, w, u, m, dend_KN, s0, do, dht.astype(f32))
-
-    chunked = lambda x: x.reshape(B, H, N, C, x.shape[-1])
-    ddend = jnp.swapaxes(ddend.sum(0), -1, -2)  # [B, H, N, K]
-    if terms.decay_end is None:
-        ddend = None
-    elif terms.decay_end.ndim == 3:
-        ddend = ddend.sum(-1)
-    cot = ChunkTerms(chunked(dqin.sum(0)), chunked(dm.sum(0)), chunked(dkg.sum(0)), ddend, chunked(du),
-                     chunked(dw.sum(0)) if delta else None)
-    return cot, dh0
-
-
-# ---- A backward with no XLA autodiff: "kernels" (CPU-tested only; not yet compiled or timed on a GPU) ----
-# The intra-chunk terms are recomputed by the Pallas gram kernel (M and the unscaled key Gram KK) and XLA
-# (R = (I + A)^-1, U, W: batched C x C algebra), the state passes are the kernels above, the WY part of the
-# backward is XLA algebra, and the gradients of the two gated Gram matrices (the part that needs the sub-block
-# reference points) are the two kernels below: `_gram_rows_bwd` (the row side, one program per 16-row block) and
-# `_gram_cols_bwd` (the column side, one program per 16-column block). For P_ij = sum_d x_id k_jd e^(G_id - G_jd):
+# The Gram gradients. For P_ij = sum_d x_id k_jd e^(G_id - G_jd) (M: x = scale q; KK: x = k),
 #     dx_i = sum_j dP_ij k_j e^(G_i - G_j),   dk_j = sum_i dP_ij x_i e^(G_i - G_j),   dG_i += x_i dx_i - k_i dk_i.
-
-
-def _gram_rows_bwd(k_ref, G_ref, dm_ref, dkk_ref, dxq_ref, dxk_ref, *, C, prec):
-    s, nb = SUB, C // SUB
-    a = pl.program_id(2) % nb
-    r0 = a * s
-    rows_s1 = jax.lax.broadcasted_iota(jnp.int32, (s, 1), 0)
-    Ga = G_ref[pl.ds(r0, s), :]
-    Gn = G_ref[pl.ds(r0, 1), :]
-    K = Ga.shape[-1]
-
-    def off_diagonal(b, acc):
-        cols = pl.ds(b * s, s)
-        kb = k_ref[cols, :].astype(f32) * jnp.exp(Gn - G_ref[cols, :])
-        return acc[0] + dot(dm_ref[:, cols], kb, prec), acc[1] + dot(dkk_ref[:, cols], kb, prec)
-
-    def column(j, acc):
-        row = pl.ds(r0 + j, 1)
-        kd = k_ref[row, :].astype(f32) * jnp.exp(jnp.where(rows_s1 >= j, Ga - G_ref[row, :], -jnp.inf))
-        return acc[0] + dm_ref[:, row] * kd, acc[1] + dkk_ref[:, row] * kd
-
-    zero = jnp.zeros((s, K), f32)
-    off_q, off_k = jax.lax.fori_loop(0, a, off_diagonal, (zero, zero))
-    diag_q, diag_k = jax.lax.fori_loop(0, s, column, (zero, zero))
-    row_decay = jnp.exp(Ga - Gn)
-    dxq_ref[...] = off_q * row_decay + diag_q
-    dxk_ref[...] = off_k * row_decay + diag_k
-
-
-def _gram_cols_bwd(q_ref, k_ref, G_ref, dm_ref, dkk_ref, dmt_ref, dkkt_ref, dkq_ref, dkk_out_ref, *, C, scale, prec):
-    s, nb = SUB, C // SUB
-    b = pl.program_id(2) % nb
-    c0 = b * s
-    rows_s1 = jax.lax.broadcasted_iota(jnp.int32, (s, 1), 0)
-    Gb = G_ref[pl.ds(c0, s), :]
-    K = Gb.shape[-1]
-
-    def off_diagonal(a, acc):
-        rows = pl.ds(a * s, s)
-        Gn = G_ref[pl.ds(a * s, 1), :]
-        row_decay = jnp.exp(G_ref[rows, :] - Gn)
-        col_decay = jnp.exp(Gn - Gb)
-        xq = q_ref[rows, :].astype(f32) * scale * row_decay
-        xk = k_ref[rows, :].astype(f32) * row_decay
-        cols = pl.ds(c0, s)
-        return (acc[0] + dot(dm_ref[rows, cols], xq, prec, trans_a=True) * col_decay,
-                acc[1] + dot(dkk_ref[rows, cols], xk, prec, trans_a=True) * col_decay)
-
-    def row(i, acc):
-        r = pl.ds(c0 + i, 1)
-        e = jnp.exp(jnp.where(rows_s1 <= i, G_ref[r, :] - Gb, -jnp.inf))  # [s (j), K], j <= i
-        return (acc[0] + dmt_ref[pl.ds(c0, s), r] * (q_ref[r, :].astype(f32) * scale) * e,
-                acc[1] + dkkt_ref[pl.ds(c0, s), r] * k_ref[r, :].astype(f32) * e)
-
-    zero = jnp.zeros((s, K), f32)
-    off_q, off_k = jax.lax.fori_loop(b + 1, nb, off_diagonal, (zero, zero))
-    diag_q, diag_k = jax.lax.fori_loop(0, s, row, (zero, zero))
-    dkq_ref[...] = off_q + diag_q
-    dkk_out_ref[...] = off_k + diag_k
-
-
-def _gram_grad_specs(q, C):
-    """Shapes and block specs of the Gram-gradient grids (batch, head, 16-row block): (B, Tp, H, K, N, nb,
-    chunk_tok(D) [C, D] of a [B, Tp, H, D] input, chunk_mat [C, C] of a [B, H, Tp, C] matrix, out [16, K])."""
-    B, Tp, H, K = q.shape
-    N, nb = Tp // C, C // SUB
-    chunk_tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
-    chunk_mat = pl.BlockSpec((None, None, C, C), lambda b, h, i: (b, h, i // nb, 0))
-    out = pl.BlockSpec((None, None, SUB, K), lambda b, h, i: (b, h, i, 0))
-    return B, Tp, H, K, N, nb, chunk_tok, chunk_mat, out
-
-
-def gram_grads(q, k, G, dM, dKK, *, C, scale, exact, interpret):
-    """Row and column sides of both Gram gradients. q, k, G [B, Tp, H, K]; dM, dKK [B, H, Tp, C] (masked).
-    Returns dXq, dXk, dKq, dKk [B, H, Tp, K] (dXq is the gradient with respect to scale * q)."""
-    B, Tp, H, K, N, nb, chunk_tok, chunk_mat, out = _gram_grad_specs(q, C)
-    prec = "ieee" if exact else "tf32"
-    rows_mat = pl.BlockSpec((None, None, SUB, C), lambda b, h, i: (b, h, i, 0))
-    out_shape = [jax.ShapeDtypeStruct((B, H, Tp, K), f32)] * 2
-    dxq, dxk = pl.pallas_call(
-        functools.partial(_gram_rows_bwd, C=C, prec=prec), grid=(B, H, N * nb),
-        in_specs=[chunk_tok(K), chunk_tok(K), rows_mat, rows_mat], out_specs=[out, out], out_shape=out_shape,
-        compiler_params=compiler_params(num_warps=4, num_stages=1), interpret=interpret,
-        name="lineattn_gram_rows_bwd",
-    )(k, G, dM, dKK)
-    T_ = lambda x: jnp.swapaxes(x.reshape(B, H, N, C, C), -1, -2).reshape(B, H, Tp, C)
-    dkq, dkk = pl.pallas_call(
-        functools.partial(_gram_cols_bwd, C=C, scale=scale, prec=prec), grid=(B, H, N * nb),
-        in_specs=[chunk_tok(K), chunk_tok(K), chunk_tok(K), chunk_mat, chunk_mat, chunk_mat, chunk_mat],
-        out_specs=[out, out], out_shape=out_shape,
-        compiler_params=compiler_params(num_warps=4, num_stages=1), interpret=interpret,
-        name="lineattn_gram_cols_bwd",
-    )(q, k, G, dM, dKK, T_(dM), T_(dKK))
-    return dxq, dxk, dkq, dkk
-
-
-# The same four Gram gradients in ONE kernel, `_gram_bwd_kernel` (one program per 16-row block a: its row side
-# and the column side of column block a), with no column loop (see `chunk_fwd._gram_rows_kernel`): "mm" takes,
-# when the block's rows are within LIMIT nats of its middle row r, one product per K tile for each side,
+# One kernel, `_gram_bwd_kernel` (one program per 16-row block a: its row side and the column side of column
+# block a), with no column loop (see `chunk_fwd._gram_rows_kernel`): when the block's rows are within LIMIT nats
+# of its middle row r, one product per K tile for each side,
 #     row:    dx_a = e^(G_a - G_r) (dP[a, :] @ (k e^(min(G_r - G, 40))))
 #     column: dk_a = e^(G_r - G_a) (dP[:, a]^T @ (x e^(min(G - G_r, 40))))
-# (dP is zero above the diagonal; clamped factors stay finite and meet only those zeros); otherwise, and always
-# for "bcast", the exact path: off-diagonal blocks through the first row of block a (row side) or the last row of
-# block a (column side), both factors <= 1, and the diagonal 16 x 16 block pair by pair as a 3-D broadcast masked
-# before the exp.
+# (dP is zero above the diagonal; clamped factors stay finite and meet only those zeros); otherwise the exact path:
+# off-diagonal blocks through the first row of block a (row side) or the last row of block a (column side), both
+# factors <= 1, and the diagonal 16 x 16 block pair by pair, masked before the exp: "mm" as a 3-D broadcast,
+# "mml" by 16-step loops.
 
 
 def _gram_grad_fast(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, *, scale, prec):
@@ -392,16 +215,19 @@ def _gram_bwd_kernel(q_ref, k_ref, G_ref, dm_ref, dkk_ref, dxq_ref, dxk_ref, dkq
             dkk_out_ref[:, d] = (col * dot(dKKc_off, k_all * down, prec, trans_a=True)
                                  + jnp.sum(dKK_d[:, :, None] * (e * ka[:, None, :]), axis=0))
 
-    if diag in ("mm", "mml"):
-        pl.when(spread <= LIMIT)(per_tile(_gram_grad_fast))
-        pl.when(spread > LIMIT)(exact if diag == "mm" else per_tile(_gram_grad_exact_loop))
-    else:
-        exact()
+    pl.when(spread <= LIMIT)(per_tile(_gram_grad_fast))
+    pl.when(spread > LIMIT)(exact if diag == "mm" else per_tile(_gram_grad_exact_loop))
 
 
 def gram_grads_fused(q, k, G, dM, dKK, *, C, scale, exact, interpret, diag="mm", warps=4, bk=64, bk3=16):
-    """As `gram_grads`, by `_gram_bwd_kernel` (one kernel; no transposed copies of dM, dKK)."""
-    B, Tp, H, K, N, nb, chunk_tok, chunk_mat, out = _gram_grad_specs(q, C)
+    """dXq, dXk, dKq, dKk [B, H, Tp, K] fp32 (the row and column sides of both Gram gradients; dXq with respect to
+    scale * q) from q, k, G [B, Tp, H, K] and dM, dKK [B, H, Tp, C] (lower triangular), by `_gram_bwd_kernel`.
+    diag: the exact path, "mm" or "mml"."""
+    B, Tp, H, K = q.shape
+    N, nb = Tp // C, C // SUB
+    chunk_tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
+    chunk_mat = pl.BlockSpec((None, None, C, C), lambda b, h, i: (b, h, i // nb, 0))
+    out = pl.BlockSpec((None, None, SUB, K), lambda b, h, i: (b, h, i, 0))
     prec = "ieee" if exact else "tf32"
     return pl.pallas_call(
         functools.partial(_gram_bwd_kernel, C=C, scale=scale, prec=prec, diag=diag, bk=min(bk, K),
@@ -414,81 +240,7 @@ def gram_grads_fused(q, k, G, dM, dKK, *, C, scale, exact, interpret, diag="mm",
     )(q, k, G, dM, dKK)
 
 
-def backward_kernels(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: int, interpret=None,
-                     diag: str = "loop"):
-    """Same result as `backward`, with the Gram gradients as Pallas kernels instead of XLA autodiff. diag: "loop"
-    (the column-loop kernels `_gram_kernel`, `_gram_rows_bwd`, `_gram_cols_bwd`), "mm" or "bcast"
-    (`chunk_fwd._gram_rows_kernel` and `_gram_bwd_kernel`)."""
-    from lineattn.ops.pallas.chunk_fwd import gram_rows
-    from lineattn.ops.triangular import unit_lower_inverse
-
-    C = chunk_size
-    B, T, H, K = q.shape
-    exact = q.dtype == f32
-    interpret = interpret_mode(interpret)
-    delta = beta is not None
-    qf, kf, vf, gf, bf = (None if x is None else x.astype(f32) for x in pad_to_chunks(q, k, v, g, beta, C))
-    Tp = qf.shape[1]
-    N = Tp // C
-    G = jnp.cumsum(gf.reshape(B, N, C, H, K), axis=2).reshape(B, Tp, H, K)
-    M, KK, Qin, Kg = gram_rows(qf, kf, G, jnp.ones((B, Tp, H), f32), C=C, scale=scale, store=f32,  # KK: beta = 1
-                               prec="ieee" if exact else "tf32", delta=True, diag=diag, warps=4,
-                               interpret=interpret)
-    bh = lambda x: jnp.moveaxis(x, 2, 1).reshape(B, H, N, C, *x.shape[3:])  # [B, Tp, H, ..] -> [B, H, N, C, ..]
-    ch = lambda x: x.reshape(B, H, N, C, x.shape[-1])  # [B, H, Tp, D] -> [B, H, N, C, D]
-    flat = lambda x: x.reshape(B, H, Tp, x.shape[-1])
-    qc, kc, vc, Gc = bh(qf), bh(kf), bh(vf), bh(G)
-    M, KK, Qin, Kg = map(ch, (M, KK, Qin, Kg))
-    G_end = Gc[..., -1, :]
-    dend = jnp.exp(G_end)
-    Kin = kc * jnp.exp(Gc)
-    mm = lambda spec, *xs: jnp.einsum(spec, *xs, precision=jax.lax.Precision.HIGHEST)
-    eye = jnp.eye(C, dtype=f32)
-    strict = jnp.tril(jnp.ones((C, C), bool), -1)
-    if delta:
-        bc = bh(bf)[..., None]
-        R = unit_lower_inverse(eye + bc * KK)
-        U, W = mm("...ij,...jd->...id", R, bc * vc), mm("...ij,...jd->...id", R, bc * Kin)
-    else:
-        U, W = vc, None
-    terms = ChunkTerms(Qin, M, Kg, dend, U, W)
-    do = jnp.pad(do.astype(f32), [(0, 0), (0, Tp - T), (0, 0), (0, 0)])
-    cot, dh0 = state_passes(terms, h0, do, dht, exact=exact, interpret=interpret)
-    dM = jnp.where(jnp.tril(jnp.ones((C, C), bool)), cot.M_BHNCC, 0.0)
-    dQin, dKg = cot.Qin_BHNCK, cot.Kg_BHNCK
-    dq = scale * jnp.exp(Gc) * dQin
-    dG = Qin * dQin - Kg * dKg
-    dk = jnp.exp(G_end[..., None, :] - Gc) * dKg
-    dG_end = jnp.sum(Kg * dKg, axis=-2) + dend * cot.decay_end
-    if delta:
-        dBv = mm("...ji,...jd->...id", R, cot.U_BHNCV)
-        dBk = mm("...ji,...jd->...id", R, cot.W_BHNCK)
-        dR = mm("...id,...jd->...ij", cot.U_BHNCV, bc * vc) + mm("...id,...jd->...ij", cot.W_BHNCK, bc * Kin)
-        dA = -jnp.where(strict, mm("...ki,...kl,...jl->...ij", R, dR, R), 0.0)
-        dv = bc * dBv
-        dbeta = jnp.sum(dBv * vc, -1) + jnp.sum(dBk * Kin, -1) + jnp.sum(dA * KK, -1)
-        dKK = bc * dA
-        dKin = bc * dBk
-        dk = dk + jnp.exp(Gc) * dKin
-        dG = dG + Kin * dKin
-    else:
-        dv, dbeta, dKK = cot.U_BHNCV, None, jnp.zeros_like(M)
-    grads_of = gram_grads if diag == "loop" else functools.partial(gram_grads_fused, diag=diag)
-    dxq, dxk, dkq, dkk = grads_of(qf, kf, G, flat(dM), flat(dKK), C=C, scale=scale, exact=exact,
-                                  interpret=interpret)
-    dxq, dxk, dkq, dkk = map(ch, (dxq, dxk, dkq, dkk))
-    dq = dq + scale * dxq
-    dk = dk + dkq + dxk + dkk
-    dG = dG + scale * qc * dxq - kc * dkq + kc * dxk - kc * dkk
-    dG = dG.at[..., -1, :].add(dG_end)
-    dg = jnp.flip(jnp.cumsum(jnp.flip(dG, -2), -2), -2)  # reverse cumsum within each chunk
-    unbh = lambda x: None if x is None else jnp.moveaxis(x.reshape(B, H, Tp, *x.shape[4:]), 1, 2)[:, :T]
-    grads = [unbh(dq), unbh(dk), unbh(dv), unbh(dg), None if dbeta is None else unbh(dbeta)]
-    dtypes = [None if x is None else x.dtype for x in (q, k, v, g, beta)]
-    return (*(None if d is None else d.astype(dt) for d, dt in zip(grads, dtypes)), dh0.astype(h0.dtype))
-
-
-# ---- "kernels-mm2": the backward with the XLA algebra replaced by kernels ----
+# ---- `backward_fast`: the backward as kernels only ----
 # gate cumsum kernel -> Gram rows ("mm") -> whole-tile solve writing R -> the two state passes -> `_wy_bwd_kernel`
 # (the WY part: dv, dbeta, dKK = Diag(b) dA, dKin, one program per chunk) -> `_gram_bwd_kernel` -> `_combine_kernel`
 # (dq, dk, dg with the in-chunk reverse cumsum, written in the inputs' [B, T, H, .] layout). What XLA still does:
@@ -551,9 +303,10 @@ def _combine_kernel(q_ref, k_ref, G_ref, dend_ref, ddend_ref, dqin_ref, dkg_ref,
 
 def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: int, interpret=None,
                   gram_diag: str = "mml", gram_warps: int = 2, grads_warps: int | None = None, saved=None):
-    """Same result as `backward`, every chunk-parallel stage a Pallas kernel (see the comment above). gram_diag:
-    the exact path of the Gram recompute and of the Gram gradients ("mml": column loop, "mm": 3-D broadcast; see
-    `chunk_fwd._gram_rows_kernel`).
+    """The VJP of `chunk_fwd.forward`: (dq, dk, dv, dg, dbeta, dh0), every chunk-parallel stage a Pallas kernel
+    (see the comment above); do [B, T, H, V] and dht [B, H, K, V] are the cotangents of o and the final state.
+    gram_diag: the exact path of the Gram recompute and of the Gram gradients ("mml": column loop, "mm": 3-D
+    broadcast; see `chunk_fwd._gram_rows_kernel`).
     saved: `chunk_fwd.forward(..., save=True)`'s terms (backward "kernels-saved"): no Gram recompute and no solve
     here, and the state passes read the stored (bf16 for bf16 inputs) Qin, Kg, M, W, U."""
     from lineattn.ops.pallas import chunk_fwd
@@ -588,7 +341,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
             U, W, R = jnp.moveaxis(vp, 2, 1).astype(f32), None, None
     terms = ChunkTerms(ch(Qin), ch(M), ch(Kg), jnp.swapaxes(dend_KN, -1, -2), ch(U), None if W is None else ch(W))
     dop = jnp.pad(do, [(0, 0), (0, Tp - T), (0, 0), (0, 0)])  # the kernels read it in its dtype
-    cot, dh0 = state_passes_split(terms, h0, dop, dht, exact=exact, interpret=interpret)
+    cot, dh0 = state_passes(terms, h0, dop, dht, exact=exact, interpret=interpret)
     flat = lambda x: x.reshape(B, H, Tp, x.shape[-1])
     tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
     tok1 = pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
@@ -629,10 +382,9 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     return cut(dq), cut(dk), cut(dv), cut(dg), cut(dbeta), dh0.astype(h0.dtype)
 
 
-# ---- The state passes with no per-V-tile partials ("split" passes, used by `backward_fast`) ----
-# `state_passes` writes, per V tile, partial sums of dQin, dKg, dW, dM (4 values of K or C per token, times the
-# number of V tiles, summed by XLA: about 8 GB of traffic at 8 x 4096 x 16 x 128). Here the reverse pass only
-# carries the state cotangent dS and writes dS per chunk and dE = M^T dO + Kg dS (both per V tile, no partials);
+# ---- The state passes, used by `backward_fast` ----
+# No per-V-tile partials (partial sums of dQin, dKg, dW, dM per V tile, summed by XLA, were about 8 GB of traffic
+# at 8 x 4096 x 16 x 128): the reverse pass only carries the state cotangent dS and writes dS per chunk and dE = M^T dO + Kg dS (both per V tile, no partials);
 # the cotangents that sum over V come from `_chunk_grads_kernel`, one program per chunk looping over V tiles, with
 # E = U - W S0 written by the states pass:
 #     dQin = dO S0^T,  dM = dO E^T,  dKg = E dS^T,  dW = -dE S0^T,  d e^(G_C) = rowsum(S0 * dS).
@@ -684,10 +436,11 @@ def _chunk_grads_kernel(e_ref, s0_ref, ds_ref, do_ref, du_ref, dqin_ref, dm_ref,
     dm_ref[...] = jnp.where(_iota((C, C), 1) <= _iota((C, C), 0), dM, 0.0)  # M is lower triangular
 
 
-def state_passes_split(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None, block_v=None, warps=None,
+def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None, block_v=None, warps=None,
                        bk=64, bv=64):
-    """As `state_passes` (same arguments and result), by `_states_kernel`, `_reverse_ds_kernel` and
-    `_chunk_grads_kernel`."""
+    """The Pallas passes: cotangents of `terms` (a ChunkTerms of [B, H, N, C, .] arrays) and d(h0), by
+    `_states_kernel`, `_reverse_ds_kernel` and `_chunk_grads_kernel`. do: [B, Tp, H, V] (Tp = N * C), dht:
+    [B, H, K, V]. Returns (ChunkTerms of cotangents, dh0)."""
     B, H, N, C, K, V, Tp, delta = _pass_dims(terms)
     interpret, prec = interpret_mode(interpret), "ieee" if exact else PASS_PREC
     (qin, kg, m, u, w, dend_KN), BV, (whole, vtile, state, states, kn) = _pass_setup(terms, block_v)

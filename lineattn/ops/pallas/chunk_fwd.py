@@ -1,6 +1,6 @@
 """Chunkwise delta-rule forward as Pallas kernels (see ../shared/CHUNK_ALGORITHM.md for the algebra).
 
-The intra-chunk stage, parallel over (batch, head, chunk) (`_intra_split`; default "mml2"):
+The intra-chunk stage, parallel over (batch, head, chunk) (`_intra`; default "mml2"):
   - `gate_cumsum`: G, the cumsum of the log gate inside each chunk, and e^(G_C);
   - `gram_rows`: one program per (chunk, 16-row block a) for the gated Gram matrices M (queries x keys, j <= i)
     and A (keys x keys, j < i, times beta_i), and Qin = scale q e^G, Kg = k e^(G_C - G). Off-diagonal sub-blocks
@@ -36,79 +36,26 @@ def _iota(shape, dim):
     return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
-# ---- The intra-chunk stage ("split" family) ----
-# `_gram_kernel` runs one program per (chunk, 16-row block a) and stores its row of M and A = Diag(b) KK
-# (diagonal-block columns go straight to memory), and `_solve_kernel` runs one program per chunk for (I + A)^-1,
-# U and W from A read back in 16x16 tiles. Its 16x16 diagonal blocks are inverted as the finite series
-# (I - A)(I + A^2)(I + A^4)(I + A^8) (A is nilpotent, A^16 = 0: exact, six small matmuls instead of a 16-step row
-# loop); below them, block forward substitution. (A single-program kernel for the whole stage kept a chunk's tiles
-# live and spilled registers: 9.4 ms for the forward at 8 x 4096 on the H200; removed 2026-12-01.)
-
-
-def _gram_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta):
-    s, nb = SUB, C // SUB
-    a = pl.program_id(2) % nb
-    r0 = a * s
-    rows_s1 = _iota((s, 1), 0)
-    qa = q_ref[...].astype(f32) * scale
-    ka = k_ref[pl.ds(r0, s), :].astype(f32)
-    Ga = G_ref[pl.ds(r0, s), :]
-    Gn = G_ref[pl.ds(r0, 1), :]  # reference point: the block's first row
-    qin_ref[...] = (qa * jnp.exp(Ga)).astype(qin_ref.dtype)
-    kg_ref[...] = (ka * jnp.exp(G_ref[pl.ds(C - 1, 1), :] - Ga)).astype(kg_ref.dtype)
-    beta_a = beta_ref[...].astype(f32)[:, None]
-    row_decay = jnp.exp(Ga - Gn)
-    qa_r, ka_r = qa * row_decay, ka * row_decay
-
-    def off_diagonal(b, carry):
-        cols = pl.ds(b * s, s)
-        kb_l = k_ref[cols, :].astype(f32) * jnp.exp(Gn - G_ref[cols, :])
-        m_ref[:, cols] = dot(qa_r, kb_l, prec, trans_b=True).astype(m_ref.dtype)
-        if delta:
-            a_ref[:, cols] = beta_a * dot(ka_r, kb_l, prec, trans_b=True)
-        return carry
-
-    def upper(b, carry):
-        cols = pl.ds(b * s, s)
-        m_ref[:, cols] = jnp.zeros((s, s), m_ref.dtype)
-        a_ref[:, cols] = jnp.zeros((s, s), f32)
-        return carry
-
-    def column(j, carry):
-        row = pl.ds(r0 + j, 1)
-        kd = k_ref[row, :].astype(f32) * jnp.exp(jnp.where(rows_s1 >= j, Ga - G_ref[row, :], -jnp.inf))
-        m_ref[:, row] = jnp.sum(qa * kd, axis=1, keepdims=True).astype(m_ref.dtype)
-        if delta:
-            a_ref[:, row] = jnp.where(rows_s1 > j, beta_a * jnp.sum(ka * kd, axis=1, keepdims=True), 0.0)
-        return carry
-
-    jax.lax.fori_loop(0, a, off_diagonal, 0)
-    jax.lax.fori_loop(a + 1, nb, upper, 0)
-    jax.lax.fori_loop(0, s, column, 0)
-
-
-# ---- Gram rows with tensor-core diagonal blocks ("split-mm") or 3-D broadcast ones ("split-bcast") ----
+# ---- The Gram rows: M, A, Qin, Kg ----
 # `_gram_rows_kernel`: one program per (chunk, 16-row block a), K in tiles of `bk` channels, no column loop.
-#   - "mm": when every row of block a is within LIMIT (40) nats of the block's middle row r (max |G_a - G_r| <= 40:
+#   - fast path: when every row of block a is within LIMIT (40) nats of the block's middle row r (max |G_a - G_r| <= 40:
 #     always for gates >= -5 per token), the whole row of M and A is ONE product per K tile,
 #     `(x_a e^(G_a - G_r)) (k e^(min(G_r - G, 40)))^T`: off-diagonal columns (j < a's rows) have G_r - G_j <= 0 and
 #     diagonal ones |G_r - G_j| <= 40, so no factor exceeds e^40 and no product e^80 (fp32 holds e^88); columns
 #     after the block are clamped, finite and masked away. Otherwise (a cut or reset gate inside the block: a
 #     block-uniform `lax.cond`) the exact path below runs, so gates down to -1000 stay exact and finite.
-#   - exact path ("bcast" always): off-diagonal columns by one product with the first-row reference n of block a
-#     (both factors <= 1, as before), the 16 x 16 diagonal block pair by pair as a 3-D broadcast [16, 16, bk3]
-#     masked before the exp (no column loop), placed into the row by an exact selection product.
+#   - exact path: off-diagonal columns by one product with the first-row reference n of block a (both factors
+#     <= 1), the 16 x 16 diagonal block pair by pair, masked before the exp: "mm" as a 3-D broadcast
+#     [16, 16, bk3] placed into the row by an exact selection product, "mml" by a 16-step column loop on 2-D tiles.
 LIMIT = 40.0
 # Chunks per program of the gate cumsum and the whole-chunk solve, through `common.loop_chunks`, and the pipeline
 # depth then. 1: one chunk per program (the kernels as GPU-tested); > 1 is CPU-tested and lowers for sm_90 but has
-# not run on a GPU. Read when a call is traced; for timing sweeps (benchmarks/bench_pallas_parts.py --loops). The
-# Triton lowering takes one indexer per load ("No support for multiple indexers yet"), so only kernels that read
-# whole views (`ref[...]`) can be looped this way; the Gram kernels index sub-blocks and are not.
+# not run on a GPU. Read when a call is traced; for timing sweeps (benchmarks/profile_pallas_kda.py --configs
+# chunk_fwd.LOOP=4). The Triton lowering takes one indexer per load ("No support for multiple indexers yet"), so
+# only kernels that read whole views (`ref[...]`) can be looped this way; the Gram kernels index sub-blocks.
 LOOP = 1
 LOOP_STAGES = 2
-# forward's intra -> (gram_rows' diag, fast: the cumsum kernel and the whole-tile solve)
-SPLIT_DIAG = {"split": ("loop", False), "split-mm": ("mm", False), "split-bcast": ("bcast", False),
-              "mm2": ("mm", True), "mml2": ("mml", True)}
+INTRAS = {"mm2": "mm", "mml2": "mml"}  # forward's intra stage -> the Gram kernels' exact path
 
 
 def _diag_exact(x_tiles, k_tiles, G_tiles, s):
@@ -182,11 +129,7 @@ def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_r
             Mx, Ax = jax.lax.fori_loop(0, s, column, (Mx, Ax))
         return Mx, Ax
 
-    if diag in ("mm", "mml"):
-        Mx, Ax = jax.lax.cond(spread <= LIMIT, lambda: products(r0 + s // 2, LIMIT),
-                              exact if diag == "mm" else exact_loop)
-    else:
-        Mx, Ax = exact()
+    Mx, Ax = jax.lax.cond(spread <= LIMIT, lambda: products(r0 + s // 2, LIMIT), exact if diag == "mm" else exact_loop)
     m_ref[...] = jnp.where(cols <= rows, Mx, 0.0).astype(m_ref.dtype)
     if delta:
         a_ref[...] = jnp.where(cols < rows, beta_ref[...].astype(f32)[:, None] * Ax, 0.0)
@@ -194,17 +137,14 @@ def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_r
 
 def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, diag, warps, interpret, a_dtype=f32, bk=64, bk3=16):
     """M, A (= Diag(beta) KK, strictly lower), Qin, Kg as [B, H, Tp, .] from q, k [B, Tp, H, K], the in-chunk
-    cumsum G (fp32) and beta [B, Tp, H]. diag: "loop" (`_gram_kernel`), "mm" or "bcast" (`_gram_rows_kernel`)."""
+    cumsum G (fp32) and beta [B, Tp, H]. diag: the exact path, "mm" or "mml" (see `_gram_rows_kernel`)."""
     B, Tp, H, K = q.shape
     N, nb = Tp // C, C // SUB
     sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i, h, 0))
     whole = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
     row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, i, 0))
-    if diag == "loop":
-        kernel = functools.partial(_gram_kernel, C=C, scale=scale, prec=prec, delta=delta)
-    else:
-        kernel = functools.partial(_gram_rows_kernel, C=C, scale=scale, prec=prec, delta=delta, diag=diag,
-                                   bk=min(bk, K), bk3=min(bk3, K))
+    kernel = functools.partial(_gram_rows_kernel, C=C, scale=scale, prec=prec, delta=delta, diag=diag,
+                               bk=min(bk, K), bk3=min(bk3, K))
     return pl.pallas_call(
         kernel,
         grid=(B, H, N * nb),
@@ -216,50 +156,6 @@ def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, diag, warps, inter
         interpret=interpret,
         name="lineattn_chunk_gram",
     )(q, k, G, beta)
-
-
-def _solve_kernel(a_ref, k_ref, v_ref, G_ref, beta_ref, w_ref, u_ref, *, C, prec):
-    s, nb = SUB, C // SUB
-    rows_ss, cols_ss = _iota((s, s), 0), _iota((s, s), 1)
-    eye = (rows_ss == cols_ss).astype(f32)
-    A = lambda i, j: a_ref[pl.ds(i * s, s), pl.ds(j * s, s)]
-    X = {}
-    for i in range(nb):
-        A1 = A(i, i)
-        A2 = dot(A1, A1, "ieee")
-        A4 = dot(A2, A2, "ieee")
-        X_ii = dot(dot(eye - A1, eye + A2, "ieee"), eye + A4, "ieee")
-        X[i, i] = dot(X_ii, eye + dot(A4, A4, "ieee"), "ieee")
-        for j in range(i - 1, -1, -1):
-            acc = dot(A(i, j), X[j, j], prec)
-            for c in range(j + 1, i):
-                acc = acc + dot(A(i, c), X[c, j], prec)
-            X[i, j] = -dot(X[i, i], acc, prec)
-    rows = lambda j: pl.ds(j * s, s)
-    beta = [beta_ref[rows(j)].astype(f32)[:, None] for j in range(nb)]
-    bv = [beta[j] * v_ref[rows(j), :].astype(f32) for j in range(nb)]  # once per block, not once per (i, j)
-    bk = [beta[j] * k_ref[rows(j), :].astype(f32) * jnp.exp(G_ref[rows(j), :]) for j in range(nb)]
-    for i in range(nb):
-        u_ref[rows(i), :] = sum(dot(X[i, j], bv[j], prec) for j in range(i + 1)).astype(u_ref.dtype)
-        w_ref[rows(i), :] = sum(dot(X[i, j], bk[j], prec) for j in range(i + 1)).astype(w_ref.dtype)
-
-
-def solve_wu(A, k, v, G, beta, *, C, store, prec, warps, interpret):
-    """W, U [B, H, Tp, .] from A [B, H, Tp, C] (strictly lower, fp32) and k, v, G, beta [B, Tp, H, .]."""
-    B, Tp, H, K = k.shape
-    V, N = v.shape[-1], Tp // C
-    tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
-    chunk_out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
-    return pl.pallas_call(
-        functools.partial(_solve_kernel, C=C, prec=prec),
-        grid=(B, H, N),
-        in_specs=[chunk_out(C), tok(K), tok(V), tok(K), pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))],
-        out_specs=[chunk_out(K), chunk_out(V)],
-        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, K), store), jax.ShapeDtypeStruct((B, H, Tp, V), store)],
-        compiler_params=compiler_params(num_warps=warps, num_stages=1),
-        interpret=interpret,
-        name="lineattn_chunk_solve",
-    )(A, k, v, G, beta)
 
 
 # ---- Gate cumsum as a kernel (XLA's cumsum over the chunk axis took 0.6 ms at 8 x 4096 x 16 x 128) ----
@@ -342,34 +238,24 @@ def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, 
     )(A, k, v, G, beta)
 
 
-def _intra_split(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, diag="loop", fast=False,
-                 save=False, loop=1):
-    """Kernel 1's outputs (qin, kg, w, u, m, e^(G_C) as [B, H, K, N]) from the split programs. fast: the gate
-    cumsum as a kernel and the whole-tile solve (`_solve_full_kernel`, 4 warps). save (with fast): also the
-    unscaled key Gram KK and R = (I + A)^-1 (fp32 [B, H, Tp, C]) for the backward: the Gram kernel then writes KK
-    and the solve scales it by beta."""
-    B, Tp, H, K = q.shape
-    N = Tp // C
-    if fast:
-        G, dend = gate_cumsum(g, C=C, interpret=interpret, loop=loop)
-    else:
-        G = jnp.cumsum(g.reshape(B, N, C, H, K), axis=2)
-        dend = jnp.transpose(jnp.exp(G[:, :, -1]), (0, 2, 3, 1))  # [B, H, K, N]
-        G = G.reshape(B, Tp, H, K)
+def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, diag="mml", save=False, loop=1):
+    """The intra-chunk stage's outputs (qin, kg, w, u, m, e^(G_C) as [B, H, K, N]): the gate-cumsum kernel, the
+    Gram rows (exact path `diag`) and the whole-chunk solve (4 warps). save: also the unscaled key Gram KK and
+    R = (I + A)^-1 (fp32 [B, H, Tp, C]) for the backward: the Gram kernel then writes KK and the solve scales it
+    by beta."""
+    G, dend = gate_cumsum(g, C=C, interpret=interpret, loop=loop)
     gram_beta = jnp.ones_like(beta) if save else beta
     m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=prec, delta=delta, diag=diag,
                               warps=warps, interpret=interpret)
     if not delta:
         return (qin, kg, None, None, m, dend) + ((None, None) if save else ())
+    inv_prec = "ieee" if prec == "ieee" else SOLVE_PREC
+    out = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec, inv_prec=inv_prec, warps=4, interpret=interpret,
+                     with_r=save, kk=save, loop=loop)
     if save:
-        w, u, R = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec, inv_prec="ieee" if prec == "ieee" else
-                             SOLVE_PREC, warps=4, interpret=interpret, with_r=True, kk=True, loop=loop)
+        w, u, R = out
         return qin, kg, w, u, m, dend, A, R
-    if fast:
-        w, u = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec, inv_prec="ieee" if prec == "ieee" else
-                          SOLVE_PREC, warps=4, interpret=interpret, loop=loop)
-    else:
-        w, u = solve_wu(A, k, v, G, beta, C=C, store=store, prec=prec, warps=warps, interpret=interpret)
+    w, u = out
     return qin, kg, w, u, m, dend
 
 
@@ -420,14 +306,14 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     pass; default (2, 4)) and only_intra (return the intra stage's outputs)
     are for tuning and timing. intra (H200 forward at 8 x 4096 x 16 x 128 bf16, benchmarks/results/README.md):
     "mml2" (the default, 2.74 ms: `gate_cumsum`, `_gram_rows_kernel` with the column-loop exact path,
-    `_solve_full_kernel`), "mm2" (the same with the 3-D exact path), "split" (5.97 ms: XLA cumsum,
-    `_gram_kernel`, `_solve_kernel`), "split-mm" / "split-bcast" (4.44 / 8.01 ms). (Two single-program
-    stages, "fused2" 7.15 ms and "fused" 9.40 ms, were removed on 2026-12-01.)
+    `_solve_full_kernel`), "mm2" (the same with the 3-D exact path). (Removed on 2026-12-01 as slower in every
+    H200 run: the "split" family with an XLA cumsum and a 16 x 16-block solve, 4.44-8.01 ms, and two
+    single-program stages, "fused2" 7.15 ms and "fused" 9.40 ms.)
     export_chunks: chunk indices n whose incoming fp32 state the state pass also writes; when given, the
     return is (o, final state, S0 [B, H, len(export_chunks), K, V], w [B, H, Tp, K], u [B, H, Tp, V]) with w, u
     kernel 1's WY terms (None for the additive write), from which `lineattn.ops.checkpoints` advances S0
     inside the chunk.
-    save (intra "mm2" or "mml2"): return (o, final state, saved) with saved = (qin, kg, w, u, m [B, H, Tp, .] in
+    save: return (o, final state, saved) with saved = (qin, kg, w, u, m [B, H, Tp, .] in
     the store dtype, e^(G_C) [B, H, K, N], KK, R [B, H, Tp, C] fp32; the last four None for the additive write),
     what `chunk_bwd.backward_fast` would otherwise recompute. loop: chunks per program of the cumsum and solve
     kernels (None: the module's LOOP).
@@ -452,14 +338,11 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     if not delta:
         beta = jnp.zeros((B, Tp, H), dt)  # unused by the additive kernel
 
-    if intra not in SPLIT_DIAG:
-        raise ValueError(f"intra must be one of {sorted(SPLIT_DIAG)}, got {intra!r}")
-    diag, fast = SPLIT_DIAG[intra]
-    if save and not fast:
-        raise ValueError(f"save needs the intra stage mm2 or mml2, got {intra!r}")
-    qin, kg, w, u, m, dend, *extra = _intra_split(
+    if intra not in INTRAS:
+        raise ValueError(f"intra must be one of {sorted(INTRAS)}, got {intra!r}")
+    qin, kg, w, u, m, dend, *extra = _intra(
         q, k, v, g, beta, C=C, scale=scale, store=store, prec="ieee" if exact else "tf32", delta=delta,
-        warps=warps[0], interpret=interpret, loop=LOOP if loop is None else loop, diag=diag, fast=fast, save=save)
+        warps=warps[0], interpret=interpret, loop=LOOP if loop is None else loop, diag=INTRAS[intra], save=save)
     if only_intra:
         return qin, kg, w, u, m, dend
     if not delta:
