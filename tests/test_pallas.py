@@ -84,6 +84,18 @@ def test_pallas_loop_chunks(loop, monkeypatch):
     _compare("kda", make_inputs("kda", B=1, T=128, H=2, K=32, V=32, seed=13))
 
 
+@pytest.mark.parametrize("rule,gate", [("kda", "cut"), ("gla", None), ("gdn", None)])
+def test_pallas_combine_in_gram(rule, gate, monkeypatch):
+    # `chunk_bwd.COMBINE = "in-gram"`: dq, dk, dG formed inside the Gram-gradient kernel and dg by `_dg_kernel`
+    # (kernels-saved backward), with cuts that send blocks down the exact path.
+    from lineattn.ops.pallas import chunk_bwd
+    monkeypatch.setattr(chunk_bwd, "COMBINE", "in-gram")
+    inputs = make_inputs(rule, B=1, T=80, H=2, K=32, V=64, seed=8)
+    if gate == "cut":
+        inputs["g"] = inputs["g"].at[:, jnp.array([3, 20, 32, 61])].set(-1000.0)
+    _compare(rule, inputs, tol=1e-3 if gate == "cut" else TOL)
+
+
 def test_pallas_varlen():
     cu_seqlens = np.array([0, 37, 37, 101])  # an empty sequence, one crossing chunk edges
     _compare("kda", make_inputs("kda", B=1, T=101, H=1, K=32, V=32, num_seqs=3, seed=3), cu_seqlens=cu_seqlens)

@@ -27,13 +27,15 @@ def _rel_rms(actual, expected):
 
 
 def _run(rule, x, backend, monkeypatch=None, variant=None):
-    if variant is not None:  # None: the defaults (`pallas.api.INTRA`, `BACKWARD`); a third entry: chunk_fwd.LOOP
-        from lineattn.ops.pallas import api as pallas_api
-        from lineattn.ops.pallas import chunk_fwd
+    if variant is not None:  # None: the defaults (`pallas.api.INTRA`, `BACKWARD`); a third entry: chunk_fwd.LOOP,
+        from lineattn.ops.pallas import api as pallas_api  # a fourth: chunk_bwd.COMBINE
+        from lineattn.ops.pallas import chunk_bwd, chunk_fwd
         monkeypatch.setattr(pallas_api, "INTRA", variant[0])
         monkeypatch.setattr(pallas_api, "BACKWARD", variant[1])
         if len(variant) > 2:
             monkeypatch.setattr(chunk_fwd, "LOOP", variant[2])
+        if len(variant) > 3:
+            monkeypatch.setattr(chunk_bwd, "COMBINE", variant[3])
     names = ("q", "k", "v", "g", "beta", "h0")
     rng = np.random.default_rng(1)
     B, T, H, _ = x["q"].shape
@@ -56,7 +58,8 @@ def _run(rule, x, backend, monkeypatch=None, variant=None):
 
 # The defaults (None: mml2 / kernels-saved) and the other variants.
 VARIANTS = [("kda", None), ("gdn", None), ("kda", ("mml2", "xla")), ("kda", ("mml2", "kernels-mml2")),
-            ("gdn", ("mml2", "kernels-mml2")), ("kda", ("mml2", "kernels-saved", 4))]
+            ("gdn", ("mml2", "kernels-mml2")), ("kda", ("mml2", "kernels-saved", 4)),
+            ("kda", ("mml2", "kernels-saved", 1, "in-gram"))]
 
 
 @pytest.mark.parametrize("rule,variant", VARIANTS, ids=[f"{r}-{'default' if v is None else '-'.join(map(str, v))}"

@@ -48,6 +48,22 @@ def test_chunk_kernels_lower_for_sm90(fake_h200, dtype, intra, backward):
     assert text.count("__gpu$xla.gpu.triton") == expected
 
 
+def test_combine_in_gram_lowers_for_sm90(fake_h200, monkeypatch):
+    # `chunk_bwd.COMBINE = "in-gram"`: the Gram-gradient kernel with the combine, then the reverse-cumsum kernel.
+    from lineattn.ops.pallas import chunk_bwd
+    monkeypatch.setattr(chunk_bwd, "COMBINE", "in-gram")
+    B, T, H, K, V = 1, 100, 2, 128, 128
+    args = (S((B, T, H, K), jnp.bfloat16), S((B, T, H, K), jnp.bfloat16), S((B, T, H, V), jnp.bfloat16),
+            S((B, T, H, K), jnp.float32), S((B, T, H), jnp.bfloat16), S((B, H, K, V), jnp.float32))
+
+    def loss(*a):
+        o, ht = chunk_pallas(*a, K**-0.5, 64, False, "kernels-saved", "mml2")
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
+
+    text = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("__gpu$xla.gpu.triton") == 11 and "lineattn_chunk_bwd_dg" in text
+
+
 def test_loop_chunks_lower_for_sm90(fake_h200, monkeypatch):
     # `chunk_fwd.LOOP` > 1: the cumsum and solve kernels loop over 4 chunks per program (views `ref.at[pl.ds(..)]`).
     from lineattn.ops.pallas import chunk_fwd

@@ -46,6 +46,10 @@ STATES_DTYPE = "bfloat16"
 # 2 or 8 warps for the Gram gradients 3.62 / 2.63 ms against 1.62 with 4; WY 4 / 16 warps 1.28 / 2.42 against 1.24
 # with 8; chunk gradients 0.95 with 4 warps against 1.11 with 8; the combine 1.01 with K tile 64, 1.09 with 32).
 GRADS_WARPS, WY_WARPS, CHUNK_GRADS_WARPS, COMBINE_BK = 4, 8, 4, 64
+# Where dq, dk, dg are formed: "kernel" (`_combine_kernel`, reading the four Gram gradients back; H200-timed) or
+# "in-gram" (the Gram-gradient kernel forms dq, dk and dG row by row, `_dg_kernel` the reverse cumsum: about half
+# the traffic; with gram_diag "mml" only; CPU-tested, not yet timed on a GPU).
+COMBINE = "kernel"
 
 
 def _states_kernel(kg_ref, w_ref, u_ref, dend_ref, h0_ref, s0_ref, *e_ref, C, K, N, prec, delta):
@@ -162,8 +166,11 @@ def _gram_grad_exact_loop(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, *, scale,
     return jax.lax.fori_loop(0, s, step, (xq, xk, kq, kk))
 
 
-def _gram_bwd_kernel(q_ref, k_ref, G_ref, dm_ref, dkk_ref, dxq_ref, dxk_ref, dkq_ref, dkk_out_ref, *, C, scale,
-                     prec, diag, bk, bk3):
+def _gram_bwd_kernel(q_ref, k_ref, G_ref, dm_ref, dkk_ref, *refs, C, scale, prec, diag, bk, bk3, combine=False,
+                     delta=True):
+    """refs: the outputs dXq, dXk, dKq, dKk [16, K]; or, with combine (diag "mml" only), the block's rows of dQin,
+    dKg, dKin [16, K] and the outputs dq, dk (the inputs' layout), dG [16, K] and the block's column sum of
+    Kg * dKg [1, K] (`_combine_rows`; `_dg_kernel` then takes the in-chunk reverse cumsum)."""
     from lineattn.ops.pallas.chunk_fwd import LIMIT
 
     s = SUB
@@ -172,7 +179,22 @@ def _gram_bwd_kernel(q_ref, k_ref, G_ref, dm_ref, dkk_ref, dxq_ref, dxk_ref, dkq
     K = k_ref.shape[-1]
     blk = pl.ds(r0, s)
     iota = lambda shape, d: jax.lax.broadcasted_iota(jnp.int32, shape, d)
-    outs = (dxq_ref, dxk_ref, dkq_ref, dkk_out_ref)
+    if combine:
+        dqin_ref, dkg_ref, dkin_ref, dq_ref, dk_ref, dG_ref, r_ref = refs
+
+        def emit(d, xq, xk, kq, kk):
+            q, k, G = q_ref[blk, d].astype(f32), k_ref[blk, d].astype(f32), G_ref[blk, d]
+            dkin = dkin_ref[:, d] if delta else None
+            dq, dk, dG, kg_dkg = _combine_rows(q, k, G, G_ref[pl.ds(C - 1, 1), d], dqin_ref[:, d], dkg_ref[:, d],
+                                               dkin, xq, xk, kq, kk, scale)
+            dq_ref[:, d] = dq.astype(dq_ref.dtype)
+            dk_ref[:, d] = dk.astype(dk_ref.dtype)
+            dG_ref[:, d] = dG
+            r_ref[:, d] = jnp.sum(kg_dkg, axis=0, keepdims=True)
+    else:
+        def emit(d, *xs):
+            for ref, x in zip(refs, xs):
+                ref[:, d] = x
     spread = jnp.float32(0.0)
     for t in range(K // bk):
         d = pl.ds(t * bk, bk)
@@ -182,8 +204,7 @@ def _gram_bwd_kernel(q_ref, k_ref, G_ref, dm_ref, dkk_ref, dxq_ref, dxk_ref, dkq
         def run():
             for t in range(K // bk):
                 d = pl.ds(t * bk, bk)
-                for ref, x in zip(outs, path(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, scale=scale, prec=prec)):
-                    ref[:, d] = x
+                emit(d, *path(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, scale=scale, prec=prec))
         return run
 
     def exact():
@@ -208,36 +229,49 @@ def _gram_bwd_kernel(q_ref, k_ref, G_ref, dm_ref, dkk_ref, dxq_ref, dxk_ref, dkq
             col = jnp.exp(Gm - Ga)
             e = jnp.exp(jnp.where(j3 <= i3, Ga[:, None, :] - Ga[None, :, :], -jnp.inf))  # [i, j, d]
             ek = e * ka[None, :, :]
-            dxq_ref[:, d] = row * dot(dM_off, kc, prec) + jnp.sum(dM_d[:, :, None] * ek, axis=1)
-            dxk_ref[:, d] = row * dot(dKK_off, kc, prec) + jnp.sum(dKK_d[:, :, None] * ek, axis=1)
-            dkq_ref[:, d] = (col * dot(dMc_off, q_all * down, prec, trans_a=True)
-                             + jnp.sum(dM_d[:, :, None] * (e * qa[:, None, :]), axis=0))
-            dkk_out_ref[:, d] = (col * dot(dKKc_off, k_all * down, prec, trans_a=True)
-                                 + jnp.sum(dKK_d[:, :, None] * (e * ka[:, None, :]), axis=0))
+            emit(d, row * dot(dM_off, kc, prec) + jnp.sum(dM_d[:, :, None] * ek, axis=1),
+                 row * dot(dKK_off, kc, prec) + jnp.sum(dKK_d[:, :, None] * ek, axis=1),
+                 col * dot(dMc_off, q_all * down, prec, trans_a=True)
+                 + jnp.sum(dM_d[:, :, None] * (e * qa[:, None, :]), axis=0),
+                 col * dot(dKKc_off, k_all * down, prec, trans_a=True)
+                 + jnp.sum(dKK_d[:, :, None] * (e * ka[:, None, :]), axis=0))
 
     pl.when(spread <= LIMIT)(per_tile(_gram_grad_fast))
     pl.when(spread > LIMIT)(exact if diag == "mm" else per_tile(_gram_grad_exact_loop))
 
 
-def gram_grads_fused(q, k, G, dM, dKK, *, C, scale, exact, interpret, diag="mm", warps=4, bk=64, bk3=16):
+def gram_grads_fused(q, k, G, dM, dKK, *, C, scale, exact, interpret, diag="mm", warps=4, bk=64, bk3=16,
+                     combine_with=None, delta=True):
     """dXq, dXk, dKq, dKk [B, H, Tp, K] fp32 (the row and column sides of both Gram gradients; dXq with respect to
     scale * q) from q, k, G [B, Tp, H, K] and dM, dKK [B, H, Tp, C] (lower triangular), by `_gram_bwd_kernel`.
-    diag: the exact path, "mm" or "mml"."""
+    diag: the exact path, "mm" or "mml". combine_with (diag "mml"): (dQin, dKg, dKin) [B, H, Tp, K] fp32; returns
+    instead dq, dk [B, Tp, H, K] (q's and k's dtypes), dG [B, H, Tp, K] fp32 and the 16-row blocks' column sums
+    of Kg * dKg [B, H, Tp / 16, K] (see `_combine_rows`)."""
     B, Tp, H, K = q.shape
     N, nb = Tp // C, C // SUB
     chunk_tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
     chunk_mat = pl.BlockSpec((None, None, C, C), lambda b, h, i: (b, h, i // nb, 0))
     out = pl.BlockSpec((None, None, SUB, K), lambda b, h, i: (b, h, i, 0))
     prec = "ieee" if exact else "tf32"
+    in_specs, out_specs = [chunk_tok(K), chunk_tok(K), chunk_tok(K), chunk_mat, chunk_mat], [out] * 4
+    out_shape, extra = [jax.ShapeDtypeStruct((B, H, Tp, K), f32)] * 4, ()
+    if combine_with is not None:
+        if diag != "mml":
+            raise ValueError(f"the combine inside the Gram-gradient kernel takes diag 'mml', got {diag!r}")
+        in_specs += [out] * 3
+        tok_rows = pl.BlockSpec((None, SUB, None, K), lambda b, h, i: (b, i, h, 0))
+        out_specs = [tok_rows, tok_rows, out, pl.BlockSpec((None, None, 1, K), lambda b, h, i: (b, h, i, 0))]
+        out_shape = [jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
+                     jax.ShapeDtypeStruct((B, H, Tp, K), f32), jax.ShapeDtypeStruct((B, H, N * nb, K), f32)]
+        extra = tuple(combine_with)
     return pl.pallas_call(
         functools.partial(_gram_bwd_kernel, C=C, scale=scale, prec=prec, diag=diag, bk=min(bk, K),
-                          bk3=min(bk3, K)),
+                          bk3=min(bk3, K), combine=combine_with is not None, delta=delta),
         grid=(B, H, N * nb),
-        in_specs=[chunk_tok(K), chunk_tok(K), chunk_tok(K), chunk_mat, chunk_mat], out_specs=[out] * 4,
-        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, K), f32)] * 4,
+        in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
         compiler_params=compiler_params(num_warps=warps, num_stages=1), interpret=interpret,
-        name="lineattn_gram_bwd",
-    )(q, k, G, dM, dKK)
+        name="lineattn_gram_bwd_combine" if extra else "lineattn_gram_bwd",
+    )(q, k, G, dM, dKK, *extra)
 
 
 # ---- `backward_fast`: the backward as kernels only ----
@@ -279,26 +313,47 @@ def _wy_bwd_kernel(r_ref, kk_ref, du_ref, dw_ref, v_ref, k_ref, G_ref, beta_ref,
     dkk_ref[...] = beta * dA
 
 
+def _combine_rows(q, k, G, G_end, dQin, dKg, dKin, xq, xk, kq, kk, scale):
+    """The row-local part of the combine, for rows of q, k, G (fp32) and their cotangent terms: (dq, dk, dG,
+    Kg * dKg). dG is the gradient with respect to the in-chunk cumsum G, without the chunk-end term; dKin is None
+    for the additive write."""
+    dQin, dKg = dQin.astype(f32), dKg.astype(f32)
+    eG, eGk = jnp.exp(G), jnp.exp(G_end - G)
+    gq = eG * dQin + xq  # the cotangent of scale * q e^G, through Qin and M
+    kg_dkg = k * eGk * dKg
+    dk = eGk * dKg + kq + xk + kk
+    dG = scale * q * gq - kg_dkg + k * (xk - kq - kk)
+    if dKin is not None:
+        dKin = dKin.astype(f32)
+        dk = dk + eG * dKin
+        dG = dG + k * eG * dKin
+    return scale * gq, dk, dG, kg_dkg
+
+
+def _reverse_cumsum_rows(dG, dG_end):
+    """dg = the in-chunk reverse cumsum of dG [C, bk] with dG_end [1, bk] added at the last row (so to every row)."""
+    return dG_end + jnp.sum(dG, axis=0)[None, :] - jnp.cumsum(dG, axis=0) + dG
+
+
 def _combine_kernel(q_ref, k_ref, G_ref, dend_ref, ddend_ref, dqin_ref, dkg_ref, dkin_ref, dxq_ref, dxk_ref, dkq_ref,
                     dkk_ref, dq_ref, dk_ref, dg_ref, *, C, scale, delta):
     rows = _iota((C, 1), 0)
-    q, k, G = q_ref[...].astype(f32), k_ref[...].astype(f32), G_ref[...]
+    G = G_ref[...]
     G_end = jnp.sum(jnp.where(rows == C - 1, G, 0.0), axis=0)[None, :]
-    eG, eGk = jnp.exp(G), jnp.exp(G_end - G)
-    dQin, dKg, dxq = dqin_ref[...], dkg_ref[...], dxq_ref[...]
-    Kg = k * eGk
-    dq = scale * (eG * dQin + dxq)
-    dk = eGk * dKg + dkq_ref[...] + dxk_ref[...] + dkk_ref[...]
-    dG = scale * q * (eG * dQin + dxq) - Kg * dKg - k * dkq_ref[...] + k * dxk_ref[...] - k * dkk_ref[...]
-    if delta:
-        dKin = dkin_ref[...]
-        dk = dk + eG * dKin
-        dG = dG + k * eG * dKin
-    dG_end = jnp.sum(Kg * dKg, axis=0)[None, :] + dend_ref[...][None, :] * ddend_ref[...][None, :]
-    dG = dG + jnp.where(rows == C - 1, dG_end, 0.0)
+    dq, dk, dG, kg_dkg = _combine_rows(q_ref[...].astype(f32), k_ref[...].astype(f32), G, G_end, dqin_ref[...],
+                                       dkg_ref[...], dkin_ref[...] if delta else None, dxq_ref[...], dxk_ref[...],
+                                       dkq_ref[...], dkk_ref[...], scale)
+    dG_end = jnp.sum(kg_dkg, axis=0)[None, :] + dend_ref[...][None, :] * ddend_ref[...][None, :]
     dq_ref[...] = dq.astype(dq_ref.dtype)
     dk_ref[...] = dk.astype(dk_ref.dtype)
-    dg_ref[...] = (jnp.sum(dG, axis=0)[None, :] - jnp.cumsum(dG, axis=0) + dG).astype(dg_ref.dtype)  # reverse cumsum
+    dg_ref[...] = _reverse_cumsum_rows(dG, dG_end).astype(dg_ref.dtype)
+
+
+def _dg_kernel(dG_ref, r_ref, dend_ref, ddend_ref, dg_ref):
+    """dg for one chunk and K tile from dG and the 16-row blocks' sums of Kg * dKg (`_gram_bwd_kernel` with
+    combine)."""
+    dG_end = jnp.sum(r_ref[...], axis=0)[None, :] + dend_ref[...][None, :] * ddend_ref[...][None, :]
+    dg_ref[...] = _reverse_cumsum_rows(dG_ref[...], dG_end).astype(dg_ref.dtype)
 
 
 def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: int, interpret=None,
@@ -361,23 +416,33 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     else:
         dv = jnp.moveaxis(flat(cot.U_BHNCV), 1, 2).astype(v.dtype)
         dbeta, dKK, dKin = None, jnp.zeros((B, H, Tp, C), f32), jnp.zeros((B, H, Tp, K), f32)
-    dxq, dxk, dkq, dkk = gram_grads_fused(qp, kp, G, flat(cot.M_BHNCC), dKK, C=C, scale=scale, exact=exact,
-                                          interpret=interpret, diag=gram_diag, warps=grads_warps or GRADS_WARPS)
-    ddend = cot.decay_end  # [B, H, N, K] (None: ungated, never here: g is always given to the kernels)
-    ddend_KN = jnp.swapaxes(ddend, -1, -2)
+    ddend_KN = jnp.swapaxes(cot.decay_end, -1, -2)  # [B, H, K, N] (g is always given to the kernels)
     bk = min(K, COMBINE_BK)  # K tiles: the combine is independent per channel
     ktok = pl.BlockSpec((None, C, None, bk), lambda b, h, n, t: (b, n, h, t))
     kchunk = pl.BlockSpec((None, None, C, bk), lambda b, h, n, t: (b, h, n, t))
     kn = pl.BlockSpec((None, None, bk, None), lambda b, h, n, t: (b, h, t, n))
-    dq, dk, dg = pl.pallas_call(
-        functools.partial(_combine_kernel, C=C, scale=scale, delta=delta),
-        grid=(B, H, N, K // bk),
-        in_specs=[ktok, ktok, ktok, kn, kn] + [kchunk] * 7,
-        out_specs=[ktok] * 3,
-        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
-                   jax.ShapeDtypeStruct((B, Tp, H, K), g.dtype)],
-        compiler_params=params, interpret=interpret, name="lineattn_chunk_bwd_combine",
-    )(qp, kp, G, dend_KN, ddend_KN, flat(cot.Qin_BHNCK), flat(cot.Kg_BHNCK), dKin, dxq, dxk, dkq, dkk)
+    grams = functools.partial(gram_grads_fused, qp, kp, G, flat(cot.M_BHNCC), dKK, C=C, scale=scale, exact=exact,
+                              interpret=interpret, diag=gram_diag, warps=grads_warps or GRADS_WARPS, delta=delta)
+    if COMBINE == "in-gram" and gram_diag == "mml":
+        dq, dk, dG, kg_dkg = grams(combine_with=(flat(cot.Qin_BHNCK), flat(cot.Kg_BHNCK), dKin))
+        nb = C // SUB
+        dg = pl.pallas_call(
+            _dg_kernel, grid=(B, H, N, K // bk),
+            in_specs=[kchunk, pl.BlockSpec((None, None, nb, bk), lambda b, h, n, t: (b, h, n, t)), kn, kn],
+            out_specs=ktok, out_shape=jax.ShapeDtypeStruct((B, Tp, H, K), g.dtype),
+            compiler_params=params, interpret=interpret, name="lineattn_chunk_bwd_dg",
+        )(dG, kg_dkg, dend_KN, ddend_KN)
+    else:
+        dxq, dxk, dkq, dkk = grams()
+        dq, dk, dg = pl.pallas_call(
+            functools.partial(_combine_kernel, C=C, scale=scale, delta=delta),
+            grid=(B, H, N, K // bk),
+            in_specs=[ktok, ktok, ktok, kn, kn] + [kchunk] * 7,
+            out_specs=[ktok] * 3,
+            out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
+                       jax.ShapeDtypeStruct((B, Tp, H, K), g.dtype)],
+            compiler_params=params, interpret=interpret, name="lineattn_chunk_bwd_combine",
+        )(qp, kp, G, dend_KN, ddend_KN, flat(cot.Qin_BHNCK), flat(cot.Kg_BHNCK), dKin, dxq, dxk, dkq, dkk)
     cut = lambda x: None if x is None else x[:, :T]
     return cut(dq), cut(dk), cut(dv), cut(dg), cut(dbeta), dh0.astype(h0.dtype)
 
