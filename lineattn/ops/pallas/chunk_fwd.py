@@ -56,6 +56,11 @@ LIMIT = 40.0
 LOOP = 1
 LOOP_STAGES = 2
 INTRAS = {"mm2": "mm", "mml2": "mml"}  # forward's intra stage -> the Gram kernels' exact path
+# Launch settings of the forward (read when a call is traced; for timing sweeps through
+# benchmarks/profile_pallas_kda.py --configs): warps of the Gram kernel, the solve and the state pass, and the Gram
+# kernel's K tile. H200 (8 x 4096, runs 4-5): Gram 2 warps 1.36 ms against 1.62 with 4, solve 4 warps 1.22 against
+# 1.63 with 8 (timed alone).
+GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK = 2, 4, 4, 64
 
 
 def _diag_exact(x_tiles, k_tiles, G_tiles, s):
@@ -240,18 +245,18 @@ def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, 
 
 def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, diag="mml", save=False, loop=1):
     """The intra-chunk stage's outputs (qin, kg, w, u, m, e^(G_C) as [B, H, K, N]): the gate-cumsum kernel, the
-    Gram rows (exact path `diag`) and the whole-chunk solve (4 warps). save: also the unscaled key Gram KK and
+    Gram rows (exact path `diag`) and the whole-chunk solve. save: also the unscaled key Gram KK and
     R = (I + A)^-1 (fp32 [B, H, Tp, C]) for the backward: the Gram kernel then writes KK and the solve scales it
     by beta."""
     G, dend = gate_cumsum(g, C=C, interpret=interpret, loop=loop)
     gram_beta = jnp.ones_like(beta) if save else beta
     m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=prec, delta=delta, diag=diag,
-                              warps=warps, interpret=interpret)
+                              warps=warps, interpret=interpret, bk=GRAM_BK)
     if not delta:
         return (qin, kg, None, None, m, dend) + ((None, None) if save else ())
     inv_prec = "ieee" if prec == "ieee" else SOLVE_PREC
-    out = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec, inv_prec=inv_prec, warps=4, interpret=interpret,
-                     with_r=save, kk=save, loop=loop)
+    out = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec, inv_prec=inv_prec, warps=SOLVE_WARPS,
+                     interpret=interpret, with_r=save, kk=save, loop=loop)
     if save:
         w, u, R = out
         return qin, kg, w, u, m, dend, A, R
@@ -303,7 +308,7 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
 
     q, k [B, T, H, K] and v [B, T, H, V] (bf16 or fp32, one dtype), g [B, T, H, K] log decay (fp32; zeros for
     no gate), beta [B, T, H] or None (additive write), h0 [B, H, K, V] fp32. block_v, warps (intra, state
-    pass; default (2, 4)) and only_intra (return the intra stage's outputs)
+    pass; default (GRAM_WARPS, PASS_WARPS)) and only_intra (return the intra stage's outputs)
     are for tuning and timing. intra (H200 forward at 8 x 4096 x 16 x 128 bf16, benchmarks/results/README.md):
     "mml2" (the default, 2.74 ms: `gate_cumsum`, `_gram_rows_kernel` with the column-loop exact path,
     `_solve_full_kernel`), "mm2" (the same with the 3-D exact path). (Removed on 2026-12-01 as slower in every
@@ -324,7 +329,7 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     check_shapes(K, V, C)
     interpret = interpret_mode(interpret)
     if warps is None:
-        warps = (2, 4)
+        warps = (GRAM_WARPS, PASS_WARPS)
     delta = beta is not None
     pad = -T % C
     if pad:
