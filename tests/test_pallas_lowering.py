@@ -28,19 +28,25 @@ def fake_h200(monkeypatch):
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: info)
 
 
+def _lowered(T, dtype, backward, intra):
+    """The lowered text of value_and_grad through `chunk_pallas` (B = 1, H = 2, K = V = 128), for the GPU."""
+    B, H, K, V = 1, 2, 128, 128
+    args = (S((B, T, H, K), dtype), S((B, T, H, K), dtype), S((B, T, H, V), dtype), S((B, T, H, K), jnp.float32),
+            S((B, T, H), dtype), S((B, H, K, V), jnp.float32))
+
+    def loss(*a):
+        o, ht = chunk_pallas(*a, K**-0.5, 64, False, backward, intra)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
+
+    return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)))).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.parametrize("intra,backward", [("mml2", "xla"), ("mm2", "kernels-mm2"),
                                             ("mml2", "kernels-mml2"), ("mml2", "kernels-saved")])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_chunk_kernels_lower_for_sm90(fake_h200, dtype, intra, backward):
-    B, T, H, K, V = 1, 100, 2, 128, 128
-    args = (S((B, T, H, K), dtype), S((B, T, H, K), dtype), S((B, T, H, V), dtype), S((B, T, H, K), jnp.float32),
-            S((B, T, H), dtype), S((B, H, K, V), jnp.float32))
-
-    def loss(*a):  # forward kernels and the backward's state-pass kernels
-        o, ht = chunk_pallas(*a, K**-0.5, 64, False, backward, intra)
-        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
-
-    text = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = _lowered(100, dtype, backward, intra)
     # forward: cumsum, gram, solve, state pass; backward "xla": none;
     # "kernels-mm2"/"kernels-mml2": cumsum, gram, solve, states, reverse, chunk grads, WY, Gram gradients, combine;
     # "kernels-saved": the same without the Gram and solve (the forward's terms are kept)
@@ -52,15 +58,7 @@ def test_combine_in_gram_lowers_for_sm90(fake_h200, monkeypatch):
     # `chunk_bwd.COMBINE = "in-gram"`: the Gram-gradient kernel with the combine, then the reverse-cumsum kernel.
     from lineattn.ops.pallas import chunk_bwd
     monkeypatch.setattr(chunk_bwd, "COMBINE", "in-gram")
-    B, T, H, K, V = 1, 100, 2, 128, 128
-    args = (S((B, T, H, K), jnp.bfloat16), S((B, T, H, K), jnp.bfloat16), S((B, T, H, V), jnp.bfloat16),
-            S((B, T, H, K), jnp.float32), S((B, T, H), jnp.bfloat16), S((B, H, K, V), jnp.float32))
-
-    def loss(*a):
-        o, ht = chunk_pallas(*a, K**-0.5, 64, False, "kernels-saved", "mml2")
-        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
-
-    text = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = _lowered(100, jnp.bfloat16, "kernels-saved", "mml2")
     assert text.count("__gpu$xla.gpu.triton") == 11 and "lineattn_chunk_bwd_dg" in text
 
 
@@ -68,16 +66,7 @@ def test_loop_chunks_lower_for_sm90(fake_h200, monkeypatch):
     # `chunk_fwd.LOOP` > 1: the cumsum and solve kernels loop over 4 chunks per program (views `ref.at[pl.ds(..)]`).
     from lineattn.ops.pallas import chunk_fwd
     monkeypatch.setattr(chunk_fwd, "LOOP", 4)
-    B, T, H, K, V = 1, 512, 2, 128, 128
-    args = (S((B, T, H, K), jnp.bfloat16), S((B, T, H, K), jnp.bfloat16), S((B, T, H, V), jnp.bfloat16),
-            S((B, T, H, K), jnp.float32), S((B, T, H), jnp.bfloat16), S((B, H, K, V), jnp.float32))
-
-    def loss(*a):
-        o, ht = chunk_pallas(*a, K**-0.5, 64, False, "kernels-mml2", "mml2")
-        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
-
-    text = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("__gpu$xla.gpu.triton") == 13
+    assert _lowered(512, jnp.bfloat16, "kernels-mml2", "mml2").count("__gpu$xla.gpu.triton") == 13
 
 
 def test_decode_kernel_lowers_for_sm90(fake_h200):
