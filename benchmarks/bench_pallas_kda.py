@@ -163,8 +163,9 @@ def bench_decode(a, B=256, tokens=1):
     ref_o, ref_s = ops.chunk_kda(q, k, v, g, beta, initial_state=jnp.asarray(s0), output_final_state=True,
                                  backend="recurrent")
     steps = 50
-    for block_v, warps in a.decode_configs:
-        step = lambda q, k, v, g, b, s, bv=block_v, w=warps: decode_step(q, k, v, g, b, s, block_v=bv, num_warps=w)
+    for block_v, warps, v_fastest in a.decode_configs:
+        step = lambda q, k, v, g, b, s, bv=block_v, w=warps, f=v_fastest: decode_step(q, k, v, g, b, s, block_v=bv,
+                                                                                     num_warps=w, v_fastest=f)
         o, s1 = jax.jit(step)(q, k, v, g, beta, jnp.asarray(s0))
         errs = dict(max_rel_err_o=rel_err(o.astype(jnp.float32), ref_o), max_rel_err_state=rel_err(s1, ref_s))
         # `steps` decode steps inside one jit, the state carried (and updated in place) through a fori_loop: the
@@ -178,8 +179,8 @@ def bench_decode(a, B=256, tokens=1):
             s = jax.block_until_ready(many(s))
             times.append(time.perf_counter() - start)
         ms = 1e3 * float(np.median(times)) / steps
-        record(a.out, op="kda", impl=f"lineattn-pallas-decode-bv{block_v}-w{warps}", mode="decode", B=B, T=tokens,
-               H=H, K=K, V=V, ms=ms, state_TBps=2 * state_bytes / (ms * 1e-3) / 1e12, **errs)
+        name = f"lineattn-pallas-decode-bv{block_v}-w{warps}" + ("-vfirst" if v_fastest else "")
+        record(a.out, op="kda", impl=name, mode="decode", B=B, T=tokens, H=H, K=K, V=V, ms=ms, state_TBps=2 * state_bytes / (ms * 1e-3) / 1e12, **errs)
     try:
         import torch
         import triton
@@ -246,15 +247,15 @@ def main():
     p.add_argument("--fla-shapes", default="8x4096,1x32768", help="shapes at which FLA is timed")
     p.add_argument("--tune-shapes", default="8x4096,1x32768")
     p.add_argument("--gdn", action="store_true")
-    p.add_argument("--decode", default="64x4,64x8,32x4,32x8,16x4,128x8",
-                   help="decode block_v x num_warps configs (bv64-w4: 256 fp32 state registers a thread)")
+    p.add_argument("--decode", default="64x4,64x8,32x4,64x4f,32x4f,16x4f",
+                   help="decode block_v x num_warps configs, a trailing f: the V tiles first in the launch order")
     p.add_argument("--long", type=int, default=0, help="also time one sequence of this length (0: no)")
     p.add_argument("--tune", action="store_true", help="time the forward's kernels apart and launch settings")
     p.add_argument("--warps", default="4x4,8x4,4x8,8x8")
     p.add_argument("--intras", default="mml2,mm2", help="intra-chunk stages to tune")
     p.add_argument("--block-vs", default="0,16,32,64", help="V tiles of the state pass (0: the default rule)")
     a = p.parse_args()
-    a.decode_configs = [tuple(map(int, c.split("x"))) for c in a.decode.split(",") if c]
+    a.decode_configs = [(*map(int, c.rstrip("f").split("x")), c.endswith("f")) for c in a.decode.split(",") if c]
     fla_modes = [m for m in a.fla.split(",") if m]
     a.warps = [tuple(map(int, w.split("x"))) for w in a.warps.split(",") if w]
     a.intras = [i for i in a.intras.split(",") if i]

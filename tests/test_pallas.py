@@ -138,6 +138,10 @@ def test_decode_step_matches_oracle(rule):
     first = lambda x: None if x is None else x[:, :1]
     o1, s1 = decode_step(*(first(x[n]) for n in ("q", "k", "v", "g", "beta")), x["initial_state"])
     assert_close({"o": o1, "s": s1}, {"o": o_ref[:, :1], "s": states[:, 0]}, TOL, rule)
+    # The launch variants give the same step: V tiles of 16 with the V tiles first in the grid.
+    o2, s2 = decode_step(*(first(x[n]) for n in ("q", "k", "v", "g", "beta")), x["initial_state"], block_v=16,
+                         v_fastest=True)
+    assert_close({"o": o2, "s": s2}, {"o": o_ref[:, :1], "s": states[:, 0]}, TOL, rule)
 
 
 def test_pallas_backend_selection_and_errors():

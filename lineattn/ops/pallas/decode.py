@@ -37,9 +37,11 @@ def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref
     s_out_ref[...] = S
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "output_states", "interpret", "block_v", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("scale", "output_states", "interpret", "block_v", "num_warps",
+                                             "v_fastest"))
 def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_states: bool = False,
-                interpret: bool | None = None, block_v: int = 32, num_warps: int = 4):
+                interpret: bool | None = None, block_v: int | None = None, num_warps: int = 4,
+                v_fastest: bool = False):
     """T new tokens per request through the recurrence, from `state`.
 
     Args:
@@ -47,6 +49,12 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
       beta: [B, T, H] for the delta write, None for the additive write; state: [B, H, K, V] fp32 (donate it
       under jit to update it in place).
       output_states: also return the state after every token, [B, T, H, K, V] fp32.
+      block_v, num_warps: the V tile of a program and its warps (for tuning). block_v None: 64 when that still
+        gives 128 programs or more (large batches; H200, B = 256, H = 16, K = V = 128, 2026-12-01 run7b: 3.25
+        TB/s of state read+write with 64 x 4 warps, 3.18 with 64 x 8, 2.78 / 2.84 with 32 x 4 / 8, 2.50 with
+        128 x 8), else 32 (the earlier default; small batches are latency-bound and were not timed).
+      v_fastest: launch the V tiles of one state next to each other (the grid's first axis) instead of the
+        requests (for tuning; not yet timed on a GPU).
 
     Returns:
       (o [B, T, H, V] in q's dtype, new state [B, H, K, V] fp32[, states [B, T, H, K, V]]).
@@ -64,20 +72,27 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
     delta = beta is not None
     if not delta:
         beta = jnp.zeros((B, T, H), f32)
+    if block_v is None:
+        block_v = 64 if B * H * max(V // 64, 1) >= 128 else 32
     BV = min(block_v, V)
+    grid = (B, H, V // BV)
+    if v_fastest:  # the grid's first axis varies fastest in the launch order
+        grid, at = grid[::-1], lambda f: lambda j, h, b: f(b, h, j)
+    else:
+        at = lambda f: f
 
-    tok = lambda D: pl.BlockSpec((None, T, None, D), lambda b, h, j: (b, 0, h, 0))
-    vtok = pl.BlockSpec((None, T, None, BV), lambda b, h, j: (b, 0, h, j))
-    st = pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j))
+    tok = lambda D: pl.BlockSpec((None, T, None, D), at(lambda b, h, j: (b, 0, h, 0)))
+    vtok = pl.BlockSpec((None, T, None, BV), at(lambda b, h, j: (b, 0, h, j)))
+    st = pl.BlockSpec((None, None, K, BV), at(lambda b, h, j: (b, h, 0, j)))
     out_specs = [vtok, st]
     out_shape = [jax.ShapeDtypeStruct((B, T, H, V), q.dtype), jax.ShapeDtypeStruct((B, H, K, V), f32)]
     if output_states:
-        out_specs.append(pl.BlockSpec((None, None, T, K, BV), lambda b, h, j: (b, h, 0, 0, j)))
+        out_specs.append(pl.BlockSpec((None, None, T, K, BV), at(lambda b, h, j: (b, h, 0, 0, j))))
         out_shape.append(jax.ShapeDtypeStruct((B, H, T, K, V), f32))
     outs = pl.pallas_call(
         functools.partial(_decode_kernel, T=T, scale=float(scale), delta=delta),
-        grid=(B, H, V // BV),
-        in_specs=[tok(K), tok(K), vtok, tok(K), pl.BlockSpec((None, T, None), lambda b, h, j: (b, 0, h)), st],
+        grid=grid,
+        in_specs=[tok(K), tok(K), vtok, tok(K), pl.BlockSpec((None, T, None), at(lambda b, h, j: (b, 0, h))), st],
         out_specs=out_specs,
         out_shape=out_shape,
         input_output_aliases={5: 1},
