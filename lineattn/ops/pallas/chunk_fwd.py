@@ -195,6 +195,11 @@ def gate_cumsum(g, *, C, interpret, loop=1):
 
 # ---- The solve on the whole chunk tile by block doubling ("solve": "full") ----
 SOLVE_PREC = "bf16x3"  # the doubling products' precision for bf16 inputs (read when a call is traced)
+# For bf16 inputs (fp32 inputs: "ieee"), read when a call is traced: the Gram kernel's products and the solve's
+# U = R Diag(b) V, W = R Diag(b) Kin (stored in bf16 either way). "tf32" is what the H200 runs timed; "bf16" is an
+# option for timing (not yet timed; on the CPU at T = 512, K = V = 128 it moved o's relative RMS error against the
+# fp32 XLA chunk form from 2.9e-3 to 3.6e-3 (Gram) / 3.3e-3 (U, W), the gradients by at most 4e-4).
+GRAM_PREC, UW_PREC = "tf32", "tf32"
 # R = (I + A)^-1 for the unit lower triangular I + A of one chunk, in registers, from X_1 = I by
 # X_2b = X_b - X_b A_b X_b, A_b = A restricted to the blocks below the diagonal inside each diagonal block of 2b
 # (X_b is block diagonal with inverted diagonal blocks of size b): the recursive block inverse
@@ -250,12 +255,14 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     by beta."""
     G, dend = gate_cumsum(g, C=C, interpret=interpret, loop=loop)
     gram_beta = jnp.ones_like(beta) if save else beta
-    m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=prec, delta=delta, diag=diag,
-                              warps=warps, interpret=interpret, bk=GRAM_BK)
+    exact = prec == "ieee"
+    m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=prec if exact else GRAM_PREC,
+                              delta=delta, diag=diag, warps=warps, interpret=interpret, bk=GRAM_BK)
     if not delta:
         return (qin, kg, None, None, m, dend) + ((None, None) if save else ())
-    inv_prec = "ieee" if prec == "ieee" else SOLVE_PREC
-    out = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec, inv_prec=inv_prec, warps=SOLVE_WARPS,
+    inv_prec = "ieee" if exact else SOLVE_PREC
+    out = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec if exact else UW_PREC, inv_prec=inv_prec,
+                     warps=SOLVE_WARPS,
                      interpret=interpret, with_r=save, kk=save, loop=loop)
     if save:
         w, u, R = out
