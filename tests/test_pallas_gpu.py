@@ -36,15 +36,16 @@ def _run(rule, x, backend, monkeypatch=None, variant=None):
             monkeypatch.setattr(chunk_fwd, "LOOP", variant[2])
         if len(variant) > 3:
             monkeypatch.setattr(chunk_bwd, "COMBINE", variant[3])
-    names = ("q", "k", "v", "g", "beta", "h0")
+    names = [n for n in ("q", "k", "v", "g", "beta", "h0") if x[n] is not None]  # DeltaNet: no g; GLA: no beta
     rng = np.random.default_rng(1)
     B, T, H, _ = x["q"].shape
     do = jnp.asarray(rng.standard_normal((B, T, H, x["v"].shape[-1])), jnp.float32)
     dht = jnp.asarray(rng.standard_normal(x["h0"].shape), jnp.float32)
 
-    def f(q, k, v, g, beta, h0):
-        return ops.linear_attention(rule, q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                                    backend=backend)
+    def f(*a):
+        y = dict(zip(names, a))
+        return ops.linear_attention(rule, y["q"], y["k"], y["v"], y.get("g"), y.get("beta"), initial_state=y["h0"],
+                                    output_final_state=True, backend=backend)
 
     def loss(*a):
         o, ht = f(*a)
@@ -52,13 +53,14 @@ def _run(rule, x, backend, monkeypatch=None, variant=None):
 
     args = [x[n] for n in names]
     o, ht = jax.jit(f)(*args)
-    grads = jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*args)
+    grads = jax.jit(jax.grad(loss, argnums=tuple(range(len(names)))))(*args)
     return {"o": o, "ht": ht, **{"d" + n: g for n, g in zip(names, grads)}}
 
 
-# The defaults (None: mml2 / kernels-saved) and the other variants.
-VARIANTS = [("kda", None), ("gdn", None), ("kda", ("mml2", "xla")), ("kda", ("mml2", "kernels-mml2")),
-            ("gdn", ("mml2", "kernels-mml2")), ("kda", ("mml2", "kernels-saved", 4)),
+# The defaults (None: mml2 / kernels-saved) and the other variants. DeltaNet and GLA with the defaults: what `auto`
+# needs before it takes the kernels for them (`pallas.api.AUTO_RULES`).
+VARIANTS = [("kda", None), ("gdn", None), ("deltanet", None), ("gla", None), ("kda", ("mml2", "xla")),
+            ("kda", ("mml2", "kernels-mml2")), ("gdn", ("mml2", "kernels-mml2")), ("kda", ("mml2", "kernels-saved", 4)),
             ("kda", ("mml2", "kernels-saved", 1, "in-gram"))]
 
 
@@ -67,12 +69,14 @@ VARIANTS = [("kda", None), ("gdn", None), ("kda", ("mml2", "xla")), ("kda", ("mm
 def test_pallas_long_bf16_head_dim_128(rule, variant, monkeypatch):
     inputs = make_inputs(rule, B=1, T=16384 - 3, H=2, K=128, V=128, seed=11)
     inputs["h0"] = inputs.pop("initial_state")
-    bf16 = {n: x.astype(jnp.bfloat16) if n in ("q", "k", "v", "beta") else x for n, x in inputs.items()}
-    rounded = {n: x.astype(jnp.float32) for n, x in bf16.items()}
+    bf16 = {n: x.astype(jnp.bfloat16) if n in ("q", "k", "v", "beta") and x is not None else x
+            for n, x in inputs.items()}
+    rounded = {n: None if x is None else x.astype(jnp.float32) for n, x in bf16.items()}
     got, want = _run(rule, bf16, "pallas", monkeypatch, variant), _run(rule, rounded, "chunk")
     errors = {n: _rel_rms(got[n], want[n]) for n in want}
     print(rule, variant, {n: f"{e:.1e}" for n, e in errors.items()})
     assert all(np.all(np.isfinite(np.asarray(got[n], np.float32))) for n in got)
+    assert set(got) == set(want) and len(got) >= 6
     assert all(errors[n] <= RMS[n] for n in errors), errors
 
 
