@@ -320,19 +320,21 @@ def _combine_rows(q, k, G, G_end, dQin, dKg, dKin, xq, xk, kq, kk, scale):
     dQin, dKg = dQin.astype(f32), dKg.astype(f32)
     eG, eGk = jnp.exp(G), jnp.exp(G_end - G)
     gq = eG * dQin + xq  # the cotangent of scale * q e^G, through Qin and M
-    kg_dkg = k * eGk * dKg
+    Kg = k * eGk
     dk = eGk * dKg + kq + xk + kk
-    dG = scale * q * gq - kg_dkg + k * (xk - kq - kk)
+    dG = scale * q * gq - Kg * dKg - k * kq + k * xk - k * kk
     if dKin is not None:
         dKin = dKin.astype(f32)
         dk = dk + eG * dKin
         dG = dG + k * eG * dKin
-    return scale * gq, dk, dG, kg_dkg
+    return scale * gq, dk, dG, Kg * dKg
 
 
 def _reverse_cumsum_rows(dG, dG_end):
-    """dg = the in-chunk reverse cumsum of dG [C, bk] with dG_end [1, bk] added at the last row (so to every row)."""
-    return dG_end + jnp.sum(dG, axis=0)[None, :] - jnp.cumsum(dG, axis=0) + dG
+    """dg = the in-chunk reverse cumsum of dG [C, bk] with dG_end [1, bk] added to its last row (so to every row's
+    dg)."""
+    dG = dG + jnp.where(_iota((dG.shape[0], 1), 0) == dG.shape[0] - 1, dG_end, 0.0)
+    return jnp.sum(dG, axis=0)[None, :] - jnp.cumsum(dG, axis=0) + dG
 
 
 def _combine_kernel(q_ref, k_ref, G_ref, dend_ref, ddend_ref, dqin_ref, dkg_ref, dkin_ref, dxq_ref, dxk_ref, dkq_ref,
