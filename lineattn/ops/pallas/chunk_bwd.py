@@ -24,8 +24,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from lineattn.ops.chunk import ChunkTerms, pad_to_chunks
-from lineattn.ops.pallas.chunk_fwd import pick_block_v
-from lineattn.ops.pallas.chunk_fwd import _iota
+from lineattn.ops.pallas import chunk_fwd
+from lineattn.ops.pallas.chunk_fwd import _iota, gate_cumsum, gram_rows, pick_block_v, solve_full
 from lineattn.ops.pallas.common import SUB, compiler_params, dot, interpret_mode
 
 f32 = jnp.float32
@@ -115,7 +115,7 @@ def _pass_setup(terms: ChunkTerms, block_v):
 
 def _gram_grad_fast(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, *, scale, prec):
     """The "mm" fast path for the 16-row block at r0 and channels d: (dXq, dXk, dKq, dKk) as [16, |d|] values."""
-    from lineattn.ops.pallas.chunk_fwd import LIMIT
+    LIMIT = chunk_fwd.LIMIT
 
     blk = pl.ds(r0, SUB)
     Gr, Ga, G = G_ref[pl.ds(r0 + SUB // 2, 1), d], G_ref[blk, d], G_ref[:, d]
@@ -171,7 +171,7 @@ def _gram_bwd_kernel(q_ref, k_ref, G_ref, dm_ref, dkk_ref, *refs, C, scale, prec
     """refs: the outputs dXq, dXk, dKq, dKk [16, K]; or, with combine (diag "mml" only), the block's rows of dQin,
     dKg, dKin [16, K] and the outputs dq, dk (the inputs' layout), dG [16, K] and the block's column sum of
     Kg * dKg [1, K] (`_combine_rows`; `_dg_kernel` then takes the in-chunk reverse cumsum)."""
-    from lineattn.ops.pallas.chunk_fwd import LIMIT
+    LIMIT = chunk_fwd.LIMIT
 
     s = SUB
     a = pl.program_id(2) % (C // s)
@@ -366,8 +366,6 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     broadcast; see `chunk_fwd._gram_rows_kernel`).
     saved: `chunk_fwd.forward(..., save=True)`'s terms (backward "kernels-saved"): no Gram recompute and no solve
     here, and the state passes read the stored (bf16 for bf16 inputs) Qin, Kg, M, W, U."""
-    from lineattn.ops.pallas import chunk_fwd
-    from lineattn.ops.pallas.chunk_fwd import gate_cumsum, gram_rows, solve_full
 
     C = chunk_size
     loop = chunk_fwd.LOOP  # chunks per program of the cumsum and solve kernels (read at trace)
@@ -513,7 +511,7 @@ def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None,
     interpret, prec = interpret_mode(interpret), "ieee" if exact else PASS_PREC
     (qin, kg, m, u, w, dend_KN), BV, (whole, vtile, state, states, kn) = _pass_setup(terms, block_v)
     NV = V // BV
-    params = compiler_params(num_warps=4, num_stages=2)
+    params = compiler_params(num_warps=4, num_stages=chunk_fwd.PASS_STAGES)
     kept = f32 if exact else jnp.dtype(STATES_DTYPE)
     s0, E = pl.pallas_call(
         functools.partial(_states_kernel, C=C, K=K, N=N, prec=prec, delta=delta),

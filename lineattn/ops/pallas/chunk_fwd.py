@@ -59,8 +59,9 @@ INTRAS = {"mm2": "mm", "mml2": "mml"}  # forward's intra stage -> the Gram kerne
 # Launch settings of the forward (read when a call is traced; for timing sweeps through
 # benchmarks/profile_pallas_kda.py --configs): warps of the Gram kernel, the solve and the state pass, and the Gram
 # kernel's K tile. H200 (8 x 4096, runs 4-5): Gram 2 warps 1.36 ms against 1.62 with 4, solve 4 warps 1.22 against
-# 1.63 with 8 (timed alone).
-GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK = 2, 4, 4, 64
+# 1.63 with 8 (timed alone). PASS_STAGES: the state pass's pipeline depth (2 as timed; at 8 x 4096 its 256 programs
+# make two waves on the H200's 132 SMs if one fits per SM, and a shallower pipeline needs less shared memory).
+GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES = 2, 4, 4, 64, 2
 
 
 def _diag_exact(x_tiles, k_tiles, G_tiles, s):
@@ -376,7 +377,7 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
                   pl.BlockSpec((None, None, K, N), lambda b, h, j: (b, h, 0, 0)), state],
         out_specs=[pl.BlockSpec((None, Tp, None, BV), lambda b, h, j: (b, 0, h, j)), state] + exported[0],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), dt), jax.ShapeDtypeStruct((B, H, K, V), f32)] + exported[1],
-        compiler_params=compiler_params(num_warps=warps[1], num_stages=2),
+        compiler_params=compiler_params(num_warps=warps[1], num_stages=PASS_STAGES),
         interpret=interpret,
         name="lineattn_chunk_state_pass",
     )(qin, kg, w, u, m, dend, h0.astype(f32))
