@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 
 from lineattn.ops.chunk import ChunkTerms, pad_to_chunks
 from lineattn.ops.pallas import chunk_fwd
-from lineattn.ops.pallas.chunk_fwd import _iota, gate_cumsum, gram_rows, pick_block_v, solve_full
+from lineattn.ops.pallas.chunk_fwd import LIMIT, _iota, gate_cumsum, gram_rows, pick_block_v, solve_full
 from lineattn.ops.pallas.common import SUB, compiler_params, dot, interpret_mode
 
 f32 = jnp.float32
@@ -115,8 +115,6 @@ def _pass_setup(terms: ChunkTerms, block_v):
 
 def _gram_grad_fast(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, *, scale, prec):
     """The "mm" fast path for the 16-row block at r0 and channels d: (dXq, dXk, dKq, dKk) as [16, |d|] values."""
-    LIMIT = chunk_fwd.LIMIT
-
     blk = pl.ds(r0, SUB)
     Gr, Ga, G = G_ref[pl.ds(r0 + SUB // 2, 1), d], G_ref[blk, d], G_ref[:, d]
     kc = k_ref[:, d].astype(f32) * jnp.exp(jnp.minimum(Gr - G, LIMIT))
@@ -171,8 +169,6 @@ def _gram_bwd_kernel(q_ref, k_ref, G_ref, dm_ref, dkk_ref, *refs, C, scale, prec
     """refs: the outputs dXq, dXk, dKq, dKk [16, K]; or, with combine (diag "mml" only), the block's rows of dQin,
     dKg, dKin [16, K] and the outputs dq, dk (the inputs' layout), dG [16, K] and the block's column sum of
     Kg * dKg [1, K] (`_combine_rows`; `_dg_kernel` then takes the in-chunk reverse cumsum)."""
-    LIMIT = chunk_fwd.LIMIT
-
     s = SUB
     a = pl.program_id(2) % (C // s)
     r0 = a * s
