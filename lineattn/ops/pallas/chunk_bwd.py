@@ -74,17 +74,12 @@ def _pass_dims(terms: ChunkTerms):
 
 def _pass_operands(terms: ChunkTerms):
     """The state passes' operands: Qin, Kg, M, U, W as [B, H, Tp, .] (W zeros for the additive write) and e^(G_C)
-    as [B, H, K, N] (ones without a gate, broadcast across K for a head gate)."""
+    as [B, H, K, N] (the kernels always take a channel gate: `terms.decay_end` is [B, H, N, K])."""
     B, H, N, C, K, V, Tp, delta = _pass_dims(terms)
     flat = lambda x: x.reshape(B, H, Tp, x.shape[-1])
     qin, kg, m, u = map(flat, (terms.Qin_BHNCK, terms.Kg_BHNCK, terms.M_BHNCC, terms.U_BHNCV))
     w = flat(terms.W_BHNCK) if delta else jnp.zeros((B, H, Tp, K), f32)
-    dend = terms.decay_end
-    if dend is None:
-        dend = jnp.ones((B, H, N, K), f32)
-    elif dend.ndim == 3:
-        dend = jnp.broadcast_to(dend[..., None], (B, H, N, K))
-    return qin, kg, m, u, w, jnp.swapaxes(dend, -1, -2)
+    return qin, kg, m, u, w, jnp.swapaxes(terms.decay_end, -1, -2)
 
 
 def _pass_setup(terms: ChunkTerms, block_v):
@@ -540,10 +535,6 @@ def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None,
         name="lineattn_chunk_bwd_chunk_grads",
     )(E, s0, ds, do, du)
     chunked = lambda x: x.reshape(B, H, N, C, x.shape[-1])
-    ddend = jnp.swapaxes(ddend, -1, -2)  # [B, H, N, K]
-    if terms.decay_end is None:
-        ddend = None
-    elif terms.decay_end.ndim == 3:
-        ddend = ddend.sum(-1)
-    cot = ChunkTerms(chunked(dqin), chunked(dm), chunked(dkg), ddend, chunked(du), chunked(dw) if delta else None)
+    cot = ChunkTerms(chunked(dqin), chunked(dm), chunked(dkg), jnp.swapaxes(ddend, -1, -2), chunked(du),
+                     chunked(dw) if delta else None)
     return cot, dh0
