@@ -180,7 +180,8 @@ def bench_decode(a, B=256, tokens=1):
             times.append(time.perf_counter() - start)
         ms = 1e3 * float(np.median(times)) / steps
         name = f"lineattn-pallas-decode-bv{block_v}-w{warps}" + ("-vfirst" if v_fastest else "")
-        record(a.out, op="kda", impl=name, mode="decode", B=B, T=tokens, H=H, K=K, V=V, ms=ms, state_TBps=2 * state_bytes / (ms * 1e-3) / 1e12, **errs)
+        record(a.out, op="kda", impl=name, mode="decode", B=B, T=tokens, H=H, K=K, V=V, ms=ms,
+               state_TBps=2 * state_bytes / (ms * 1e-3) / 1e12, **errs)
     try:
         import torch
         import triton

@@ -7,8 +7,9 @@ Each implementation is compiled and run once, then traced for --iters calls; the
 with `jax.profiler.ProfileData` and every kernel's time is summed over the traced calls and divided by --iters,
 so each row is one kernel's device time per call. --configs profiles lineattn once per configuration, each
 setting module constants of `lineattn.ops.pallas` (`module.NAME=value`, joined by '+'); --check first compares
-each configuration's o and five gradients with the XLA chunk form in fp32 on the same inputs (relative RMS). Kernels named by lineattn (`name=` of its `pallas_call`s:
-`lineattn_chunk_gram`, ...) and XLA fusions (pads, transposes, sums) appear under their own names. Writes
+each configuration's o and five gradients with the XLA chunk form in fp32 on the same inputs (relative RMS).
+Kernels named by lineattn (`name=` of its `pallas_call`s: `lineattn_chunk_gram`, ...) and XLA fusions (pads,
+transposes, sums) appear under their own names. Writes
 <out>/<date>-h200-kda-profile.json: {impl: {mode: {"per_call_ms": {kernel: ms}, "total_ms": ..., "wall_ms": ...}}}.
 """
 
