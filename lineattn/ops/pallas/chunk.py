@@ -5,8 +5,9 @@ static `backward` argument (H200 times: fwd+bwd at B = 8, T = 4096, H = 16, K = 
 benchmarks/results/README.md):
   - "kernels-saved" (the default; 8.06 ms, run7f; 15.5 ms in run5 before the chunk-gradient and WY kernels were
     tiled): the forward also keeps its intra-chunk terms Qin, Kg, W, U, M (input dtype), e^(G_C), KK and
-    R = (I + A)^-1 (fp32): about 1.7 KB per token and head at K = V = 128, C = 64 in bf16, on top of the inputs. `chunk_bwd.backward_fast` then runs
-    only kernels: gate cumsum, the three state-pass kernels, the WY backward, the Gram gradients, the combine.
+    R = (I + A)^-1 (fp32): about 1.7 KB per token and head at K = V = 128, C = 64 in bf16, on top of the inputs.
+    `chunk_bwd.backward_fast` then runs only kernels: gate cumsum, the three state-pass kernels, the WY backward,
+    the Gram gradients, the combine.
   - "kernels-mml2" / "kernels-mm2": `chunk_bwd.backward_fast` recomputing the terms (Gram kernel, whole-chunk
     solve writing R): the forward saves only its inputs. CPU-tested; not yet run on a GPU.
   - "xla" (40.7 ms): `jax.vjp` of the XLA chunk form (`lineattn.ops.chunk.chunk`) in fp32. No Pallas kernel.

@@ -442,8 +442,8 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
 # ---- The state passes, used by `backward_fast` ----
 # No per-V-tile partials (partial sums of dQin, dKg, dW, dM per V tile, summed by XLA, were about 8 GB of traffic
 # at 8 x 4096 x 16 x 128): the reverse pass only carries the state cotangent dS and writes dS per chunk and
-# dE = M^T dO + Kg dS (both per V tile); the cotangents that sum over V come from `_chunk_grads_kernel`, one program per chunk looping over V tiles, with
-# E = U - W S0 written by the states pass:
+# dE = M^T dO + Kg dS (both per V tile); the cotangents that sum over V come from `_chunk_grads_kernel`, one
+# program per chunk looping over V tiles, with E = U - W S0 written by the states pass:
 #     dQin = dO S0^T,  dM = dO E^T,  dKg = E dS^T,  dW = -dE S0^T,  d e^(G_C) = rowsum(S0 * dS).
 
 
