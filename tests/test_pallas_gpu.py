@@ -80,10 +80,13 @@ def test_pallas_long_bf16_head_dim_128(rule, variant, monkeypatch):
     assert all(errors[n] <= RMS[n] for n in errors), errors
 
 
-def test_decode_step_head_dim_128():
-    x = make_inputs("kda", B=8, T=4, H=4, K=128, V=128, seed=12)
+@pytest.mark.parametrize("B,v_fastest", [(8, False), (64, False), (64, True)])
+def test_decode_step_head_dim_128(B, v_fastest):
+    # B = 8: 64 programs, V tile 32; B = 64: V tile 64 (the large-batch default), also with the V tiles first.
+    x = make_inputs("kda", B=B, T=4, H=4, K=128, V=128, seed=12)
     o_ref, ht_ref = ops.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
                                   output_final_state=True, backend="recurrent")
-    o, ht, states = decode_step(x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], output_states=True)
+    o, ht, states = decode_step(x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], output_states=True,
+                                v_fastest=v_fastest)
     for got, want in ((o, o_ref), (ht, ht_ref), (states[:, -1], ht_ref)):
         assert _rel_rms(got, want) < 1e-5
