@@ -120,17 +120,22 @@ def _gram_grad_fast(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, *, scale, prec)
             col * dot(dkk_ref[:, blk], k_ref[:, d].astype(f32) * up, prec, trans_a=True))
 
 
+def _exact_operands(dm_ref, dkk_ref, r0):
+    """The exact paths' cotangent blocks for the 16-row block at r0: the row side left of the diagonal block
+    (dM, dKK [16, C]), the column side below it ([C, 16]) and the diagonal blocks [16 (i), 16 (j)]."""
+    s, C = SUB, dm_ref.shape[-1]
+    blk = pl.ds(r0, s)
+    left = lambda ref: jnp.where(_iota((s, C), 1) < r0, ref[blk, :], 0.0)
+    below = lambda ref: jnp.where(_iota((C, s), 0) >= r0 + s, ref[:, blk], 0.0)
+    return left(dm_ref), left(dkk_ref), below(dm_ref), below(dkk_ref), dm_ref[blk, blk], dkk_ref[blk, blk]
+
+
 def _gram_grad_exact_loop(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, *, scale, prec):
     """The exact path with 16-step loops for the diagonal block (few registers), as `_gram_grad_fast`."""
-    s, C = SUB, dm_ref.shape[-1]
-    iota = lambda shape, dim: jax.lax.broadcasted_iota(jnp.int32, shape, dim)
+    s = SUB
     blk = pl.ds(r0, s)
-    rows_s1 = iota((s, 1), 0)
-    dM_off = jnp.where(iota((s, C), 1) < r0, dm_ref[blk, :], 0.0)
-    dKK_off = jnp.where(iota((s, C), 1) < r0, dkk_ref[blk, :], 0.0)
-    dMc_off = jnp.where(iota((C, s), 0) >= r0 + s, dm_ref[:, blk], 0.0)
-    dKKc_off = jnp.where(iota((C, s), 0) >= r0 + s, dkk_ref[:, blk], 0.0)
-    dM_d, dKK_d = dm_ref[blk, blk], dkk_ref[blk, blk]  # [s (i), s (j)], zero above the diagonal
+    rows_s1 = _iota((s, 1), 0)
+    dM_off, dKK_off, dMc_off, dKKc_off, dM_d, dKK_d = _exact_operands(dm_ref, dkk_ref, r0)
     Gn, Gm = G_ref[pl.ds(r0, 1), d], G_ref[pl.ds(r0 + s - 1, 1), d]
     Ga, G = G_ref[blk, d], G_ref[:, d]
     kc = k_ref[:, d].astype(f32) * jnp.exp(jnp.minimum(Gn - G, 0.0))
@@ -169,7 +174,6 @@ def _gram_bwd_kernel(q_ref, k_ref, G_ref, dm_ref, dkk_ref, *refs, C, scale, prec
     r0 = a * s
     K = k_ref.shape[-1]
     blk = pl.ds(r0, s)
-    iota = lambda shape, d: jax.lax.broadcasted_iota(jnp.int32, shape, d)
     if combine:
         dqin_ref, dkg_ref, dkin_ref, dq_ref, dk_ref, dG_ref, r_ref = refs
 
@@ -199,15 +203,8 @@ def _gram_bwd_kernel(q_ref, k_ref, G_ref, dm_ref, dkk_ref, *refs, C, scale, prec
         return run
 
     def exact():
-        cols_C = iota((s, C), 1)
-        cols_M = iota((C, s), 0)  # row index of the [C, s] column block
-        dM_row, dKK_row = dm_ref[blk, :], dkk_ref[blk, :]  # [s, C]
-        dM_col, dKK_col = dm_ref[:, blk], dkk_ref[:, blk]  # [C, s]
-        dM_off, dKK_off = jnp.where(cols_C < r0, dM_row, 0.0), jnp.where(cols_C < r0, dKK_row, 0.0)
-        dMc_off = jnp.where(cols_M >= r0 + s, dM_col, 0.0)
-        dKKc_off = jnp.where(cols_M >= r0 + s, dKK_col, 0.0)
-        dM_d, dKK_d = dm_ref[blk, blk], dkk_ref[blk, blk]  # [s, s] diagonal blocks (zero above the diagonal)
-        i3, j3 = iota((s, s, 1), 0), iota((s, s, 1), 1)
+        dM_off, dKK_off, dMc_off, dKKc_off, dM_d, dKK_d = _exact_operands(dm_ref, dkk_ref, r0)
+        i3, j3 = _iota((s, s, 1), 0), _iota((s, s, 1), 1)
         for t in range(K // bk3):
             d = pl.ds(t * bk3, bk3)
             Gn, Gm = G_ref[pl.ds(r0, 1), d], G_ref[pl.ds(r0 + s - 1, 1), d]
