@@ -13,7 +13,7 @@
 #       --fla-shapes 1x32768 --decode= --skip lineattn-chunk lineattn-pallas-mml2-kernels-mml2 --long 262144"
 #       bash benchmarks/h200_issue2.sh
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
-#   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.LOOP=4 for sweeps)
+#   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps)
 # Tests take 1-3 minutes, the bench 6-9 (FLA autotunes on first use): one device call for each part. Environment
 # variables go before `bash` (`SKIP_BENCH=1 bash ...`; an argument after the script name is ignored).
 set -uo pipefail

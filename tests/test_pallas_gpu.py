@@ -27,15 +27,15 @@ def _rel_rms(actual, expected):
 
 
 def _run(rule, x, backend, monkeypatch=None, variant=None):
-    if variant is not None:  # None: the defaults (`pallas.api.INTRA`, `BACKWARD`); a third entry: chunk_fwd.LOOP,
-        from lineattn.ops.pallas import api as pallas_api  # a fourth: chunk_bwd.COMBINE
+    if variant is not None:  # None: the defaults (`pallas.api.INTRA`, `BACKWARD`); a third entry: module
+        from lineattn.ops.pallas import api as pallas_api  # constants to set, {"chunk_bwd.COMBINE": "kernel"}
         from lineattn.ops.pallas import chunk_bwd, chunk_fwd
         monkeypatch.setattr(pallas_api, "INTRA", variant[0])
         monkeypatch.setattr(pallas_api, "BACKWARD", variant[1])
-        if len(variant) > 2:
-            monkeypatch.setattr(chunk_fwd, "LOOP", variant[2])
-        if len(variant) > 3:
-            monkeypatch.setattr(chunk_bwd, "COMBINE", variant[3])
+        modules = {"chunk_fwd": chunk_fwd, "chunk_bwd": chunk_bwd}
+        for name, value in (variant[2] if len(variant) > 2 else {}).items():
+            module, attr = name.split(".")
+            monkeypatch.setattr(modules[module], attr, value)
     names = [n for n in ("q", "k", "v", "g", "beta", "h0") if x[n] is not None]  # DeltaNet: no g; GLA: no beta
     rng = np.random.default_rng(1)
     B, T, H, _ = x["q"].shape
@@ -60,12 +60,18 @@ def _run(rule, x, backend, monkeypatch=None, variant=None):
 # The defaults (None: mml2 / kernels-saved) and the other variants. DeltaNet and GLA with the defaults: what `auto`
 # needs before it takes the kernels for them (`pallas.api.AUTO_RULES`).
 VARIANTS = [("kda", None), ("gdn", None), ("deltanet", None), ("gla", None), ("kda", ("mml2", "xla")),
-            ("kda", ("mml2", "kernels-mml2")), ("gdn", ("mml2", "kernels-mml2")), ("kda", ("mml2", "kernels-saved", 4)),
-            ("kda", ("mml2", "kernels-saved", 1, "in-gram"))]
+            ("kda", ("mml2", "kernels-mml2")), ("gdn", ("mml2", "kernels-mml2")),
+            ("kda", ("mml2", "kernels-saved", {"chunk_bwd.COMBINE": "kernel"}))]
 
 
-@pytest.mark.parametrize("rule,variant", VARIANTS, ids=[f"{r}-{'default' if v is None else '-'.join(map(str, v))}"
-                                                        for r, v in VARIANTS])
+def _variant_id(rule, variant):
+    if variant is None:
+        return f"{rule}-default"
+    settings = [f"{n.split('.')[1]}={v}" for n, v in (variant[2] if len(variant) > 2 else {}).items()]
+    return "-".join([rule, *variant[:2], *settings])
+
+
+@pytest.mark.parametrize("rule,variant", VARIANTS, ids=[_variant_id(r, v) for r, v in VARIANTS])
 def test_pallas_long_bf16_head_dim_128(rule, variant, monkeypatch):
     inputs = make_inputs(rule, B=1, T=16384 - 3, H=2, K=128, V=128, seed=11)
     inputs["h0"] = inputs.pop("initial_state")

@@ -54,19 +54,16 @@ def test_chunk_kernels_lower_for_sm90(fake_h200, dtype, intra, backward):
     assert text.count("__gpu$xla.gpu.triton") == expected
 
 
-def test_combine_in_gram_lowers_for_sm90(fake_h200, monkeypatch):
-    # `chunk_bwd.COMBINE = "in-gram"`: the Gram-gradient kernel with the combine, then the reverse-cumsum kernel.
-    from lineattn.ops.pallas import chunk_bwd
-    monkeypatch.setattr(chunk_bwd, "COMBINE", "in-gram")
+@pytest.mark.parametrize("setting", ["chunk_bwd.COMBINE=kernel"])
+def test_kernel_options_lower_for_sm90(fake_h200, monkeypatch, setting):
+    # The combine as its own kernel (against the in-gram default).
+    from lineattn.ops.pallas import chunk_bwd, chunk_fwd
+    name, value = setting.split("=")
+    module, attr = name.split(".")
+    monkeypatch.setattr({"chunk_fwd": chunk_fwd, "chunk_bwd": chunk_bwd}[module], attr, value)
     text = _lowered(100, jnp.bfloat16, "kernels-saved", "mml2")
-    assert text.count("__gpu$xla.gpu.triton") == 11 and "lineattn_chunk_bwd_dg" in text
-
-
-def test_loop_chunks_lower_for_sm90(fake_h200, monkeypatch):
-    # `chunk_fwd.LOOP` > 1: the cumsum and solve kernels loop over 4 chunks per program (views `ref.at[pl.ds(..)]`).
-    from lineattn.ops.pallas import chunk_fwd
-    monkeypatch.setattr(chunk_fwd, "LOOP", 4)
-    assert _lowered(512, jnp.bfloat16, "kernels-mml2", "mml2").count("__gpu$xla.gpu.triton") == 13
+    kernel = {"COMBINE": "lineattn_chunk_bwd_combine"}[attr]
+    assert text.count("__gpu$xla.gpu.triton") == 11 and kernel in text
 
 
 @pytest.mark.parametrize("v_fastest", [False, True])

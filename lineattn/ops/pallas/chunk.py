@@ -45,18 +45,16 @@ def chunk_pallas(q, k, v, g, beta, h0, scale, chunk_size=64, interpret=None, bac
     """(o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32). Arguments as `chunk_fwd.forward`;
     backward: see the module docstring; intra: "mml2" or "mm2", see `chunk_fwd.forward`."""
     _check(backward, intra)
-    return forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret, intra=intra,
-                   loop=chunk_fwd.LOOP)
+    return forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret, intra=intra)
 
 
 def _fwd(q, k, v, g, beta, h0, scale, chunk_size, interpret, backward, intra):
     _check(backward, intra)
     if backward == "kernels-saved":  # the forward's intra-chunk terms are kept for the backward
         o, ht, saved = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret,
-                               intra=intra, save=True, loop=chunk_fwd.LOOP)
+                               intra=intra, save=True)
         return (o, ht), (q, k, v, g, beta, h0, saved)
-    out = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret, intra=intra,
-                  loop=chunk_fwd.LOOP)
+    out = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret, intra=intra)
     return out, (q, k, v, g, beta, h0)
 
 

@@ -46,10 +46,13 @@ STATES_DTYPE = "bfloat16"
 # 2 or 8 warps for the Gram gradients 3.62 / 2.63 ms against 1.62 with 4; WY 4 / 16 warps 1.28 / 2.42 against 1.24
 # with 8; chunk gradients 0.95 with 4 warps against 1.11 with 8; the combine 1.01 with K tile 64, 1.09 with 32).
 GRADS_WARPS, WY_WARPS, CHUNK_GRADS_WARPS, COMBINE_BK = 4, 8, 4, 64
-# Where dq, dk, dg are formed: "kernel" (`_combine_kernel`, reading the four Gram gradients back; H200-timed) or
-# "in-gram" (the Gram-gradient kernel forms dq, dk and dG row by row, `_dg_kernel` the reverse cumsum: about half
-# the traffic; with gram_diag "mml" only; CPU-tested, not yet timed on a GPU).
-COMBINE = "kernel"
+# Where dq, dk, dg are formed: "in-gram" (the Gram-gradient kernel forms dq, dk and dG row by row, `_dg_kernel`
+# the reverse cumsum; with gram_diag "mml" only) or "kernel" (`_combine_kernel`, reading the four fp32 Gram
+# gradients back). H200 run8a: in-gram 2.13 + 0.18 ms against 1.62 + 1.05 (forward+backward kernels 7.23 / 7.60).
+COMBINE = "in-gram"
+# The pipeline depths of the states pass and the reverse pass (run8a: states 0.27 / 0.32 / 0.37 ms with 2 / 3 / 1
+# stages, reverse 0.51 / 0.49 / 0.49).
+STATES_STAGES, REVERSE_STAGES = 2, 1
 
 
 def _states_kernel(kg_ref, w_ref, u_ref, dend_ref, h0_ref, s0_ref, *e_ref, C, K, N, prec, delta):
@@ -356,7 +359,6 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     here, and the state passes read the stored (bf16 for bf16 inputs) Qin, Kg, M, W, U."""
 
     C = chunk_size
-    loop = chunk_fwd.LOOP  # chunks per program of the cumsum and solve kernels (read at trace)
     B, T, H, K = q.shape
     V = v.shape[-1]
     exact = q.dtype == f32
@@ -368,7 +370,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     gp = gp.astype(f32)
     Tp = qp.shape[1]
     N = Tp // C
-    G, dend_KN = gate_cumsum(gp, C=C, interpret=interpret, loop=loop)
+    G, dend_KN = gate_cumsum(gp, C=C, interpret=interpret)
     ch = lambda x: x.reshape(B, H, N, C, x.shape[-1])
     if saved is not None:
         Qin, Kg, W, U, M, dend_KN, KK, R = saved
@@ -380,7 +382,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
                                    warps=gram_warps, interpret=interpret)
         if delta:
             W, U, R = solve_full(KK, kp, vp, G, bp, C=C, store=f32, prec=prec if exact else chunk_fwd.UW_PREC,
-                                 inv_prec=inv_prec, warps=4, interpret=interpret, with_r=True, kk=True, loop=loop)
+                                 inv_prec=inv_prec, warps=4, interpret=interpret, with_r=True, kk=True)
         else:
             U, W, R = jnp.moveaxis(vp, 2, 1).astype(f32), None, None
     terms = ChunkTerms(ch(Qin), ch(M), ch(Kg), jnp.swapaxes(dend_KN, -1, -2), ch(U), None if W is None else ch(W))
@@ -499,13 +501,13 @@ def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None,
     interpret, prec = interpret_mode(interpret), "ieee" if exact else PASS_PREC
     (qin, kg, m, u, w, dend_KN), BV, (whole, vtile, state, states, kn) = _pass_setup(terms, block_v)
     NV = V // BV
-    params = compiler_params(num_warps=4, num_stages=chunk_fwd.PASS_STAGES)
     kept = f32 if exact else jnp.dtype(STATES_DTYPE)
     s0, E = pl.pallas_call(
         functools.partial(_states_kernel, C=C, K=K, N=N, prec=prec, delta=delta),
         grid=(B, H, NV), in_specs=[whole(K), whole(K), vtile, kn, state], out_specs=[states, vtile],
         out_shape=[jax.ShapeDtypeStruct((B, H, N * K, V), kept), jax.ShapeDtypeStruct((B, H, Tp, V), kept)],
-        compiler_params=params, interpret=interpret, name="lineattn_chunk_bwd_states",
+        compiler_params=compiler_params(num_warps=4, num_stages=STATES_STAGES), interpret=interpret,
+        name="lineattn_chunk_bwd_states",
     )(kg, w, u, dend_KN, h0.astype(f32))
     ds, du, dh0 = pl.pallas_call(
         functools.partial(_reverse_ds_kernel, C=C, K=K, N=N, prec=prec, delta=delta),
@@ -515,7 +517,8 @@ def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None,
         out_specs=[states, vtile, state],
         out_shape=[jax.ShapeDtypeStruct((B, H, N * K, V), kept), jax.ShapeDtypeStruct((B, H, Tp, V), f32),
                    jax.ShapeDtypeStruct((B, H, K, V), f32)],
-        compiler_params=params, interpret=interpret, name="lineattn_chunk_bwd_reverse_ds",
+        compiler_params=compiler_params(num_warps=4, num_stages=REVERSE_STAGES), interpret=interpret,
+        name="lineattn_chunk_bwd_reverse_ds",
     )(qin, kg, w, m, dend_KN, do, dht.astype(f32))
     chunk = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
     kv = pl.BlockSpec((None, None, K, V), lambda b, h, n: (b, h, n, 0))

@@ -14,7 +14,8 @@ The intra-chunk stage, parallel over (batch, head, chunk) (`_intra`; default "mm
 registers, E = U - W S, O = Qin S + M E, S <- Diag(e^(G_C)) S + Kg^T E; writes O and the final state.
 
 Precision: bf16 inputs keep bf16 intermediates (Qin, Kg, W, U, M) and run the state pass's products on bf16
-tensor cores with fp32 accumulation; the Gram products take TF32 and the solve bf16x3. fp32 inputs run
+tensor cores with fp32 accumulation; the Gram products take TF32, the solve's doubling bf16x3 and its U, W
+products bf16 (see GRAM_PREC, UW_PREC). fp32 inputs run
 everything in exact fp32. Intermediate memory: (3 K + V + C) values per token and head in the input dtype, plus
 K fp32 per chunk.
 """
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lineattn.ops.pallas.common import SUB, compiler_params, dot, interpret_mode, is_pow2, loop_chunks
+from lineattn.ops.pallas.common import SUB, compiler_params, dot, interpret_mode, is_pow2
 
 f32 = jnp.float32
 
@@ -48,20 +49,13 @@ def _iota(shape, dim):
 #     <= 1), the 16 x 16 diagonal block pair by pair, masked before the exp: "mm" as a 3-D broadcast
 #     [16, 16, bk3] placed into the row by an exact selection product, "mml" by a 16-step column loop on 2-D tiles.
 LIMIT = 40.0
-# Chunks per program of the gate cumsum and the whole-chunk solve, through `common.loop_chunks`, and the pipeline
-# depth then. 1: one chunk per program (the kernels as GPU-tested); > 1 is CPU-tested and lowers for sm_90 but has
-# not run on a GPU. Read when a call is traced; for timing sweeps (benchmarks/profile_pallas_kda.py --configs
-# chunk_fwd.LOOP=4). The Triton lowering takes one indexer per load ("No support for multiple indexers yet"), so
-# only kernels that read whole views (`ref[...]`) can be looped this way; the Gram kernels index sub-blocks.
-LOOP = 1
-LOOP_STAGES = 2
 INTRAS = {"mm2": "mm", "mml2": "mml"}  # forward's intra stage -> the Gram kernels' exact path
 # Launch settings of the forward (read when a call is traced; for timing sweeps through
 # benchmarks/profile_pallas_kda.py --configs): warps of the Gram kernel, the solve and the state pass, and the Gram
 # kernel's K tile. H200 (8 x 4096, runs 4-5): Gram 2 warps 1.36 ms against 1.62 with 4, solve 4 warps 1.22 against
-# 1.63 with 8 (timed alone). PASS_STAGES: the state pass's pipeline depth (2 as timed; at 8 x 4096 its 256 programs
-# make two waves on the H200's 132 SMs if one fits per SM, and a shallower pipeline needs less shared memory).
-GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES = 2, 4, 4, 64, 2
+# 1.63 with 8 (timed alone); run8a: Gram K tile 128 with 4 warps 1.14 ms against 0.97. PASS_STAGES: the state
+# pass's pipeline depth (run8a: 0.35 ms with 3, 0.42 with 2, 0.375 with 1).
+GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES = 2, 4, 4, 64, 3
 
 
 def _diag_exact(x_tiles, k_tiles, G_tiles, s):
@@ -173,22 +167,19 @@ def _cumsum_kernel(g_ref, G_ref, dend_ref):
     dend_ref[...] = jnp.exp(jnp.sum(g, axis=0))
 
 
-def gate_cumsum(g, *, C, interpret, loop=1):
+def gate_cumsum(g, *, C, interpret):
     """G [B, Tp, H, K] fp32 (cumsum of g within each chunk of C) and e^(G_C) [B, H, K, N]."""
     B, Tp, H, K = g.shape
     N = Tp // C
     bk = min(K, 64)
-    R = loop if N % loop == 0 else 1  # chunks per program
-    kernel = loop_chunks(_cumsum_kernel, R, [(0, C), (0, C), (1, None)])
     return pl.pallas_call(
-        kernel,
-        grid=(B, H, N // R, K // bk),
-        in_specs=[pl.BlockSpec((None, R * C, None, bk), lambda b, h, n, t: (b, n, h, t))],
-        out_specs=[pl.BlockSpec((None, R * C, None, bk), lambda b, h, n, t: (b, n, h, t)),
-                   pl.BlockSpec((None, None, bk, None) if R == 1 else (None, None, bk, R),
-                                lambda b, h, n, t: (b, h, t, n))],
+        _cumsum_kernel,
+        grid=(B, H, N, K // bk),
+        in_specs=[pl.BlockSpec((None, C, None, bk), lambda b, h, n, t: (b, n, h, t))],
+        out_specs=[pl.BlockSpec((None, C, None, bk), lambda b, h, n, t: (b, n, h, t)),
+                   pl.BlockSpec((None, None, bk, None), lambda b, h, n, t: (b, h, t, n))],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), f32), jax.ShapeDtypeStruct((B, H, K, N), f32)],
-        compiler_params=compiler_params(num_warps=4, num_stages=LOOP_STAGES if R > 1 else 1),
+        compiler_params=compiler_params(num_warps=4, num_stages=1),
         interpret=interpret,
         name="lineattn_chunk_cumsum",
     )(g)
@@ -197,64 +188,71 @@ def gate_cumsum(g, *, C, interpret, loop=1):
 # ---- The solve on the whole chunk tile by block doubling ("solve": "full") ----
 SOLVE_PREC = "bf16x3"  # the doubling products' precision for bf16 inputs (read when a call is traced)
 # For bf16 inputs (fp32 inputs: "ieee"), read when a call is traced: the Gram kernel's products and the solve's
-# U = R Diag(b) V, W = R Diag(b) Kin (stored in bf16 either way). "tf32" is what the H200 runs timed; "bf16" is an
-# option for timing (not yet timed; on the CPU at T = 512, K = V = 128 it moved o's relative RMS error against the
-# fp32 XLA chunk form from 2.9e-3 to 3.6e-3 (Gram) / 3.3e-3 (U, W), the gradients by at most 4e-4).
-GRAM_PREC, UW_PREC = "tf32", "tf32"
+# U = R Diag(b) V, W = R Diag(b) Kin (stored in bf16 either way). H200, 8 x 4096 x 16 x 128 (run8a/b profiles):
+# U, W in bf16 0.54 ms for the solve against 0.81 in tf32, o's relative RMS error against the fp32 XLA chunk form
+# 3.3e-3 against 2.9e-3 (FLA's chunk_kda: 3.3e-3 in the same comparison, jla 4.0e-3), the gradients' at most
+# +4e-4; the Gram products in bf16 as well: Gram 0.90 ms against 0.97, o 4.0e-3 (not taken).
+GRAM_PREC, UW_PREC = "tf32", "bf16"
 # R = (I + A)^-1 for the unit lower triangular I + A of one chunk, in registers, from X_1 = I by
 # X_2b = X_b - X_b A_b X_b, A_b = A restricted to the blocks below the diagonal inside each diagonal block of 2b
 # (X_b is block diagonal with inverted diagonal blocks of size b): the recursive block inverse
 # [[L11, 0], [L21, L22]]^-1 = [[X11, 0], [-X22 L21 X11, X22]] for all blocks of one size at once, so the same
 # numbers as block forward substitution (no power series: exact for correlated keys too). log2(C) - 1 pairs of
 # C x C x C products at `inv_prec` ("bf16x3": three bf16 tensor-core passes; "ieee" for fp32 inputs), then
-# U = R Diag(b) V, W = R Diag(b) Kin. Optionally writes R (fp32) for the backward.
+# U = R Diag(b) V, W = R Diag(b) Kin. Optionally writes R (fp32) for the backward. (A kernel on 16 x 16 blocks, each
+# diagonal block inverted by doubling and then block forward substitution with only the ten nonzero blocks'
+# products, was slower on the H200: 0.91 ms against 0.81 at 8 x 4096 x 16 x 128, run8b; removed.)
 
 
-def _solve_full_kernel(a_ref, k_ref, v_ref, G_ref, beta_ref, w_ref, u_ref, *r_ref, C, prec, inv_prec, kk):
-    i, j = _iota((C, C), 0), _iota((C, C), 1)
-    beta = beta_ref[...].astype(f32)[:, None]
-    A = beta * a_ref[...] if kk else a_ref[...]  # kk: a_ref holds the unscaled key Gram KK (strictly lower)
+def _invert_unit_lower(A, n, inv_prec):
+    """(I + A)^-1 for a strictly lower triangular [n, n] A by the block doubling above."""
+    i, j = _iota((n, n), 0), _iota((n, n), 1)
     X = jnp.where(i == j, 1.0, jnp.where((i // 2 == j // 2) & (i != j), -A, 0.0))  # X_2 = I - A_1
     b = 2
-    while b < C:
+    while b < n:
         Ab = jnp.where((i // (2 * b) == j // (2 * b)) & (i // b != j // b), A, 0.0)
         X = X - dot(dot(X, Ab, inv_prec), X, inv_prec)
         b *= 2
+    return X
+
+
+def _solve_full_kernel(a_ref, k_ref, v_ref, G_ref, beta_ref, w_ref, u_ref, *r_ref, C, prec, inv_prec, kk):
+    beta = beta_ref[...].astype(f32)[:, None]
+    A = beta * a_ref[...] if kk else a_ref[...]  # kk: a_ref holds the unscaled key Gram KK (strictly lower)
+    X = _invert_unit_lower(A, C, inv_prec)
     u_ref[...] = dot(X, beta * v_ref[...].astype(f32), prec).astype(u_ref.dtype)
     w_ref[...] = dot(X, beta * k_ref[...].astype(f32) * jnp.exp(G_ref[...]), prec).astype(w_ref.dtype)
     if r_ref:
         r_ref[0][...] = X
 
 
-def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, with_r=False, kk=False, loop=1):
+def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, with_r=False, kk=False):
     """W, U [B, H, Tp, .] (and R [B, H, Tp, C] fp32 when with_r) by `_solve_full_kernel`; kk: A is the unscaled
     key Gram (A = Diag(beta) KK is formed in the kernel)."""
     B, Tp, H, K = k.shape
     V, N = v.shape[-1], Tp // C
-    R = loop if N % loop == 0 else 1  # chunks per program
-    tok = lambda D: pl.BlockSpec((None, R * C, None, D), lambda b, h, n: (b, n, h, 0))
-    chunk_out = lambda D: pl.BlockSpec((None, None, R * C, D), lambda b, h, n: (b, h, n, 0))
+    tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
+    chunk_out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
     kernel = functools.partial(_solve_full_kernel, C=C, prec=prec, inv_prec=inv_prec, kk=kk)
-    kernel = loop_chunks(kernel, R, [(0, C)] * (7 + with_r))
     return pl.pallas_call(
         kernel,
-        grid=(B, H, N // R),
-        in_specs=[chunk_out(C), tok(K), tok(V), tok(K), pl.BlockSpec((None, R * C, None), lambda b, h, n: (b, n, h))],
+        grid=(B, H, N),
+        in_specs=[chunk_out(C), tok(K), tok(V), tok(K), pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))],
         out_specs=[chunk_out(K), chunk_out(V)] + ([chunk_out(C)] if with_r else []),
         out_shape=[jax.ShapeDtypeStruct((B, H, Tp, K), store), jax.ShapeDtypeStruct((B, H, Tp, V), store)]
         + ([jax.ShapeDtypeStruct((B, H, Tp, C), f32)] if with_r else []),
-        compiler_params=compiler_params(num_warps=warps, num_stages=LOOP_STAGES if R > 1 else 1),
+        compiler_params=compiler_params(num_warps=warps, num_stages=1),
         interpret=interpret,
         name="lineattn_chunk_solve_full",
     )(A, k, v, G, beta)
 
 
-def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, diag="mml", save=False, loop=1):
+def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, diag="mml", save=False):
     """The intra-chunk stage's outputs (qin, kg, w, u, m, e^(G_C) as [B, H, K, N]): the gate-cumsum kernel, the
     Gram rows (exact path `diag`) and the whole-chunk solve. save: also the unscaled key Gram KK and
     R = (I + A)^-1 (fp32 [B, H, Tp, C]) for the backward: the Gram kernel then writes KK and the solve scales it
     by beta."""
-    G, dend = gate_cumsum(g, C=C, interpret=interpret, loop=loop)
+    G, dend = gate_cumsum(g, C=C, interpret=interpret)
     gram_beta = jnp.ones_like(beta) if save else beta
     exact = prec == "ieee"
     m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=prec if exact else GRAM_PREC,
@@ -264,7 +262,7 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     inv_prec = "ieee" if exact else SOLVE_PREC
     out = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec if exact else UW_PREC, inv_prec=inv_prec,
                      warps=SOLVE_WARPS,
-                     interpret=interpret, with_r=save, kk=save, loop=loop)
+                     interpret=interpret, with_r=save, kk=save)
     if save:
         w, u, R = out
         return qin, kg, w, u, m, dend, A, R
@@ -308,17 +306,17 @@ def pick_block_v(programs: int, V: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "interpret", "block_v", "warps", "only_intra",
-                                             "intra", "export_chunks", "save", "loop"))
+                                             "intra", "export_chunks", "save"))
 def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpret: bool | None = None,
             block_v: int | None = None, warps: tuple[int, int] | None = None, only_intra: bool = False,
-            intra: str = "mml2", export_chunks: tuple[int, ...] = (), save: bool = False, loop: int | None = None):
+            intra: str = "mml2", export_chunks: tuple[int, ...] = (), save: bool = False):
     """o [B, T, H, V] (q's dtype) and final state [B, H, K, V] fp32 of the delta rule with a per-channel gate.
 
     q, k [B, T, H, K] and v [B, T, H, V] (bf16 or fp32, one dtype), g [B, T, H, K] log decay (fp32; zeros for
     no gate), beta [B, T, H] or None (additive write), h0 [B, H, K, V] fp32. block_v, warps (intra, state
     pass; default (GRAM_WARPS, PASS_WARPS)) and only_intra (return the intra stage's outputs)
     are for tuning and timing. intra (H200 forward at 8 x 4096 x 16 x 128 bf16, benchmarks/results/README.md):
-    "mml2" (the default, 2.74 ms: `gate_cumsum`, `_gram_rows_kernel` with the column-loop exact path,
+    "mml2" (the default, 2.44 ms in run8c: `gate_cumsum`, `_gram_rows_kernel` with the column-loop exact path,
     `_solve_full_kernel`), "mm2" (the same with the 3-D exact path). (Removed on 2026-12-01 as slower in every
     H200 run: the "split" family with an XLA cumsum and a 16 x 16-block solve, 4.44-8.01 ms, and two
     single-program stages, "fused2" 7.15 ms and "fused" 9.40 ms.)
@@ -328,8 +326,7 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     inside the chunk.
     save: return (o, final state, saved) with saved = (qin, kg, w, u, m [B, H, Tp, .] in
     the store dtype, e^(G_C) [B, H, K, N], KK, R [B, H, Tp, C] fp32; the last four None for the additive write),
-    what `chunk_bwd.backward_fast` would otherwise recompute. loop: chunks per program of the cumsum and solve
-    kernels (None: the module's LOOP).
+    what `chunk_bwd.backward_fast` would otherwise recompute.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -355,7 +352,7 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
         raise ValueError(f"intra must be one of {sorted(INTRAS)}, got {intra!r}")
     qin, kg, w, u, m, dend, *extra = _intra(
         q, k, v, g, beta, C=C, scale=scale, store=store, prec="ieee" if exact else "tf32", delta=delta,
-        warps=warps[0], interpret=interpret, loop=LOOP if loop is None else loop, diag=INTRAS[intra], save=save)
+        warps=warps[0], interpret=interpret, diag=INTRAS[intra], save=save)
     if only_intra:
         return qin, kg, w, u, m, dend
     if not delta:

@@ -51,36 +51,3 @@ def dot(a, b, precision, *, trans_a: bool = False, trans_b: bool = False):
 
 def is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
-
-
-def loop_chunks(body, R: int, slices, *, index_axis: int = 2, with_index: bool = False):
-    """A kernel that runs `body` R times in one program, on consecutive slices of its refs, in a `fori_loop`
-    (so that the Triton backend can pipeline the next slice's loads, num_stages > 1), instead of one program per
-    slice. slices: per ref (inputs then outputs), (axis, size): view `ref.at[..., pl.ds(r * size, size), ...]`
-    along axis, or (axis, None): the integer index r along axis (that axis is dropped), or None: the ref as is.
-    with_index: pass index = program_id(index_axis) * R + r, the grid index a one-slice program would have had.
-    R = 1 returns body unchanged (the kernels as GPU-tested)."""
-    if R == 1:
-        return body
-
-    def view(ref, spec, r):
-        if spec is None:
-            return ref
-        axis, size = spec
-        idx = (slice(None),) * axis + ((r,) if size is None else (pl.ds(r * size, size),))
-        return ref.at[idx]
-
-    def kernel(*refs):
-        base = pl.program_id(index_axis) * R if with_index else None  # outside the loop (interpret mode)
-
-        def step(r, carry):
-            views = [view(ref, spec, r) for ref, spec in zip(refs, slices)]
-            if with_index:
-                body(*views, index=base + r)
-            else:
-                body(*views)
-            return carry
-
-        jax.lax.fori_loop(0, R, step, 0)
-
-    return kernel
