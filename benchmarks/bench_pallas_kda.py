@@ -52,17 +52,19 @@ def record(out, **rec):
         (out / f"{datetime.date.today().isoformat()}-h200-kda.json").write_text(json.dumps(RECORDS, indent=1))
 
 
-def pallas_variant(rule, intra, backward):
-    """lineattn's pallas backend with the given intra-chunk stage and backward (module switches read at trace)."""
+def pallas_variant(rule, intra, backward, scalar_gate=None):
+    """lineattn's pallas backend with the given intra-chunk stage, backward and `api.SCALAR_GATE` (None: as set;
+    module switches read at trace)."""
     from lineattn.ops.pallas import api as pallas_api
 
     def f(q, k, v, g, b):
-        saved = pallas_api.INTRA, pallas_api.BACKWARD
+        saved = pallas_api.INTRA, pallas_api.BACKWARD, pallas_api.SCALAR_GATE
         pallas_api.INTRA, pallas_api.BACKWARD = intra, backward
+        pallas_api.SCALAR_GATE = saved[2] if scalar_gate is None else scalar_gate
         try:
             return ops.linear_attention(rule, q, k, v, g, b, backend="pallas")[0]
         finally:
-            pallas_api.INTRA, pallas_api.BACKWARD = saved
+            pallas_api.INTRA, pallas_api.BACKWARD, pallas_api.SCALAR_GATE = saved
 
     return f
 
@@ -76,6 +78,8 @@ def jax_kda_impls(op):
         "lineattn-pallas-mml2-kernels-mml2": pallas_variant(rule, "mml2", "kernels-mml2"),
         "lineattn-chunk": lambda q, k, v, g, b: ops.linear_attention(rule, q, k, v, g, b, backend="chunk")[0],
     }
+    if gate == "head" and not pallas_api.SCALAR_GATE:  # the scalar-gate Gram kernels beside the default
+        impls["lineattn-pallas-scalar"] = pallas_variant(rule, pallas_api.INTRA, pallas_api.BACKWARD, True)
     try:
         import jla.ops as jla_ops
         kind = "kda" if gate == "channel" else "gated_deltanet"

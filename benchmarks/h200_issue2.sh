@@ -5,15 +5,16 @@
 #   SKIP_TESTS=1 / SKIP_BENCH=1   one part only        TESTS_K="expr"   a subset of the tests (pytest -k)
 #   BENCH_ARGS="..."   replaces the bench flags below; TEST_TIMEOUT / BENCH_TIMEOUT in seconds. The one long
 #   sequence alone (run6's call ran out of time before it): BENCH_ARGS="--shapes= --decode= --fla= --long 262144"
-#   The default bench needs more than one 600 s call (FLA autotunes each shape); the table in two calls
-#   (run7f did the first part's KDA rows in about 200 s):
+#   The default bench (the whole table, T = 262144 included) fit one call in run8c: `SKIP_TESTS=1
+#   BENCH_TIMEOUT=565 bash benchmarks/h200_issue2.sh` (563 s; FLA autotunes each shape). If it does not, in two:
 #     SKIP_TESTS=1 BENCH_TIMEOUT=560 BENCH_ARGS="--iters 10 --shapes 8x4096 --gdn --fla fwd,fwdbwd
 #       --fla-shapes 8x4096 --skip lineattn-chunk lineattn-pallas-mml2-kernels-mml2" bash benchmarks/h200_issue2.sh
 #     SKIP_TESTS=1 BENCH_TIMEOUT=560 BENCH_ARGS="--iters 10 --shapes 1x32768 --gdn --fla fwd,fwdbwd
 #       --fla-shapes 1x32768 --decode= --skip lineattn-chunk lineattn-pallas-mml2-kernels-mml2 --long 262144"
 #       bash benchmarks/h200_issue2.sh
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
-#   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps)
+#   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
+#   --rule gdn for Gated DeltaNet, e.g. PROFILE_ARGS='--rule gdn --check --configs default;api.SCALAR_GATE=1')
 # Tests take 1-3 minutes, the bench 6-9 (FLA autotunes on first use): one device call for each part. Environment
 # variables go before `bash` (`SKIP_BENCH=1 bash ...`; an argument after the script name is ignored).
 set -uo pipefail

@@ -1,6 +1,6 @@
 """Per-kernel device time of one KDA forward and one forward+backward, from a JAX profiler trace.
 
-    python benchmarks/profile_pallas_kda.py --out $OUT [--impls lineattn,jla] [--shape 8x4096]
+    python benchmarks/profile_pallas_kda.py --out $OUT [--impls lineattn,jla] [--shape 8x4096] [--rule gdn]
         [--configs "default;chunk_bwd.PASS_PREC=bf16+chunk_bwd.WY_PREC=tf32"] [--check]
 
 Each implementation is compiled and run once, then traced for --iters calls; the trace's GPU planes are read back
@@ -8,6 +8,7 @@ with `jax.profiler.ProfileData` and every kernel's time is summed over the trace
 so each row is one kernel's device time per call. --configs profiles lineattn once per configuration, each
 setting module constants of `lineattn.ops.pallas` (`module.NAME=value`, joined by '+'); --check first compares
 each configuration's o and five gradients with the XLA chunk form in fp32 on the same inputs (relative RMS).
+--rule gdn profiles Gated DeltaNet instead (the same inputs with a head gate, g[..., 0]; jla's gated_deltanet).
 Kernels named by lineattn (`name=` of its `pallas_call`s: `lineattn_chunk_gram`, ...) and XLA fusions (pads,
 transposes, sums) appear under their own names. Writes
 <out>/<date>-h200-kda-profile.json: {impl: {mode: {"per_call_ms": {kernel: ms}, "total_ms": ..., "wall_ms": ...}}}.
@@ -108,30 +109,33 @@ def main():
     p.add_argument("--top", type=int, default=25, help="rows printed per profile")
     p.add_argument("--configs", default="default", help="';'-separated lineattn configurations (see above)")
     p.add_argument("--check", action="store_true", help="compare with the XLA chunk form in fp32 first")
+    p.add_argument("--rule", default="kda", choices=["kda", "gdn"])
     a = p.parse_args()
     B, T = map(int, a.shape.split("x"))
     H, K = 16, 128
     x, _ = make_inputs(B, T, H, K, K, "bfloat16")
     bf = lambda n: jnp.asarray(x[n], jnp.bfloat16)
     q, k, v, beta, do = bf("q"), bf("k"), bf("v"), bf("beta"), bf("do")
-    g = jnp.asarray(x["g"])
+    g = jnp.asarray(x["g"] if a.rule == "kda" else x["g"][..., 0])
     h0 = jnp.zeros((B, H, K, K), f32)
     scale = K**-0.5
     impls = {}
     if "lineattn" in a.impls:
         for config in a.configs.split(";"):
-            fwd = lambda q, k, v, g, b: chunk_pallas(q, k, v, g, b, h0, scale, 64, None, api.BACKWARD, api.INTRA)[0]
+            fwd = lambda q, k, v, g, b: chunk_pallas(q, k, v, api._kernel_gate(g, q.shape), b, h0, scale, 64, None,
+                                                     api.BACKWARD, api.INTRA)[0]
             impls["lineattn-pallas" + ("" if config == "default" else f" [{config}]")] = (fwd, config)
     if "jla" in a.impls:
         import jla.ops as jla_ops
 
-        impls["jla"] = (lambda q, k, v, g, b: jla_ops.linear_attention("kda", q, k, v, g=g, beta=b,
+        kind = "kda" if a.rule == "kda" else "gated_deltanet"
+        impls["jla"] = (lambda q, k, v, g, b: jla_ops.linear_attention(kind, q, k, v, g=g, beta=b,
                                                                         impl="mosaic_gpu")[0], "default")
     device = jax.devices()[0].device_kind
-    print(f"{device}; {versions()}; B={B} T={T} H={H} K=V={K}", flush=True)
-    result = {"device": device, "versions": versions(), "B": B, "T": T, "H": H, "K": K, "V": K}
+    print(f"{device}; {versions()}; {a.rule} B={B} T={T} H={H} K=V={K}", flush=True)
+    result = {"device": device, "versions": versions(), "rule": a.rule, "B": B, "T": T, "H": H, "K": K, "V": K}
     a.out.mkdir(parents=True, exist_ok=True)
-    path = a.out / f"{datetime.date.today()}-h200-kda-profile.json"
+    path = a.out / f"{datetime.date.today()}-h200-{a.rule}-profile.json"
     ref = None
     if a.check:
         def xla_loss(*xs):

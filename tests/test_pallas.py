@@ -85,6 +85,35 @@ def test_pallas_combine_in_gram(rule, gate, monkeypatch):
     _compare(rule, inputs, tol=1e-3 if gate == "cut" else TOL)
 
 
+@pytest.mark.parametrize("rule,gate,backward", [("gdn", None, "kernels-saved"), ("deltanet", None, "kernels-saved"),
+                                               ("gdn", "lower_bound", "kernels-saved"), ("gdn", "cut", "kernels-saved"),
+                                               ("gdn", None, "kernels-mml2"), ("deltanet", None, "kernels-mml2")])
+def test_pallas_scalar_gate_kernels(rule, gate, backward, monkeypatch):
+    # `api.SCALAR_GATE`: GDN and DeltaNet through the one-program-per-chunk Gram kernels (forward and gradients),
+    # chunk 32 and 64, T = 80 ragged, initial state; head gates at -5 per token, or -1000 at a few tokens.
+    monkeypatch.setattr(pallas_api, "SCALAR_GATE", True)
+    monkeypatch.setattr(pallas_api, "BACKWARD", backward)
+    low, high = {None: (-5.0, 0.0), "lower_bound": (-5.0, -5.0), "cut": (-1.0, 0.0)}[gate]
+    inputs = make_inputs(rule, B=2, T=80, H=2, K=32, V=64, g_low=low, g_high=high, seed=14)
+    if gate == "cut":
+        inputs["g"] = inputs["g"].at[:, jnp.array([3, 20, 32, 61])].set(-1000.0)
+    for chunk_size in (32, 64):
+        _compare(rule, inputs, tol=1e-3 if gate == "cut" else TOL, chunk_size=chunk_size)
+    x = inputs
+    loss = lambda q: jnp.sum(ops.linear_attention(rule, q, x["k"], x["v"], x["g"], x["beta"], backend="pallas")[0])
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss))(x["q"]))  # the scalar kernels ran, not the broadcast path
+    assert "lineattn_chunk_gram_scalar" in jaxpr and "lineattn_gram_bwd_scalar" in jaxpr
+    assert "lineattn_chunk_gram\n" not in jaxpr and "lineattn_chunk_gram " not in jaxpr
+
+
+def test_pallas_scalar_gate_bf16_and_varlen(monkeypatch):
+    # The scalar path in bf16 against the fp32 oracle (FLA's tolerances, as the channel path's test) and packed.
+    monkeypatch.setattr(pallas_api, "SCALAR_GATE", True)
+    test_pallas_bf16_against_fp32_oracle("gdn", None, monkeypatch)
+    cu_seqlens = np.array([0, 37, 37, 101])
+    _compare("gdn", make_inputs("gdn", B=1, T=101, H=1, K=32, V=32, num_seqs=3, seed=3), cu_seqlens=cu_seqlens)
+
+
 def test_pallas_varlen():
     cu_seqlens = np.array([0, 37, 37, 101])  # an empty sequence, one crossing chunk edges
     _compare("kda", make_inputs("kda", B=1, T=101, H=1, K=32, V=32, num_seqs=3, seed=3), cu_seqlens=cu_seqlens)

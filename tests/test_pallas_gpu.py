@@ -32,7 +32,7 @@ def _run(rule, x, backend, monkeypatch=None, variant=None):
         from lineattn.ops.pallas import chunk_bwd, chunk_fwd
         monkeypatch.setattr(pallas_api, "INTRA", variant[0])
         monkeypatch.setattr(pallas_api, "BACKWARD", variant[1])
-        modules = {"chunk_fwd": chunk_fwd, "chunk_bwd": chunk_bwd}
+        modules = {"chunk_fwd": chunk_fwd, "chunk_bwd": chunk_bwd, "api": pallas_api}
         for name, value in (variant[2] if len(variant) > 2 else {}).items():
             module, attr = name.split(".")
             monkeypatch.setattr(modules[module], attr, value)
@@ -61,7 +61,10 @@ def _run(rule, x, backend, monkeypatch=None, variant=None):
 # needs before it takes the kernels for them (`pallas.api.AUTO_RULES`).
 VARIANTS = [("kda", None), ("gdn", None), ("deltanet", None), ("gla", None), ("kda", ("mml2", "xla")),
             ("kda", ("mml2", "kernels-mml2")), ("gdn", ("mml2", "kernels-mml2")),
-            ("kda", ("mml2", "kernels-saved", {"chunk_bwd.COMBINE": "kernel"}))]
+            ("kda", ("mml2", "kernels-saved", {"chunk_bwd.COMBINE": "kernel"})),
+            ("gdn", ("mml2", "kernels-saved", {"api.SCALAR_GATE": True})),
+            ("deltanet", ("mml2", "kernels-saved", {"api.SCALAR_GATE": True})),
+            ("gdn", ("mml2", "kernels-mml2", {"api.SCALAR_GATE": True}))]
 
 
 def _variant_id(rule, variant):

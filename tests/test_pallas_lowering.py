@@ -28,10 +28,12 @@ def fake_h200(monkeypatch):
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: info)
 
 
-def _lowered(T, dtype, backward, intra):
-    """The lowered text of value_and_grad through `chunk_pallas` (B = 1, H = 2, K = V = 128), for the GPU."""
+def _lowered(T, dtype, backward, intra, head_gate=False):
+    """The lowered text of value_and_grad through `chunk_pallas` (B = 1, H = 2, K = V = 128), for the GPU;
+    head_gate: g [B, T, H] (the scalar-gate kernels)."""
     B, H, K, V = 1, 2, 128, 128
-    args = (S((B, T, H, K), dtype), S((B, T, H, K), dtype), S((B, T, H, V), dtype), S((B, T, H, K), jnp.float32),
+    g = S((B, T, H) if head_gate else (B, T, H, K), jnp.float32)
+    args = (S((B, T, H, K), dtype), S((B, T, H, K), dtype), S((B, T, H, V), dtype), g,
             S((B, T, H), dtype), S((B, H, K, V), jnp.float32))
 
     def loss(*a):
@@ -64,6 +66,15 @@ def test_kernel_options_lower_for_sm90(fake_h200, monkeypatch, setting):
     text = _lowered(100, jnp.bfloat16, "kernels-saved", "mml2")
     kernel = {"COMBINE": "lineattn_chunk_bwd_combine"}[attr]
     assert text.count("__gpu$xla.gpu.triton") == 11 and kernel in text
+
+
+@pytest.mark.parametrize("backward", ["kernels-saved", "kernels-mml2"])
+def test_scalar_gate_kernels_lower_for_sm90(fake_h200, backward):
+    # A head gate (GDN): the one-program-per-chunk Gram kernel and Gram-gradient kernel in place of the 16-row ones.
+    text = _lowered(100, jnp.bfloat16, backward, "mml2", head_gate=True)
+    assert "lineattn_chunk_gram_scalar" in text and "lineattn_gram_bwd_scalar" in text
+    assert "lineattn_chunk_gram\"" not in text and "lineattn_gram_bwd_combine" not in text
+    assert text.count("__gpu$xla.gpu.triton") == 4 + {"kernels-saved": 7, "kernels-mml2": 9}[backward]
 
 
 @pytest.mark.parametrize("v_fastest", [False, True])

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from lineattn.ops.pallas.common import is_pow2, on_gpu
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
-GATES = ("none", "fixed", "head", "channel")  # a head gate is a channel gate equal across K
+GATES = ("none", "fixed", "head", "channel")  # a head gate is a channel gate equal across K (see SCALAR_GATE)
 
 # What the GPU tests (tests/test_pallas*.py run on the H200, plus benchmarks/bench_pallas_*.py) cover: `auto`
 # picks the kernels only inside this set, on a GPU. The defaults below (mml2 / kernels-saved) ran on the H200
@@ -29,6 +29,11 @@ BACKWARD = "kernels-saved"
 # 2.44 ms forward at 8 x 4096, run8c) or "mm2" (a 3-D exact path for blocks holding a cut); see
 # `chunk_fwd.forward`.
 INTRA = "mml2"
+# Gates equal across K (GDN's head gate, DeltaNet's none) through the scalar Gram kernels (`chunk_fwd.gram_scalar`,
+# `chunk_bwd.gram_grads_scalar`: one program per chunk, the decay factored out of the products) instead of the
+# per-channel ones with the gate broadcast over K. CPU-tested and lowered for sm_90; False until the H200 tests and
+# a timing have run with it (GDN's GPU tests and times so far are the broadcast path's). Read when traced.
+SCALAR_GATE = False
 
 
 def unsupported(rule, dtype, K: int, V: int, chunk_size) -> str | None:
@@ -52,18 +57,21 @@ def auto_ok(rule, dtype, K, V, chunk_size) -> bool:
             and chunk_size in AUTO_CHUNKS and unsupported(rule, dtype, K, V, chunk_size) is None)
 
 
-def _channel_gate(g, shape):
-    """The kernels' gate: [B, T, H, K] fp32 (no gate: zeros; a head gate: equal across K)."""
+def _kernel_gate(g, shape):
+    """The kernels' gate, fp32: [B, T, H, K] for a channel gate; for one equal across K (a head gate, or zeros
+    for no gate) [B, T, H] when SCALAR_GATE (the scalar Gram kernels), else broadcast over K."""
     if g is None:
-        return jnp.zeros(shape, jnp.float32)
-    return jnp.broadcast_to(g[..., None] if g.ndim == 3 else g, shape).astype(jnp.float32)
+        g = jnp.zeros(shape[:3], jnp.float32)
+    if g.ndim == 3 and not SCALAR_GATE:
+        g = jnp.broadcast_to(g[..., None], shape)
+    return g.astype(jnp.float32)
 
 
 def run(q, k, v, g, beta, *, scale: float, initial_state, chunk_size: int = 64):
     """Backend entry (`lineattn.ops.common` shapes; q, k, v, beta in one dtype, g fp32 or None)."""
     from lineattn.ops.pallas.chunk import chunk_pallas
 
-    return chunk_pallas(q, k, v, _channel_gate(g, q.shape), beta, initial_state, float(scale), chunk_size, None,
+    return chunk_pallas(q, k, v, _kernel_gate(g, q.shape), beta, initial_state, float(scale), chunk_size, None,
                         BACKWARD, INTRA)
 
 
@@ -72,5 +80,5 @@ def run_checkpoints(q, k, v, g, beta, *, scale: float, initial_state, positions,
     `lineattn.ops.pallas.checkpoints`)."""
     from lineattn.ops.pallas.checkpoints import chunk_pallas_checkpoints
 
-    return chunk_pallas_checkpoints(q, k, v, _channel_gate(g, q.shape), beta, initial_state, float(scale),
+    return chunk_pallas_checkpoints(q, k, v, _kernel_gate(g, q.shape), beta, initial_state, float(scale),
                                     chunk_size, tuple(int(p) for p in positions), None, INTRA)

@@ -46,6 +46,7 @@ STATES_DTYPE = "bfloat16"
 # 2 or 8 warps for the Gram gradients 3.62 / 2.63 ms against 1.62 with 4; WY 4 / 16 warps 1.28 / 2.42 against 1.24
 # with 8; chunk gradients 0.95 with 4 warps against 1.11 with 8; the combine 1.01 with K tile 64, 1.09 with 32).
 GRADS_WARPS, WY_WARPS, CHUNK_GRADS_WARPS, COMBINE_BK = 4, 8, 4, 64
+GRADS_SCALAR_WARPS = 4  # the scalar-gate Gram gradients (`gram_grads_scalar`; not yet timed on a GPU)
 # Where dq, dk, dg are formed: "in-gram" (the Gram-gradient kernel forms dq, dk and dG row by row, `_dg_kernel`
 # the reverse cumsum; with gram_diag "mml" only) or "kernel" (`_combine_kernel`, reading the four fp32 Gram
 # gradients back). H200 run8a: in-gram 2.13 + 0.18 ms against 1.62 + 1.05 (forward+backward kernels 7.23 / 7.60).
@@ -265,6 +266,51 @@ def gram_grads_fused(q, k, G, dM, dKK, *, C, scale, exact, interpret, diag="mm",
     )(q, k, G, dM, dKK, *extra)
 
 
+def _gram_scalar_bwd_kernel(q_ref, k_ref, gs_ref, dm_ref, dkk_ref, dqin_ref, dkg_ref, dkin_ref, dq_ref, dk_ref, dG_ref,
+                            r_ref, *, C, scale, prec, delta, bk):
+    """The Gram gradients for a gate equal across K (`chunk_fwd.gram_scalar`), one program per chunk, with the
+    row-local combine: with D_ij = e^(G_i - G_j) (j <= i), dx = (dP * D) k and dk = (dP * D)^T x, then
+    `_combine_rows` as in `_gram_bwd_kernel` (dG per channel: the caller sums it over K)."""
+    i, j = _iota((C, C), 0), _iota((C, C), 1)
+    Gs = gs_ref[...]
+    G = Gs[:, None]
+    decay = jnp.exp(jnp.where(j <= i, G - Gs[None, :], -jnp.inf))
+    G_end = gs_ref[pl.ds(C - 1, 1)][None, :]
+    dM, dKK = dm_ref[...] * decay, dkk_ref[...] * decay
+    for t in range(k_ref.shape[-1] // bk):
+        d = pl.ds(t * bk, bk)
+        q, k = q_ref[:, d].astype(f32), k_ref[:, d].astype(f32)
+        xq, xk = dot(dM, k, prec), dot(dKK, k, prec)
+        kq, kk = dot(dM, q * scale, prec, trans_a=True), dot(dKK, k, prec, trans_a=True)
+        dq, dk, dG, kg_dkg = _combine_rows(q, k, G, G_end, dqin_ref[:, d], dkg_ref[:, d],
+                                           dkin_ref[:, d] if delta else None, xq, xk, kq, kk, scale)
+        dq_ref[:, d] = dq.astype(dq_ref.dtype)
+        dk_ref[:, d] = dk.astype(dk_ref.dtype)
+        dG_ref[:, d] = dG
+        r_ref[:, d] = jnp.sum(kg_dkg, axis=0, keepdims=True)
+
+
+def gram_grads_scalar(q, k, Gs, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, interpret, delta=True, bk=64):
+    """`gram_grads_fused(..., combine_with=(dQin, dKg, dKin))`'s outputs for a gate equal across K (Gs [B, Tp, H]
+    fp32, the in-chunk cumsum of the scalar gate), by `_gram_scalar_bwd_kernel`; the column sums of Kg * dKg come
+    per chunk, [B, H, N, K]."""
+    B, Tp, H, K = q.shape
+    tok = pl.BlockSpec((None, C, None, K), lambda b, h, n: (b, n, h, 0))
+    chunk = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
+    return pl.pallas_call(
+        functools.partial(_gram_scalar_bwd_kernel, C=C, scale=scale, prec="ieee" if exact else "tf32", delta=delta,
+                          bk=min(bk, K)),
+        grid=(B, H, Tp // C),
+        in_specs=[tok, tok, pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h)), chunk(C), chunk(C),
+                  chunk(K), chunk(K), chunk(K)],
+        out_specs=[tok, tok, chunk(K), pl.BlockSpec((None, None, 1, K), lambda b, h, n: (b, h, n, 0))],
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
+                   jax.ShapeDtypeStruct((B, H, Tp, K), f32), jax.ShapeDtypeStruct((B, H, Tp // C, K), f32)],
+        compiler_params=compiler_params(num_warps=GRADS_SCALAR_WARPS, num_stages=1), interpret=interpret,
+        name="lineattn_gram_bwd_scalar",
+    )(q, k, Gs, dM, dKK, dQin, dKg, dKin)
+
+
 # ---- `backward_fast`: the backward as kernels only ----
 # gate cumsum kernel -> Gram rows ("mm") -> whole-tile solve writing R -> the two state passes -> `_wy_bwd_kernel`
 # (the WY part: dv, dbeta, dKK = Diag(b) dA, dKin, one program per chunk) -> `_gram_bwd_kernel` -> `_combine_kernel`
@@ -356,7 +402,9 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     gram_diag: the exact path of the Gram recompute and of the Gram gradients ("mml": column loop, "mm": 3-D
     broadcast; see `chunk_fwd._gram_rows_kernel`).
     saved: `chunk_fwd.forward(..., save=True)`'s terms (backward "kernels-saved"): no Gram recompute and no solve
-    here, and the state passes read the stored (bf16 for bf16 inputs) Qin, Kg, M, W, U."""
+    here, and the state passes read the stored (bf16 for bf16 inputs) Qin, Kg, M, W, U.
+    g [B, T, H] (a gate equal across K) takes the scalar Gram kernels (`chunk_fwd.gram_scalar`,
+    `gram_grads_scalar`) and gets dg [B, T, H]."""
 
     C = chunk_size
     B, T, H, K = q.shape
@@ -370,6 +418,9 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     gp = gp.astype(f32)
     Tp = qp.shape[1]
     N = Tp // C
+    scalar = g.ndim == 3
+    if scalar:  # the solve and the state passes take the per-channel G and e^(G_C)
+        gp = jnp.broadcast_to(gp[..., None], (B, Tp, H, K))
     G, dend_KN = gate_cumsum(gp, C=C, interpret=interpret)
     ch = lambda x: x.reshape(B, H, N, C, x.shape[-1])
     if saved is not None:
@@ -377,9 +428,14 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
         if not delta:
             U = jnp.moveaxis(vp, 2, 1).astype(f32)
     else:
-        M, KK, Qin, Kg = gram_rows(qp, kp, G, jnp.ones((B, Tp, H), qp.dtype), C=C, scale=scale, store=f32,
-                                   prec=prec if exact else chunk_fwd.GRAM_PREC, delta=delta, diag=gram_diag,
-                                   warps=gram_warps, interpret=interpret)
+        ones = jnp.ones((B, Tp, H), qp.dtype)
+        if scalar:
+            M, KK, Qin, Kg = chunk_fwd.gram_scalar(qp, kp, G[..., 0], ones, C=C, scale=scale, store=f32, exact=exact,
+                                                   delta=delta, interpret=interpret)
+        else:
+            M, KK, Qin, Kg = gram_rows(qp, kp, G, ones, C=C, scale=scale, store=f32,
+                                       prec=prec if exact else chunk_fwd.GRAM_PREC, delta=delta, diag=gram_diag,
+                                       warps=gram_warps, interpret=interpret)
         if delta:
             W, U, R = solve_full(KK, kp, vp, G, bp, C=C, store=f32, prec=prec if exact else chunk_fwd.UW_PREC,
                                  inv_prec=inv_prec, warps=4, interpret=interpret, with_r=True, kk=True)
@@ -414,12 +470,17 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     kn = pl.BlockSpec((None, None, bk, None), lambda b, h, n, t: (b, h, t, n))
     grams = functools.partial(gram_grads_fused, qp, kp, G, flat(cot.M_BHNCC), dKK, C=C, scale=scale, exact=exact,
                               interpret=interpret, diag=gram_diag, warps=grads_warps or GRADS_WARPS, delta=delta)
-    if COMBINE == "in-gram" and gram_diag == "mml":
-        dq, dk, dG, kg_dkg = grams(combine_with=(flat(cot.Qin_BHNCK), flat(cot.Kg_BHNCK), dKin))
-        nb = C // SUB
+    if scalar or (COMBINE == "in-gram" and gram_diag == "mml"):
+        combine_with = (flat(cot.Qin_BHNCK), flat(cot.Kg_BHNCK), dKin)
+        if scalar:
+            dq, dk, dG, kg_dkg = gram_grads_scalar(qp, kp, G[..., 0], flat(cot.M_BHNCC), dKK, *combine_with, C=C,
+                                                   scale=scale, exact=exact, interpret=interpret, delta=delta)
+        else:
+            dq, dk, dG, kg_dkg = grams(combine_with=combine_with)
+        nr = kg_dkg.shape[2] // N  # rows of Kg * dKg column sums per chunk (16-row blocks, or 1 per chunk)
         dg = pl.pallas_call(
             _dg_kernel, grid=(B, H, N, K // bk),
-            in_specs=[kchunk, pl.BlockSpec((None, None, nb, bk), lambda b, h, n, t: (b, h, n, t)), kn, kn],
+            in_specs=[kchunk, pl.BlockSpec((None, None, nr, bk), lambda b, h, n, t: (b, h, n, t)), kn, kn],
             out_specs=ktok, out_shape=jax.ShapeDtypeStruct((B, Tp, H, K), g.dtype),
             compiler_params=params, interpret=interpret, name="lineattn_chunk_bwd_dg",
         )(dG, kg_dkg, dend_KN, ddend_KN)
@@ -435,6 +496,8 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
             compiler_params=params, interpret=interpret, name="lineattn_chunk_bwd_combine",
         )(qp, kp, G, dend_KN, ddend_KN, flat(cot.Qin_BHNCK), flat(cot.Kg_BHNCK), dKin, dxq, dxk, dkq, dkk)
     cut = lambda x: None if x is None else x[:, :T]
+    if scalar:
+        dg = jnp.sum(dg.astype(f32), axis=-1).astype(g.dtype)
     return cut(dq), cut(dk), cut(dv), cut(dg), cut(dbeta), dh0.astype(h0.dtype)
 
 

@@ -56,6 +56,7 @@ INTRAS = {"mm2": "mm", "mml2": "mml"}  # forward's intra stage -> the Gram kerne
 # 1.63 with 8 (timed alone); run8a: Gram K tile 128 with 4 warps 1.14 ms against 0.97. PASS_STAGES: the state
 # pass's pipeline depth (run8a: 0.35 ms with 3, 0.42 with 2, 0.375 with 1).
 GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES = 2, 4, 4, 64, 3
+GRAM_SCALAR_WARPS = 4  # the scalar-gate Gram kernel (one program per chunk; not yet timed on a GPU)
 
 
 def _diag_exact(x_tiles, k_tiles, G_tiles, s):
@@ -158,6 +159,55 @@ def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, diag, warps, inter
     )(q, k, G, beta)
 
 
+# ---- The Gram matrices for a gate equal across K (GDN, DeltaNet: the `scalar` path) ----
+# The decay then factors out of the products, P_ij = (x_i . k_j) e^(G_i - G_j): one program per chunk, the products
+# on the raw inputs (bf16 operands on the tensor cores for bf16 inputs: exact products) and the [C, C] decay taken
+# pair by pair, masked before the exp (its exponent never above 0: exact for any g <= 0, no reference row).
+
+
+def _gram_scalar_kernel(q_ref, k_ref, gs_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta,
+                        bk):
+    i, j = _iota((C, C), 0), _iota((C, C), 1)
+    Gs = gs_ref[...]
+    G = Gs[:, None]
+    decay = jnp.exp(jnp.where(j <= i, G - Gs[None, :], -jnp.inf))
+    to_end = jnp.exp(gs_ref[pl.ds(C - 1, 1)][None, :] - G)
+    QK, KK = jnp.zeros((C, C), f32), jnp.zeros((C, C), f32)
+    for t in range(k_ref.shape[-1] // bk):
+        d = pl.ds(t * bk, bk)
+        q, k = q_ref[:, d], k_ref[:, d]
+        qin_ref[:, d] = (q.astype(f32) * (scale * jnp.exp(G))).astype(qin_ref.dtype)
+        kg_ref[:, d] = (k.astype(f32) * to_end).astype(kg_ref.dtype)
+        QK = QK + dot(q, k, prec, trans_b=True)
+        if delta:
+            KK = KK + dot(k, k, prec, trans_b=True)
+    m_ref[...] = (scale * QK * decay).astype(m_ref.dtype)
+    if delta:
+        a_ref[...] = jnp.where(j < i, beta_ref[...].astype(f32)[:, None] * KK * decay, 0.0)
+
+
+def gram_scalar(q, k, Gs, beta, *, C, scale, store, exact, delta, interpret, a_dtype=f32, bk=64):
+    """`gram_rows`'s outputs (M, A, Qin, Kg [B, H, Tp, .]) for a gate equal across K, by `_gram_scalar_kernel`;
+    Gs [B, Tp, H] fp32 is the in-chunk cumsum of the scalar log gate."""
+    B, Tp, H, K = q.shape
+    tok = pl.BlockSpec((None, C, None, K), lambda b, h, n: (b, n, h, 0))
+    tok1 = pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
+    out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
+    kernel = functools.partial(_gram_scalar_kernel, C=C, scale=scale, prec="ieee" if exact else "bf16", delta=delta,
+                               bk=min(bk, K))
+    return pl.pallas_call(
+        kernel,
+        grid=(B, H, Tp // C),
+        in_specs=[tok, tok, tok1, tok1],
+        out_specs=[out(C), out(C), out(K), out(K)],
+        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, C), store), jax.ShapeDtypeStruct((B, H, Tp, C), a_dtype),
+                   jax.ShapeDtypeStruct((B, H, Tp, K), store), jax.ShapeDtypeStruct((B, H, Tp, K), store)],
+        compiler_params=compiler_params(num_warps=GRAM_SCALAR_WARPS, num_stages=1),
+        interpret=interpret,
+        name="lineattn_chunk_gram_scalar",
+    )(q, k, Gs, beta)
+
+
 # ---- Gate cumsum as a kernel (XLA's cumsum over the chunk axis took 0.6 ms at 8 x 4096 x 16 x 128) ----
 
 
@@ -247,7 +297,8 @@ def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, 
     )(A, k, v, G, beta)
 
 
-def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, diag="mml", save=False):
+def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, diag="mml", save=False,
+           scalar=False):
     """The intra-chunk stage's outputs (qin, kg, w, u, m, e^(G_C) as [B, H, K, N]): the gate-cumsum kernel, the
     Gram rows (exact path `diag`) and the whole-chunk solve. save: also the unscaled key Gram KK and
     R = (I + A)^-1 (fp32 [B, H, Tp, C]) for the backward: the Gram kernel then writes KK and the solve scales it
@@ -255,8 +306,13 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     G, dend = gate_cumsum(g, C=C, interpret=interpret)
     gram_beta = jnp.ones_like(beta) if save else beta
     exact = prec == "ieee"
-    m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=prec if exact else GRAM_PREC,
-                              delta=delta, diag=diag, warps=warps, interpret=interpret, bk=GRAM_BK)
+    if scalar:
+        m, A, qin, kg = gram_scalar(q, k, G[..., 0], gram_beta, C=C, scale=scale, store=store, exact=exact,
+                                    delta=delta, interpret=interpret)
+    else:
+        m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store,
+                                  prec=prec if exact else GRAM_PREC, delta=delta, diag=diag, warps=warps,
+                                  interpret=interpret, bk=GRAM_BK)
     if not delta:
         return (qin, kg, None, None, m, dend) + ((None, None) if save else ())
     inv_prec = "ieee" if exact else SOLVE_PREC
@@ -312,8 +368,8 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
             intra: str = "mml2", export_chunks: tuple[int, ...] = (), save: bool = False):
     """o [B, T, H, V] (q's dtype) and final state [B, H, K, V] fp32 of the delta rule with a per-channel gate.
 
-    q, k [B, T, H, K] and v [B, T, H, V] (bf16 or fp32, one dtype), g [B, T, H, K] log decay (fp32; zeros for
-    no gate), beta [B, T, H] or None (additive write), h0 [B, H, K, V] fp32. block_v, warps (intra, state
+    q, k [B, T, H, K] and v [B, T, H, V] (bf16 or fp32, one dtype), g [B, T, H, K] log decay per channel or
+    [B, T, H] per head (fp32; the scalar path: `gram_scalar` for the Gram matrices), beta [B, T, H] or None (additive write), h0 [B, H, K, V] fp32. block_v, warps (intra, state
     pass; default (GRAM_WARPS, PASS_WARPS)) and only_intra (return the intra stage's outputs)
     are for tuning and timing. intra (H200 forward at 8 x 4096 x 16 x 128 bf16, benchmarks/results/README.md):
     "mml2" (the default, 2.44 ms in run8c: `gate_cumsum`, `_gram_rows_kernel` with the column-loop exact path,
@@ -342,6 +398,9 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
         q, k, v, g = map(pad_t, (q, k, v, g))
         beta = pad_t(beta) if delta else None
     Tp, N = T + pad, (T + pad) // C
+    scalar = g.ndim == 3
+    if scalar:  # the solve and the state passes take the per-channel G and e^(G_C)
+        g = jnp.broadcast_to(g[..., None], (B, Tp, H, K))
     dt = q.dtype
     exact = dt == jnp.float32
     store = f32 if exact else dt
@@ -352,7 +411,7 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
         raise ValueError(f"intra must be one of {sorted(INTRAS)}, got {intra!r}")
     qin, kg, w, u, m, dend, *extra = _intra(
         q, k, v, g, beta, C=C, scale=scale, store=store, prec="ieee" if exact else "tf32", delta=delta,
-        warps=warps[0], interpret=interpret, diag=INTRAS[intra], save=save)
+        warps=warps[0], interpret=interpret, diag=INTRAS[intra], save=save, scalar=scalar)
     if only_intra:
         return qin, kg, w, u, m, dend
     if not delta:
