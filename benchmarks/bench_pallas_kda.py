@@ -52,19 +52,19 @@ def record(out, **rec):
         (out / f"{datetime.date.today().isoformat()}-h200-kda.json").write_text(json.dumps(RECORDS, indent=1))
 
 
-def pallas_variant(rule, intra, backward, scalar_gate=None):
-    """lineattn's pallas backend with the given intra-chunk stage, backward and `api.SCALAR_GATE` (None: as set;
-    module switches read at trace)."""
+def pallas_variant(rule, backward, scalar_gate=None):
+    """lineattn's pallas backend with the given backward and `api.SCALAR_GATE` (None: as set; module switches read
+    at trace)."""
     from lineattn.ops.pallas import api as pallas_api
 
     def f(q, k, v, g, b):
-        saved = pallas_api.INTRA, pallas_api.BACKWARD, pallas_api.SCALAR_GATE
-        pallas_api.INTRA, pallas_api.BACKWARD = intra, backward
-        pallas_api.SCALAR_GATE = saved[2] if scalar_gate is None else scalar_gate
+        saved = pallas_api.BACKWARD, pallas_api.SCALAR_GATE
+        pallas_api.BACKWARD = backward
+        pallas_api.SCALAR_GATE = saved[1] if scalar_gate is None else scalar_gate
         try:
             return ops.linear_attention(rule, q, k, v, g, b, backend="pallas")[0]
         finally:
-            pallas_api.INTRA, pallas_api.BACKWARD, pallas_api.SCALAR_GATE = saved
+            pallas_api.BACKWARD, pallas_api.SCALAR_GATE = saved
 
     return f
 
@@ -73,13 +73,13 @@ def jax_kda_impls(op):
     gate = "channel" if op == "kda" else "head"
     rule = "kda" if op == "kda" else "gdn"
     from lineattn.ops.pallas import api as pallas_api
-    impls = {  # "lineattn-pallas": the defaults (pallas.api.INTRA, BACKWARD); the others by name
-        "lineattn-pallas": pallas_variant(rule, pallas_api.INTRA, pallas_api.BACKWARD),
-        "lineattn-pallas-mml2-kernels-mml2": pallas_variant(rule, "mml2", "kernels-mml2"),
+    impls = {  # "lineattn-pallas": the defaults (pallas.api.BACKWARD); the others by name
+        "lineattn-pallas": pallas_variant(rule, pallas_api.BACKWARD),
+        "lineattn-pallas-kernels-mml2": pallas_variant(rule, "kernels-mml2"),
         "lineattn-chunk": lambda q, k, v, g, b: ops.linear_attention(rule, q, k, v, g, b, backend="chunk")[0],
     }
     if gate == "head" and not pallas_api.SCALAR_GATE:  # the scalar-gate Gram kernels beside the default
-        impls["lineattn-pallas-scalar"] = pallas_variant(rule, pallas_api.INTRA, pallas_api.BACKWARD, True)
+        impls["lineattn-pallas-scalar"] = pallas_variant(rule, pallas_api.BACKWARD, True)
     try:
         import jla.ops as jla_ops
         kind = "kda" if gate == "channel" else "gated_deltanet"
@@ -211,17 +211,17 @@ def bench_tuning(a, B, T):
     x, _ = make_inputs(B, T, H, K, V, "bfloat16", seed=6)
     bf = lambda n: jnp.asarray(x[n], jnp.bfloat16)
     args = [bf("q"), bf("k"), bf("v"), jnp.asarray(x["g"]), bf("beta"), jnp.zeros((B, H, K, V), jnp.float32)]
-    for intra, warps in ((i, w) for i in a.intras for w in a.warps):
+    for warps in a.warps:
         for only_intra in (True, False):
             for bv in ([None] if only_intra else a.block_vs):
-                f = jax.jit(lambda *xs, w=warps, o=only_intra, bv=bv, i=intra: forward(
-                    *xs, scale=K**-0.5, warps=w, only_intra=o, block_v=bv, intra=i))
+                f = jax.jit(lambda *xs, w=warps, o=only_intra, bv=bv: forward(
+                    *xs, scale=K**-0.5, warps=w, only_intra=o, block_v=bv))
                 try:
                     ms = time_jax(f, args, a.iters)
                 except Exception as exc:
                     print(f"tuning {warps} {bv} {only_intra}: failed: {type(exc).__name__}: {str(exc)[:300]}")
                     continue
-                name = f"lineattn-pallas-{intra}-{'intra' if only_intra else 'fwd'}-w{warps[0]}x{warps[1]}-bv{bv}"
+                name = f"lineattn-pallas-{'intra' if only_intra else 'fwd'}-w{warps[0]}x{warps[1]}-bv{bv}"
                 record(a.out, op="kda", impl=name, mode="fwd-tuning", B=B, T=T, H=H, K=K, V=V, ms=ms)
 
 
@@ -257,13 +257,11 @@ def main():
     p.add_argument("--long", type=int, default=0, help="also time one sequence of this length (0: no)")
     p.add_argument("--tune", action="store_true", help="time the forward's kernels apart and launch settings")
     p.add_argument("--warps", default="4x4,8x4,4x8,8x8")
-    p.add_argument("--intras", default="mml2,mm2", help="intra-chunk stages to tune")
     p.add_argument("--block-vs", default="0,16,32,64", help="V tiles of the state pass (0: the default rule)")
     a = p.parse_args()
     a.decode_configs = [(*map(int, c.rstrip("f").split("x")), c.endswith("f")) for c in a.decode.split(",") if c]
     fla_modes = [m for m in a.fla.split(",") if m]
     a.warps = [tuple(map(int, w.split("x"))) for w in a.warps.split(",") if w]
-    a.intras = [i for i in a.intras.split(",") if i]
     a.block_vs = [int(b) or None for b in a.block_vs.split(",") if b]
     print(f"{jax.devices()[0].device_kind}; {versions()}", flush=True)
     shapes = [s for s in a.shapes.split(",") if s]    # --shapes= (empty): e.g. only --long

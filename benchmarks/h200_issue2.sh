@@ -8,9 +8,9 @@
 #   The default bench (the whole table, T = 262144 included) fit one call in run8c: `SKIP_TESTS=1
 #   BENCH_TIMEOUT=565 bash benchmarks/h200_issue2.sh` (563 s; FLA autotunes each shape). If it does not, in two:
 #     SKIP_TESTS=1 BENCH_TIMEOUT=560 BENCH_ARGS="--iters 10 --shapes 8x4096 --gdn --fla fwd,fwdbwd
-#       --fla-shapes 8x4096 --skip lineattn-chunk lineattn-pallas-mml2-kernels-mml2" bash benchmarks/h200_issue2.sh
+#       --fla-shapes 8x4096 --skip lineattn-chunk lineattn-pallas-kernels-mml2" bash benchmarks/h200_issue2.sh
 #     SKIP_TESTS=1 BENCH_TIMEOUT=560 BENCH_ARGS="--iters 10 --shapes 1x32768 --gdn --fla fwd,fwdbwd
-#       --fla-shapes 1x32768 --decode= --skip lineattn-chunk lineattn-pallas-mml2-kernels-mml2 --long 262144"
+#       --fla-shapes 1x32768 --decode= --skip lineattn-chunk lineattn-pallas-kernels-mml2 --long 262144"
 #       bash benchmarks/h200_issue2.sh
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
@@ -34,5 +34,5 @@ fi
 # Default: the issue's table with the default kernels only: KDA at (8, 4096) and (1, 32768) beside jla and FLA
 # (forward and forward+backward), the decode sweep, GDN beside jla (and FLA's forward), one sequence of 262144.
 timeout ${BENCH_TIMEOUT:-540} python3 benchmarks/bench_pallas_kda.py --out $OUT ${BENCH_ARGS:---iters 10 --gdn \
-  --fla fwd,fwdbwd --fla-shapes 8x4096,1x32768 --skip lineattn-chunk lineattn-pallas-mml2-kernels-mml2 \
+  --fla fwd,fwdbwd --fla-shapes 8x4096,1x32768 --skip lineattn-chunk lineattn-pallas-kernels-mml2 \
   --long 262144} 2>&1 | grep -v "slow_operation_alarm\|Constant folding\|^$" | tee $OUT/bench.log

@@ -123,7 +123,7 @@ def main():
     if "lineattn" in a.impls:
         for config in a.configs.split(";"):
             fwd = lambda q, k, v, g, b: chunk_pallas(q, k, v, api._kernel_gate(g, q.shape), b, h0, scale, 64, None,
-                                                     api.BACKWARD, api.INTRA)[0]
+                                                     api.BACKWARD)[0]
             impls["lineattn-pallas" + ("" if config == "default" else f" [{config}]")] = (fwd, config)
     if "jla" in a.impls:
         import jla.ops as jla_ops

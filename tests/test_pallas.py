@@ -40,49 +40,30 @@ def test_pallas_matches_oracle_fp32(rule):
     _compare(rule, make_inputs(rule, B=2, **SMALL))
 
 
-@pytest.mark.parametrize("rule,intra,backward,chunk_size", [("kda", "mml2", "xla", 64),
-                                                            ("gdn", "mm2", "xla", 32),
-                                                            ("kda", "mml2", "kernels-mml2", 64),
-                                                            ("gdn", "mm2", "kernels-mm2", 32),
-                                                            ("gla", "mml2", "kernels-mml2", 32),
-                                                            ("kda", "mml2", "kernels-saved", 64),
-                                                            ("gla", "mm2", "kernels-saved", 32)])
-def test_pallas_variants_chunk_64_unequal_dims(rule, intra, backward, chunk_size, monkeypatch):
-    # Chunk 64 or 32, K != V, and every intra / backward variant (the defaults are mml2 / kernels-saved).
-    monkeypatch.setattr(pallas_api, "INTRA", intra)
+@pytest.mark.parametrize("rule,backward,chunk_size", [("kda", "xla", 64), ("gdn", "xla", 32),
+                                                     ("kda", "kernels-mml2", 64), ("gdn", "kernels-mml2", 32),
+                                                     ("gla", "kernels-mml2", 32), ("kda", "kernels-saved", 64),
+                                                     ("gla", "kernels-saved", 32)])
+def test_pallas_variants_chunk_64_unequal_dims(rule, backward, chunk_size, monkeypatch):
+    # Chunk 64 or 32, K != V, and every backward (the default is kernels-saved).
     monkeypatch.setattr(pallas_api, "BACKWARD", backward)
     _compare(rule, make_inputs(rule, B=1, T=80, H=2, K=32, V=64, seed=9), chunk_size=chunk_size)
 
 
-@pytest.mark.parametrize("gate,variant", [("lower_bound", "mm2/kernels-mm2"), ("lower_bound", "mml2/kernels-mml2"),
-                                          ("zero", None), ("cut", None), ("cut", "mml2/kernels-mml2"),
-                                          ("cut", "mm2/kernels-mm2"), ("cut", "mml2/kernels-saved"),
-                                          ("lower_bound", "mml2/kernels-saved")])
-def test_pallas_gate_extremes(gate, variant, monkeypatch):
+@pytest.mark.parametrize("gate,backward", [("lower_bound", "kernels-mml2"), ("lower_bound", "kernels-saved"),
+                                           ("zero", None), ("cut", "kernels-mml2"), ("cut", "kernels-saved")])
+def test_pallas_gate_extremes(gate, backward, monkeypatch):
     # Every token at -5 (a chunk's cumulative decay reaches -160 at chunk 32; a 16-row block's rows are then exactly
-    # 40 nats from its middle row: the "mm" Gram kernels' fast path at its limit), at 0, or -1000 at a few tokens
-    # (cuts: the in-chunk cumsum then rounds at ulp(1000) ~ 6e-5, hence 1e-3 as for the chunk backend; the "mm"
+    # 40 nats from its middle row: the Gram kernels' fast path at its limit), at 0, or -1000 at a few tokens
+    # (cuts: the in-chunk cumsum then rounds at ulp(1000) ~ 6e-5, hence 1e-3 as for the chunk backend; the Gram
     # kernels take their exact path in the blocks that hold a cut).
     low, high = {"lower_bound": (-5.0, -5.0), "zero": (0.0, 0.0), "cut": (-1.0, 0.0)}[gate]
     inputs = make_inputs("kda", B=1, **SMALL, g_low=low, g_high=high, seed=5)
     if gate == "cut":
         inputs["g"] = inputs["g"].at[:, jnp.array([3, 20, 32, 61])].set(-1000.0)
-    if variant is not None:
-        monkeypatch.setattr(pallas_api, "INTRA", variant.split("/")[0])
-        monkeypatch.setattr(pallas_api, "BACKWARD", variant.split("/")[1])
+    if backward is not None:
+        monkeypatch.setattr(pallas_api, "BACKWARD", backward)
     _compare("kda", inputs, tol=1e-3 if gate == "cut" else TOL)
-
-
-@pytest.mark.parametrize("rule,gate", [("kda", "cut"), ("gla", None), ("gdn", None)])
-def test_pallas_combine_in_gram(rule, gate, monkeypatch):
-    # `chunk_bwd.COMBINE = "in-gram"`: dq, dk, dG formed inside the Gram-gradient kernel and dg by `_dg_kernel`
-    # (kernels-saved backward), with cuts that send blocks down the exact path.
-    from lineattn.ops.pallas import chunk_bwd
-    monkeypatch.setattr(chunk_bwd, "COMBINE", "in-gram")
-    inputs = make_inputs(rule, B=1, T=80, H=2, K=32, V=64, seed=8)
-    if gate == "cut":
-        inputs["g"] = inputs["g"].at[:, jnp.array([3, 20, 32, 61])].set(-1000.0)
-    _compare(rule, inputs, tol=1e-3 if gate == "cut" else TOL)
 
 
 @pytest.mark.parametrize("rule,gate,backward", [("gdn", None, "kernels-saved"), ("deltanet", None, "kernels-saved"),
@@ -124,12 +105,11 @@ def _rel_rms(actual, expected):
     return float(np.sqrt(np.mean((a - e) ** 2)) / max(np.sqrt(np.mean(e**2)), 1e-30))
 
 
-@pytest.mark.parametrize("rule,variant", [("kda", None), ("kda", "mml2/kernels-mml2"), ("gdn", "mm2/kernels-mm2"),
-                                          ("kda", "mml2/kernels-saved"), ("gdn", None)])
-def test_pallas_bf16_against_fp32_oracle(rule, variant, monkeypatch):
-    if variant is not None:
-        monkeypatch.setattr(pallas_api, "INTRA", variant.split("/")[0])
-        monkeypatch.setattr(pallas_api, "BACKWARD", variant.split("/")[1])
+@pytest.mark.parametrize("rule,backward", [("kda", None), ("kda", "kernels-mml2"), ("gdn", "kernels-mml2"),
+                                           ("gdn", None)])
+def test_pallas_bf16_against_fp32_oracle(rule, backward, monkeypatch):
+    if backward is not None:
+        monkeypatch.setattr(pallas_api, "BACKWARD", backward)
     inputs = make_inputs(rule, B=1, **SMALL, seed=6)
     rounded = {n: None if x is None else x.astype(jnp.bfloat16).astype(jnp.float32) if n in "qkv beta" else x
                for n, x in inputs.items()}
@@ -189,14 +169,10 @@ def test_auto_takes_the_kernels_only_where_the_gpu_tests_ran(monkeypatch):
     assert not ok("kda", dtype=jnp.float16)
 
 
-@pytest.mark.parametrize("intra,backward,match", [("fused", "xla", "intra must be one of"),
-                                                  ("split", "kernels-saved", "intra must be one of"),
-                                                  ("mml2", "passes", "backward must be one of"),
-                                                  ("mml2", "kernels", "backward must be one of")])
-def test_pallas_unknown_variants_raise(intra, backward, match, monkeypatch):
-    # A variant name that does not exist (or a removed one) is an error, never a silent fallback.
-    monkeypatch.setattr(pallas_api, "INTRA", intra)
+@pytest.mark.parametrize("backward", ["passes", "kernels", "kernels-mm2"])
+def test_pallas_unknown_variants_raise(backward, monkeypatch):
+    # A backward name that does not exist (or a removed one) is an error, never a silent fallback.
     monkeypatch.setattr(pallas_api, "BACKWARD", backward)
     x = make_inputs("kda", B=1, T=8, H=1, K=16, V=16)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match="backward must be one of"):
         ops.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], backend="pallas")

@@ -27,13 +27,12 @@ def _rel_rms(actual, expected):
 
 
 def _run(rule, x, backend, monkeypatch=None, variant=None):
-    if variant is not None:  # None: the defaults (`pallas.api.INTRA`, `BACKWARD`); a third entry: module
-        from lineattn.ops.pallas import api as pallas_api  # constants to set, {"chunk_bwd.COMBINE": "kernel"}
+    if variant is not None:  # None: the defaults; else (`pallas.api.BACKWARD`, {module constants to set}), e.g.
+        from lineattn.ops.pallas import api as pallas_api  # ("kernels-saved", {"api.SCALAR_GATE": True})
         from lineattn.ops.pallas import chunk_bwd, chunk_fwd
-        monkeypatch.setattr(pallas_api, "INTRA", variant[0])
-        monkeypatch.setattr(pallas_api, "BACKWARD", variant[1])
+        monkeypatch.setattr(pallas_api, "BACKWARD", variant[0])
         modules = {"chunk_fwd": chunk_fwd, "chunk_bwd": chunk_bwd, "api": pallas_api}
-        for name, value in (variant[2] if len(variant) > 2 else {}).items():
+        for name, value in variant[1].items():
             module, attr = name.split(".")
             monkeypatch.setattr(modules[module], attr, value)
     names = [n for n in ("q", "k", "v", "g", "beta", "h0") if x[n] is not None]  # DeltaNet: no g; GLA: no beta
@@ -59,19 +58,16 @@ def _run(rule, x, backend, monkeypatch=None, variant=None):
 
 # The defaults (None: mml2 / kernels-saved) and the other variants. DeltaNet and GLA with the defaults: what `auto`
 # needs before it takes the kernels for them (`pallas.api.AUTO_RULES`).
-VARIANTS = [("kda", None), ("gdn", None), ("deltanet", None), ("gla", None), ("kda", ("mml2", "xla")),
-            ("kda", ("mml2", "kernels-mml2")), ("gdn", ("mml2", "kernels-mml2")),
-            ("kda", ("mml2", "kernels-saved", {"chunk_bwd.COMBINE": "kernel"})),
-            ("gdn", ("mml2", "kernels-saved", {"api.SCALAR_GATE": True})),
-            ("deltanet", ("mml2", "kernels-saved", {"api.SCALAR_GATE": True})),
-            ("gdn", ("mml2", "kernels-mml2", {"api.SCALAR_GATE": True}))]
+SCALAR = {"api.SCALAR_GATE": True}
+VARIANTS = [("kda", None), ("gdn", None), ("deltanet", None), ("gla", None), ("kda", ("xla", {})),
+            ("kda", ("kernels-mml2", {})), ("gdn", ("kernels-mml2", {})), ("gdn", ("kernels-saved", SCALAR)),
+            ("deltanet", ("kernels-saved", SCALAR)), ("gdn", ("kernels-mml2", SCALAR))]
 
 
 def _variant_id(rule, variant):
     if variant is None:
         return f"{rule}-default"
-    settings = [f"{n.split('.')[1]}={v}" for n, v in (variant[2] if len(variant) > 2 else {}).items()]
-    return "-".join([rule, *variant[:2], *settings])
+    return "-".join([rule, variant[0], *(f"{n.split('.')[1]}={v}" for n, v in variant[1].items())])
 
 
 @pytest.mark.parametrize("rule,variant", VARIANTS, ids=[_variant_id(r, v) for r, v in VARIANTS])

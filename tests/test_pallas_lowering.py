@@ -28,7 +28,7 @@ def fake_h200(monkeypatch):
     monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: info)
 
 
-def _lowered(T, dtype, backward, intra, head_gate=False):
+def _lowered(T, dtype, backward, head_gate=False):
     """The lowered text of value_and_grad through `chunk_pallas` (B = 1, H = 2, K = V = 128), for the GPU;
     head_gate: g [B, T, H] (the scalar-gate kernels)."""
     B, H, K, V = 1, 2, 128, 128
@@ -37,41 +37,28 @@ def _lowered(T, dtype, backward, intra, head_gate=False):
             S((B, T, H), dtype), S((B, H, K, V), jnp.float32))
 
     def loss(*a):
-        o, ht = chunk_pallas(*a, K**-0.5, 64, False, backward, intra)
+        o, ht = chunk_pallas(*a, K**-0.5, 64, False, backward)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
 
     return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)))).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("intra,backward", [("mml2", "xla"), ("mm2", "kernels-mm2"),
-                                            ("mml2", "kernels-mml2"), ("mml2", "kernels-saved")])
+@pytest.mark.parametrize("backward", ["xla", "kernels-mml2", "kernels-saved"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_chunk_kernels_lower_for_sm90(fake_h200, dtype, intra, backward):
-    text = _lowered(100, dtype, backward, intra)
-    # forward: cumsum, gram, solve, state pass; backward "xla": none;
-    # "kernels-mm2"/"kernels-mml2": cumsum, gram, solve, states, reverse, chunk grads, WY, Gram gradients, combine;
-    # "kernels-saved": the same without the Gram and solve (the forward's terms are kept)
-    expected = 4 + {"xla": 0, "kernels-mm2": 9, "kernels-mml2": 9, "kernels-saved": 7}[backward]
+def test_chunk_kernels_lower_for_sm90(fake_h200, dtype, backward):
+    text = _lowered(100, dtype, backward)
+    # forward: cumsum, gram, solve, state pass; backward "xla": none; "kernels-mml2": cumsum, gram, solve, states,
+    # reverse, chunk grads, WY, Gram gradients with the combine, dg; "kernels-saved": the same without the Gram and
+    # solve (the forward's terms are kept)
+    expected = 4 + {"xla": 0, "kernels-mml2": 9, "kernels-saved": 7}[backward]
     assert text.count("__gpu$xla.gpu.triton") == expected
-
-
-@pytest.mark.parametrize("setting", ["chunk_bwd.COMBINE=kernel"])
-def test_kernel_options_lower_for_sm90(fake_h200, monkeypatch, setting):
-    # The combine as its own kernel (against the in-gram default).
-    from lineattn.ops.pallas import chunk_bwd, chunk_fwd
-    name, value = setting.split("=")
-    module, attr = name.split(".")
-    monkeypatch.setattr({"chunk_fwd": chunk_fwd, "chunk_bwd": chunk_bwd}[module], attr, value)
-    text = _lowered(100, jnp.bfloat16, "kernels-saved", "mml2")
-    kernel = {"COMBINE": "lineattn_chunk_bwd_combine"}[attr]
-    assert text.count("__gpu$xla.gpu.triton") == 11 and kernel in text
 
 
 @pytest.mark.parametrize("backward", ["kernels-saved", "kernels-mml2"])
 def test_scalar_gate_kernels_lower_for_sm90(fake_h200, backward):
     # A head gate (GDN): the one-program-per-chunk Gram kernel and Gram-gradient kernel in place of the 16-row ones.
-    text = _lowered(100, jnp.bfloat16, backward, "mml2", head_gate=True)
+    text = _lowered(100, jnp.bfloat16, backward, head_gate=True)
     assert "lineattn_chunk_gram_scalar" in text and "lineattn_gram_bwd_scalar" in text
     assert "lineattn_chunk_gram\"" not in text and "lineattn_gram_bwd_combine" not in text
     assert text.count("__gpu$xla.gpu.triton") == 4 + {"kernels-saved": 7, "kernels-mml2": 9}[backward]

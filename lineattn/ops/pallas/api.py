@@ -22,13 +22,9 @@ AUTO_CHUNKS = (64,)
 
 # The backward `backend="pallas"` uses (see `lineattn.ops.pallas.chunk`): "kernels-saved" (the forward keeps its
 # intra-chunk terms; every stage a Pallas kernel; 7.53 ms fwd+bwd at 8 x 4096 x 16 x 128 on the H200, run8c),
-# "kernels-mml2" / "kernels-mm2" (the same, recomputing the terms: no extra memory), "xla" (autodiff of the XLA
-# chunk form, 40.7 ms); see `chunk.py`. Read when a call is traced.
+# "kernels-mml2" (the same, recomputing the terms: no extra memory), "xla" (autodiff of the XLA chunk form,
+# 40.7 ms); see `chunk.py`. Read when a call is traced.
 BACKWARD = "kernels-saved"
-# The forward's intra-chunk stage: "mml2" (gate cumsum kernel, Gram rows without column loops, whole-chunk solve:
-# 2.44 ms forward at 8 x 4096, run8c) or "mm2" (a 3-D exact path for blocks holding a cut); see
-# `chunk_fwd.forward`.
-INTRA = "mml2"
 # Gates equal across K (GDN's head gate, DeltaNet's none) through the scalar Gram kernels (`chunk_fwd.gram_scalar`,
 # `chunk_bwd.gram_grads_scalar`: one program per chunk, the decay factored out of the products) instead of the
 # per-channel ones with the gate broadcast over K. CPU-tested and lowered for sm_90; False until the H200 tests and
@@ -53,16 +49,16 @@ def unsupported(rule, dtype, K: int, V: int, chunk_size) -> str | None:
 
 def auto_ok(rule, dtype, K, V, chunk_size) -> bool:
     """`auto` takes the kernels only on a GPU, for rules, dtypes and head dims the GPU tests cover."""
-    return (on_gpu() and (rule.write, rule.gate) in AUTO_RULES and not rule.normalize and K in AUTO_DIMS and V in AUTO_DIMS
-            and chunk_size in AUTO_CHUNKS and unsupported(rule, dtype, K, V, chunk_size) is None)
+    return (on_gpu() and (rule.write, rule.gate) in AUTO_RULES and not rule.normalize and K in AUTO_DIMS
+            and V in AUTO_DIMS and chunk_size in AUTO_CHUNKS and unsupported(rule, dtype, K, V, chunk_size) is None)
 
 
-def _kernel_gate(g, shape):
+def _kernel_gate(g, shape, scalar=None):
     """The kernels' gate, fp32: [B, T, H, K] for a channel gate; for one equal across K (a head gate, or zeros
-    for no gate) [B, T, H] when SCALAR_GATE (the scalar Gram kernels), else broadcast over K."""
+    for no gate) [B, T, H] when `scalar` (None: SCALAR_GATE; the scalar Gram kernels), else broadcast over K."""
     if g is None:
         g = jnp.zeros(shape[:3], jnp.float32)
-    if g.ndim == 3 and not SCALAR_GATE:
+    if g.ndim == 3 and not (SCALAR_GATE if scalar is None else scalar):
         g = jnp.broadcast_to(g[..., None], shape)
     return g.astype(jnp.float32)
 
@@ -72,13 +68,13 @@ def run(q, k, v, g, beta, *, scale: float, initial_state, chunk_size: int = 64):
     from lineattn.ops.pallas.chunk import chunk_pallas
 
     return chunk_pallas(q, k, v, _kernel_gate(g, q.shape), beta, initial_state, float(scale), chunk_size, None,
-                        BACKWARD, INTRA)
+                        BACKWARD)
 
 
 def run_checkpoints(q, k, v, g, beta, *, scale: float, initial_state, positions, chunk_size: int = 64):
     """`run` that also returns the states after `positions` tokens, [P, B, H, K, V] fp32 (see
-    `lineattn.ops.pallas.checkpoints`)."""
+    `lineattn.ops.pallas.checkpoints`; its in-chunk advance takes the per-channel gate)."""
     from lineattn.ops.pallas.checkpoints import chunk_pallas_checkpoints
 
-    return chunk_pallas_checkpoints(q, k, v, _kernel_gate(g, q.shape), beta, initial_state, float(scale),
-                                    chunk_size, tuple(int(p) for p in positions), None, INTRA)
+    return chunk_pallas_checkpoints(q, k, v, _kernel_gate(g, q.shape, scalar=False), beta, initial_state,
+                                    float(scale), chunk_size, tuple(int(p) for p in positions), None)

@@ -23,8 +23,8 @@ from lineattn.ops.pallas.chunk_fwd import forward
 f32 = jnp.float32
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def chunk_pallas_checkpoints(q, k, v, g, beta, h0, scale, chunk_size, positions, interpret=None, intra="mml2"):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def chunk_pallas_checkpoints(q, k, v, g, beta, h0, scale, chunk_size, positions, interpret=None):
     """(o [B, T, H, V] in q's dtype, final state [B, H, K, V], states [P, B, H, K, V] fp32 after each of
     `positions` (a tuple of token counts in [0, T])). Other arguments as `chunk_fwd.forward`."""
     C = chunk_size
@@ -32,7 +32,7 @@ def chunk_pallas_checkpoints(q, k, v, g, beta, h0, scale, chunk_size, positions,
     n, _ = xla_checkpoints.chunk_of(p, C)
     chunks = tuple(sorted(set(int(x) for x in n)))
     o, ht, S0_BHXKV, w, u = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=C, interpret=interpret,
-                                    intra=intra, export_chunks=chunks)
+                                    export_chunks=chunks)
     S0_PBHKV = jnp.moveaxis(S0_BHXKV[:, :, np.searchsorted(chunks, n)], 2, 0)
     _, k_pad, v_pad, g_pad, _ = chunk_form.pad_to_chunks(q, k, v, g, beta, C)
     in_chunks = lambda x_BHTD: x_BHTD.reshape(*x_BHTD.shape[:2], -1, C, x_BHTD.shape[-1])[:, :, n]
@@ -45,12 +45,12 @@ def chunk_pallas_checkpoints(q, k, v, g, beta, h0, scale, chunk_size, positions,
     return o, ht, states
 
 
-def _fwd(q, k, v, g, beta, h0, scale, chunk_size, positions, interpret, intra):
-    out = chunk_pallas_checkpoints(q, k, v, g, beta, h0, scale, chunk_size, positions, interpret, intra)
+def _fwd(q, k, v, g, beta, h0, scale, chunk_size, positions, interpret):
+    out = chunk_pallas_checkpoints(q, k, v, g, beta, h0, scale, chunk_size, positions, interpret)
     return out, (q, k, v, g, beta, h0)
 
 
-def _bwd(scale, chunk_size, positions, interpret, intra, residuals, cotangents):
+def _bwd(scale, chunk_size, positions, interpret, residuals, cotangents):
     as_f32 = lambda x: None if x is None else x.astype(f32)
 
     def xla(q, k, v, g, beta, h0):

@@ -8,8 +8,8 @@ benchmarks/results/README.md):
     R = (I + A)^-1 (fp32): about 1.7 KB per token and head at K = V = 128, C = 64 in bf16, on top of the inputs.
     `chunk_bwd.backward_fast` then runs only kernels: gate cumsum, the three state-pass kernels, the WY backward,
     the Gram gradients with the row-local combine, dg's reverse cumsum.
-  - "kernels-mml2" / "kernels-mm2": `chunk_bwd.backward_fast` recomputing the terms (Gram kernel, whole-chunk
-    solve writing R): the forward saves only its inputs. CPU-tested; not yet run on a GPU.
+  - "kernels-mml2": `chunk_bwd.backward_fast` recomputing the terms (Gram kernel, whole-chunk solve writing R):
+    the forward saves only its inputs. (The "kernels-mm2" form with the 3-D exact Gram path was removed.)
   - "xla" (40.7 ms): `jax.vjp` of the XLA chunk form (`lineattn.ops.chunk.chunk`) in fp32. No Pallas kernel.
 g is [B, T, H, K] (a channel gate) or [B, T, H] (equal across K: the scalar Gram kernels; dg comes back in g's
 shape). Transient memory of `backward_fast`: about 6.5 KB per token and head at K = V = 128, C = 64 (per-chunk states,
@@ -24,50 +24,45 @@ import jax
 import jax.numpy as jnp
 
 from lineattn.ops.chunk import chunk as xla_chunk
-from lineattn.ops.pallas import chunk_bwd, chunk_fwd
+from lineattn.ops.pallas import chunk_bwd
 from lineattn.ops.pallas.chunk_fwd import forward
 
 f32 = jnp.float32
 
 
-BACKWARDS = ("kernels-saved", "kernels-mml2", "kernels-mm2", "xla")
+BACKWARDS = ("kernels-saved", "kernels-mml2", "xla")
 
 
-def _check(backward, intra):
+def _check(backward):
     if backward not in BACKWARDS:
         raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
-    if intra not in chunk_fwd.INTRAS:
-        raise ValueError(f"intra must be one of {sorted(chunk_fwd.INTRAS)}, got {intra!r}")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def chunk_pallas(q, k, v, g, beta, h0, scale, chunk_size=64, interpret=None, backward="kernels-saved",
-                 intra="mml2"):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def chunk_pallas(q, k, v, g, beta, h0, scale, chunk_size=64, interpret=None, backward="kernels-saved"):
     """(o [B, T, H, V] in q's dtype, final state [B, H, K, V] fp32). Arguments as `chunk_fwd.forward`;
-    backward: see the module docstring; intra: "mml2" or "mm2", see `chunk_fwd.forward`."""
-    _check(backward, intra)
-    return forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret, intra=intra)
+    backward: see the module docstring."""
+    _check(backward)
+    return forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret)
 
 
-def _fwd(q, k, v, g, beta, h0, scale, chunk_size, interpret, backward, intra):
-    _check(backward, intra)
+def _fwd(q, k, v, g, beta, h0, scale, chunk_size, interpret, backward):
+    _check(backward)
     if backward == "kernels-saved":  # the forward's intra-chunk terms are kept for the backward
         o, ht, saved = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret,
-                               intra=intra, save=True)
+                               save=True)
         return (o, ht), (q, k, v, g, beta, h0, saved)
-    out = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret, intra=intra)
+    out = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret)
     return out, (q, k, v, g, beta, h0)
 
 
-def _bwd(scale, chunk_size, interpret, backward, intra, residuals, cotangents):
+def _bwd(scale, chunk_size, interpret, backward, residuals, cotangents):
     do, dht = cotangents
     if backward == "kernels-saved":
         return chunk_bwd.backward_fast(*residuals[:6], do, dht, scale=scale, chunk_size=chunk_size,
-                                       interpret=interpret, saved=residuals[6],
-                                       gram_diag="mm" if intra == "mm2" else "mml")
-    if backward in ("kernels-mm2", "kernels-mml2"):
-        return chunk_bwd.backward_fast(*residuals, do, dht, scale=scale, chunk_size=chunk_size, interpret=interpret,
-                                       gram_diag=backward[8:-1])
+                                       interpret=interpret, saved=residuals[6])
+    if backward == "kernels-mml2":
+        return chunk_bwd.backward_fast(*residuals, do, dht, scale=scale, chunk_size=chunk_size, interpret=interpret)
     as_f32 = lambda x: None if x is None else x.astype(f32)
 
     def xla(q, k, v, g, beta, h0):

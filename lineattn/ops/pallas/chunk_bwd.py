@@ -42,15 +42,14 @@ WY_PREC = "tf32"
 # gradients 0.27 / 0.51 / 1.10 ms against 0.38 / 0.58 / 1.33 in fp32, the same relative RMS errors to two digits.
 STATES_DTYPE = "bfloat16"
 # Launch settings of `backward_fast`'s chunk-parallel kernels (read when a call is traced; for timing sweeps):
-# warps of the Gram gradients, the WY backward and the chunk gradients, and the combine's K tile (H200 sweep, run7e:
-# 2 or 8 warps for the Gram gradients 3.62 / 2.63 ms against 1.62 with 4; WY 4 / 16 warps 1.28 / 2.42 against 1.24
-# with 8; chunk gradients 0.95 with 4 warps against 1.11 with 8; the combine 1.01 with K tile 64, 1.09 with 32).
-GRADS_WARPS, WY_WARPS, CHUNK_GRADS_WARPS, COMBINE_BK = 4, 8, 4, 64
+# warps of the Gram gradients, the WY backward and the chunk gradients, and the dg kernel's K tile (H200 sweep,
+# run7e: 2 or 8 warps for the Gram gradients 3.62 / 2.63 ms against 1.62 with 4; WY 4 / 16 warps 1.28 / 2.42
+# against 1.24 with 8; chunk gradients 0.95 with 4 warps against 1.11 with 8).
+GRADS_WARPS, WY_WARPS, CHUNK_GRADS_WARPS, DG_BK = 4, 8, 4, 64
 GRADS_SCALAR_WARPS = 4  # the scalar-gate Gram gradients (`gram_grads_scalar`; not yet timed on a GPU)
-# Where dq, dk, dg are formed: "in-gram" (the Gram-gradient kernel forms dq, dk and dG row by row, `_dg_kernel`
-# the reverse cumsum; with gram_diag "mml" only) or "kernel" (`_combine_kernel`, reading the four fp32 Gram
-# gradients back). H200 run8a: in-gram 2.13 + 0.18 ms against 1.62 + 1.05 (forward+backward kernels 7.23 / 7.60).
-COMBINE = "in-gram"
+# dq, dk and dG are formed inside the Gram-gradient kernel, row by row, and `_dg_kernel` takes dg's reverse
+# cumsum. (A separate combine kernel reading four fp32 Gram gradients back was slower on the H200, run8a: 1.62 +
+# 1.05 ms against 2.13 + 0.18; removed.)
 # The pipeline depths of the states pass and the reverse pass (run8a: states 0.27 / 0.32 / 0.37 ms with 2 / 3 / 1
 # stages, reverse 0.51 / 0.49 / 0.49).
 STATES_STAGES, REVERSE_STAGES = 2, 1
@@ -108,12 +107,12 @@ def _pass_setup(terms: ChunkTerms, block_v):
 #     column: dk_a = e^(G_r - G_a) (dP[:, a]^T @ (x e^(min(G - G_r, 40))))
 # (dP is zero above the diagonal; clamped factors stay finite and meet only those zeros); otherwise the exact path:
 # off-diagonal blocks through the first row of block a (row side) or the last row of block a (column side), both
-# factors <= 1, and the diagonal 16 x 16 block pair by pair, masked before the exp: "mm" as a 3-D broadcast,
-# "mml" by 16-step loops.
+# factors <= 1, and the diagonal 16 x 16 block pair by pair, masked before the exp, by 16-step loops.
 
 
 def _gram_grad_fast(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, *, scale, prec):
-    """The "mm" fast path for the 16-row block at r0 and channels d: (dXq, dXk, dKq, dKk) as [16, |d|] values."""
+    """The fast path for the 16-row block at r0 and channels d: (dXq, dXk, dKq, dKk) as [16, |d|] values (dXq
+    with respect to scale * q)."""
     blk = pl.ds(r0, SUB)
     Gr, Ga, G = G_ref[pl.ds(r0 + SUB // 2, 1), d], G_ref[blk, d], G_ref[:, d]
     kc = k_ref[:, d].astype(f32) * jnp.exp(jnp.minimum(Gr - G, LIMIT))
@@ -168,32 +167,27 @@ def _gram_grad_exact_loop(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, *, scale,
     return jax.lax.fori_loop(0, s, step, (xq, xk, kq, kk))
 
 
-def _gram_bwd_kernel(q_ref, k_ref, G_ref, dm_ref, dkk_ref, *refs, C, scale, prec, diag, bk, bk3, combine=False,
-                     delta=True):
-    """refs: the outputs dXq, dXk, dKq, dKk [16, K]; or, with combine (diag "mml" only), the block's rows of dQin,
-    dKg, dKin [16, K] and the outputs dq, dk (the inputs' layout), dG [16, K] and the block's column sum of
-    Kg * dKg [1, K] (`_combine_rows`; `_dg_kernel` then takes the in-chunk reverse cumsum)."""
+def _gram_bwd_kernel(q_ref, k_ref, G_ref, dm_ref, dkk_ref, dqin_ref, dkg_ref, dkin_ref, dq_ref, dk_ref, dG_ref, r_ref, *,
+                     C, scale, prec, bk, delta=True):
+    """The Gram gradients of one 16-row block with the row-local combine: from the block's rows of dQin, dKg,
+    dKin [16, K], the outputs dq, dk (the inputs' layout), dG [16, K] and the block's column sum of Kg * dKg
+    [1, K] (`_combine_rows`; `_dg_kernel` then takes the in-chunk reverse cumsum)."""
     s = SUB
     a = pl.program_id(2) % (C // s)
     r0 = a * s
     K = k_ref.shape[-1]
     blk = pl.ds(r0, s)
-    if combine:
-        dqin_ref, dkg_ref, dkin_ref, dq_ref, dk_ref, dG_ref, r_ref = refs
 
-        def emit(d, xq, xk, kq, kk):
-            q, k, G = q_ref[blk, d].astype(f32), k_ref[blk, d].astype(f32), G_ref[blk, d]
-            dkin = dkin_ref[:, d] if delta else None
-            dq, dk, dG, kg_dkg = _combine_rows(q, k, G, G_ref[pl.ds(C - 1, 1), d], dqin_ref[:, d], dkg_ref[:, d],
-                                               dkin, xq, xk, kq, kk, scale)
-            dq_ref[:, d] = dq.astype(dq_ref.dtype)
-            dk_ref[:, d] = dk.astype(dk_ref.dtype)
-            dG_ref[:, d] = dG
-            r_ref[:, d] = jnp.sum(kg_dkg, axis=0, keepdims=True)
-    else:
-        def emit(d, *xs):
-            for ref, x in zip(refs, xs):
-                ref[:, d] = x
+    def emit(d, xq, xk, kq, kk):
+        q, k, G = q_ref[blk, d].astype(f32), k_ref[blk, d].astype(f32), G_ref[blk, d]
+        dkin = dkin_ref[:, d] if delta else None
+        dq, dk, dG, kg_dkg = _combine_rows(q, k, G, G_ref[pl.ds(C - 1, 1), d], dqin_ref[:, d], dkg_ref[:, d],
+                                           dkin, xq, xk, kq, kk, scale)
+        dq_ref[:, d] = dq.astype(dq_ref.dtype)
+        dk_ref[:, d] = dk.astype(dk_ref.dtype)
+        dG_ref[:, d] = dG
+        r_ref[:, d] = jnp.sum(kg_dkg, axis=0, keepdims=True)
+
     spread = jnp.float32(0.0)
     for t in range(K // bk):
         d = pl.ds(t * bk, bk)
@@ -206,64 +200,32 @@ def _gram_bwd_kernel(q_ref, k_ref, G_ref, dm_ref, dkk_ref, *refs, C, scale, prec
                 emit(d, *path(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, scale=scale, prec=prec))
         return run
 
-    def exact():
-        dM_off, dKK_off, dMc_off, dKKc_off, dM_d, dKK_d = _exact_operands(dm_ref, dkk_ref, r0)
-        i3, j3 = _iota((s, s, 1), 0), _iota((s, s, 1), 1)
-        for t in range(K // bk3):
-            d = pl.ds(t * bk3, bk3)
-            Gn, Gm = G_ref[pl.ds(r0, 1), d], G_ref[pl.ds(r0 + s - 1, 1), d]
-            Ga, G = G_ref[blk, d], G_ref[:, d]
-            k_all, q_all = k_ref[:, d].astype(f32), q_ref[:, d].astype(f32) * scale
-            ka, qa = k_ref[blk, d].astype(f32), q_ref[blk, d].astype(f32) * scale
-            kc = k_all * jnp.exp(jnp.minimum(Gn - G, 0.0))
-            row = jnp.exp(Ga - Gn)
-            down = jnp.exp(jnp.minimum(G - Gm, 0.0))
-            col = jnp.exp(Gm - Ga)
-            e = jnp.exp(jnp.where(j3 <= i3, Ga[:, None, :] - Ga[None, :, :], -jnp.inf))  # [i, j, d]
-            ek = e * ka[None, :, :]
-            emit(d, row * dot(dM_off, kc, prec) + jnp.sum(dM_d[:, :, None] * ek, axis=1),
-                 row * dot(dKK_off, kc, prec) + jnp.sum(dKK_d[:, :, None] * ek, axis=1),
-                 col * dot(dMc_off, q_all * down, prec, trans_a=True)
-                 + jnp.sum(dM_d[:, :, None] * (e * qa[:, None, :]), axis=0),
-                 col * dot(dKKc_off, k_all * down, prec, trans_a=True)
-                 + jnp.sum(dKK_d[:, :, None] * (e * ka[:, None, :]), axis=0))
-
     pl.when(spread <= LIMIT)(per_tile(_gram_grad_fast))
-    pl.when(spread > LIMIT)(exact if diag == "mm" else per_tile(_gram_grad_exact_loop))
+    pl.when(spread > LIMIT)(per_tile(_gram_grad_exact_loop))
 
 
-def gram_grads_fused(q, k, G, dM, dKK, *, C, scale, exact, interpret, diag="mm", warps=4, bk=64, bk3=16,
-                     combine_with=None, delta=True):
-    """dXq, dXk, dKq, dKk [B, H, Tp, K] fp32 (the row and column sides of both Gram gradients; dXq with respect to
-    scale * q) from q, k, G [B, Tp, H, K] and dM, dKK [B, H, Tp, C] (lower triangular), by `_gram_bwd_kernel`.
-    diag: the exact path, "mm" or "mml". combine_with (diag "mml"): (dQin, dKg, dKin) [B, H, Tp, K] fp32; returns
-    instead dq, dk [B, Tp, H, K] (q's and k's dtypes), dG [B, H, Tp, K] fp32 and the 16-row blocks' column sums
-    of Kg * dKg [B, H, Tp / 16, K] (see `_combine_rows`)."""
+def gram_grads_fused(q, k, G, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, interpret, warps=4, bk=64, delta=True):
+    """The Gram gradients with the row-local combine, by `_gram_bwd_kernel`: from q, k, G [B, Tp, H, K], dM, dKK
+    [B, H, Tp, C] (lower triangular) and dQin, dKg, dKin [B, H, Tp, K] fp32, dq, dk [B, Tp, H, K] (q's and k's
+    dtypes), dG [B, H, Tp, K] fp32 and the 16-row blocks' column sums of Kg * dKg [B, H, Tp / 16, K] (see
+    `_combine_rows`)."""
     B, Tp, H, K = q.shape
     N, nb = Tp // C, C // SUB
     chunk_tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
     chunk_mat = pl.BlockSpec((None, None, C, C), lambda b, h, i: (b, h, i // nb, 0))
-    out = pl.BlockSpec((None, None, SUB, K), lambda b, h, i: (b, h, i, 0))
+    rows = pl.BlockSpec((None, None, SUB, K), lambda b, h, i: (b, h, i, 0))
+    tok_rows = pl.BlockSpec((None, SUB, None, K), lambda b, h, i: (b, i, h, 0))
     prec = "ieee" if exact else "tf32"  # (bf16 products: dg's error 1.3e-2 against 1.8e-3, CPU, T = 512)
-    in_specs, out_specs = [chunk_tok(K), chunk_tok(K), chunk_tok(K), chunk_mat, chunk_mat], [out] * 4
-    out_shape, extra = [jax.ShapeDtypeStruct((B, H, Tp, K), f32)] * 4, ()
-    if combine_with is not None:
-        if diag != "mml":
-            raise ValueError(f"the combine inside the Gram-gradient kernel takes diag 'mml', got {diag!r}")
-        in_specs += [out] * 3
-        tok_rows = pl.BlockSpec((None, SUB, None, K), lambda b, h, i: (b, i, h, 0))
-        out_specs = [tok_rows, tok_rows, out, pl.BlockSpec((None, None, 1, K), lambda b, h, i: (b, h, i, 0))]
-        out_shape = [jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
-                     jax.ShapeDtypeStruct((B, H, Tp, K), f32), jax.ShapeDtypeStruct((B, H, N * nb, K), f32)]
-        extra = tuple(combine_with)
     return pl.pallas_call(
-        functools.partial(_gram_bwd_kernel, C=C, scale=scale, prec=prec, diag=diag, bk=min(bk, K),
-                          bk3=min(bk3, K), combine=combine_with is not None, delta=delta),
+        functools.partial(_gram_bwd_kernel, C=C, scale=scale, prec=prec, bk=min(bk, K), delta=delta),
         grid=(B, H, N * nb),
-        in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        in_specs=[chunk_tok(K), chunk_tok(K), chunk_tok(K), chunk_mat, chunk_mat, rows, rows, rows],
+        out_specs=[tok_rows, tok_rows, rows, pl.BlockSpec((None, None, 1, K), lambda b, h, i: (b, h, i, 0))],
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
+                   jax.ShapeDtypeStruct((B, H, Tp, K), f32), jax.ShapeDtypeStruct((B, H, N * nb, K), f32)],
         compiler_params=compiler_params(num_warps=warps, num_stages=1), interpret=interpret,
-        name="lineattn_gram_bwd_combine" if extra else "lineattn_gram_bwd",
-    )(q, k, G, dM, dKK, *extra)
+        name="lineattn_gram_bwd_combine",
+    )(q, k, G, dM, dKK, dQin, dKg, dKin)
 
 
 def _gram_scalar_bwd_kernel(q_ref, k_ref, gs_ref, dm_ref, dkk_ref, dqin_ref, dkg_ref, dkin_ref, dq_ref, dk_ref, dG_ref,
@@ -312,9 +274,10 @@ def gram_grads_scalar(q, k, Gs, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, in
 
 
 # ---- `backward_fast`: the backward as kernels only ----
-# gate cumsum kernel -> Gram rows ("mm") -> whole-tile solve writing R -> the two state passes -> `_wy_bwd_kernel`
-# (the WY part: dv, dbeta, dKK = Diag(b) dA, dKin, one program per chunk) -> `_gram_bwd_kernel` -> `_combine_kernel`
-# (dq, dk, dg with the in-chunk reverse cumsum, written in the inputs' [B, T, H, .] layout). What XLA still does:
+# gate cumsum kernel -> Gram rows -> whole-tile solve writing R (both skipped with the forward's saved terms) ->
+# the three state passes -> `_wy_bwd_kernel` (the WY part: dv, dbeta, dKK = Diag(b) dA, dKin, one program per
+# chunk) -> `_gram_bwd_kernel` (dq, dk, dG) -> `_dg_kernel` (dg, the in-chunk reverse cumsum; written in the
+# inputs' [B, T, H, .] layout). What XLA still does:
 # padding and small reshapes. (One kernel per (chunk, K tile) for both of the last two, the four 16-row blocks in
 # turn with the reverse cumsum carried, took 5.8 ms at 8 x 4096 x 16 x 128 on the H200 against 1.90 + 1.08 for the
 # pair, run7d: removed.)
@@ -374,20 +337,6 @@ def _reverse_cumsum_rows(dG, dG_end):
     return jnp.sum(dG, axis=0)[None, :] - jnp.cumsum(dG, axis=0) + dG
 
 
-def _combine_kernel(q_ref, k_ref, G_ref, dend_ref, ddend_ref, dqin_ref, dkg_ref, dkin_ref, dxq_ref, dxk_ref, dkq_ref,
-                    dkk_ref, dq_ref, dk_ref, dg_ref, *, C, scale, delta):
-    rows = _iota((C, 1), 0)
-    G = G_ref[...]
-    G_end = jnp.sum(jnp.where(rows == C - 1, G, 0.0), axis=0)[None, :]
-    dq, dk, dG, kg_dkg = _combine_rows(q_ref[...].astype(f32), k_ref[...].astype(f32), G, G_end, dqin_ref[...],
-                                       dkg_ref[...], dkin_ref[...] if delta else None, dxq_ref[...], dxk_ref[...],
-                                       dkq_ref[...], dkk_ref[...], scale)
-    dG_end = jnp.sum(kg_dkg, axis=0)[None, :] + dend_ref[...][None, :] * ddend_ref[...][None, :]
-    dq_ref[...] = dq.astype(dq_ref.dtype)
-    dk_ref[...] = dk.astype(dk_ref.dtype)
-    dg_ref[...] = _reverse_cumsum_rows(dG, dG_end).astype(dg_ref.dtype)
-
-
 def _dg_kernel(dG_ref, r_ref, dend_ref, ddend_ref, dg_ref):
     """dg for one chunk and K tile from dG and the 16-row blocks' sums of Kg * dKg (`_gram_bwd_kernel` with
     combine)."""
@@ -396,11 +345,9 @@ def _dg_kernel(dG_ref, r_ref, dend_ref, ddend_ref, dg_ref):
 
 
 def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: int, interpret=None,
-                  gram_diag: str = "mml", gram_warps: int = 2, grads_warps: int | None = None, saved=None):
+                  gram_warps: int = 2, grads_warps: int | None = None, saved=None):
     """The VJP of `chunk_fwd.forward`: (dq, dk, dv, dg, dbeta, dh0), every chunk-parallel stage a Pallas kernel
     (see the comment above); do [B, T, H, V] and dht [B, H, K, V] are the cotangents of o and the final state.
-    gram_diag: the exact path of the Gram recompute and of the Gram gradients ("mml": column loop, "mm": 3-D
-    broadcast; see `chunk_fwd._gram_rows_kernel`).
     saved: `chunk_fwd.forward(..., save=True)`'s terms (backward "kernels-saved"): no Gram recompute and no solve
     here, and the state passes read the stored (bf16 for bf16 inputs) Qin, Kg, M, W, U.
     g [B, T, H] (a gate equal across K) takes the scalar Gram kernels (`chunk_fwd.gram_scalar`,
@@ -434,8 +381,8 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
                                                    delta=delta, interpret=interpret)
         else:
             M, KK, Qin, Kg = gram_rows(qp, kp, G, ones, C=C, scale=scale, store=f32,
-                                       prec=prec if exact else chunk_fwd.GRAM_PREC, delta=delta, diag=gram_diag,
-                                       warps=gram_warps, interpret=interpret)
+                                       prec=prec if exact else chunk_fwd.GRAM_PREC, delta=delta, warps=gram_warps,
+                                       interpret=interpret)
         if delta:
             W, U, R = solve_full(KK, kp, vp, G, bp, C=C, store=f32, prec=prec if exact else chunk_fwd.UW_PREC,
                                  inv_prec=inv_prec, warps=4, interpret=interpret, with_r=True, kk=True)
@@ -464,37 +411,25 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
         dv = jnp.moveaxis(flat(cot.U_BHNCV), 1, 2).astype(v.dtype)
         dbeta, dKK, dKin = None, jnp.zeros((B, H, Tp, C), f32), jnp.zeros((B, H, Tp, K), f32)
     ddend_KN = jnp.swapaxes(cot.decay_end, -1, -2)  # [B, H, K, N] (g is always given to the kernels)
-    bk = min(K, COMBINE_BK)  # K tiles: the combine is independent per channel
+    bk = min(K, DG_BK)  # K tiles: the reverse cumsum is independent per channel
     ktok = pl.BlockSpec((None, C, None, bk), lambda b, h, n, t: (b, n, h, t))
     kchunk = pl.BlockSpec((None, None, C, bk), lambda b, h, n, t: (b, h, n, t))
     kn = pl.BlockSpec((None, None, bk, None), lambda b, h, n, t: (b, h, t, n))
-    grams = functools.partial(gram_grads_fused, qp, kp, G, flat(cot.M_BHNCC), dKK, C=C, scale=scale, exact=exact,
-                              interpret=interpret, diag=gram_diag, warps=grads_warps or GRADS_WARPS, delta=delta)
-    if scalar or (COMBINE == "in-gram" and gram_diag == "mml"):
-        combine_with = (flat(cot.Qin_BHNCK), flat(cot.Kg_BHNCK), dKin)
-        if scalar:
-            dq, dk, dG, kg_dkg = gram_grads_scalar(qp, kp, G[..., 0], flat(cot.M_BHNCC), dKK, *combine_with, C=C,
-                                                   scale=scale, exact=exact, interpret=interpret, delta=delta)
-        else:
-            dq, dk, dG, kg_dkg = grams(combine_with=combine_with)
-        nr = kg_dkg.shape[2] // N  # rows of Kg * dKg column sums per chunk (16-row blocks, or 1 per chunk)
-        dg = pl.pallas_call(
-            _dg_kernel, grid=(B, H, N, K // bk),
-            in_specs=[kchunk, pl.BlockSpec((None, None, nr, bk), lambda b, h, n, t: (b, h, n, t)), kn, kn],
-            out_specs=ktok, out_shape=jax.ShapeDtypeStruct((B, Tp, H, K), g.dtype),
-            compiler_params=params, interpret=interpret, name="lineattn_chunk_bwd_dg",
-        )(dG, kg_dkg, dend_KN, ddend_KN)
+    grads = (qp, kp, G[..., 0] if scalar else G, flat(cot.M_BHNCC), dKK, flat(cot.Qin_BHNCK), flat(cot.Kg_BHNCK),
+             dKin)
+    if scalar:
+        dq, dk, dG, kg_dkg = gram_grads_scalar(*grads, C=C, scale=scale, exact=exact, interpret=interpret,
+                                               delta=delta)
     else:
-        dxq, dxk, dkq, dkk = grams()
-        dq, dk, dg = pl.pallas_call(
-            functools.partial(_combine_kernel, C=C, scale=scale, delta=delta),
-            grid=(B, H, N, K // bk),
-            in_specs=[ktok, ktok, ktok, kn, kn] + [kchunk] * 7,
-            out_specs=[ktok] * 3,
-            out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
-                       jax.ShapeDtypeStruct((B, Tp, H, K), g.dtype)],
-            compiler_params=params, interpret=interpret, name="lineattn_chunk_bwd_combine",
-        )(qp, kp, G, dend_KN, ddend_KN, flat(cot.Qin_BHNCK), flat(cot.Kg_BHNCK), dKin, dxq, dxk, dkq, dkk)
+        dq, dk, dG, kg_dkg = gram_grads_fused(*grads, C=C, scale=scale, exact=exact, interpret=interpret,
+                                              warps=grads_warps or GRADS_WARPS, delta=delta)
+    nr = kg_dkg.shape[2] // N  # rows of Kg * dKg column sums per chunk (16-row blocks, or 1 per chunk)
+    dg = pl.pallas_call(
+        _dg_kernel, grid=(B, H, N, K // bk),
+        in_specs=[kchunk, pl.BlockSpec((None, None, nr, bk), lambda b, h, n, t: (b, h, n, t)), kn, kn],
+        out_specs=ktok, out_shape=jax.ShapeDtypeStruct((B, Tp, H, K), g.dtype),
+        compiler_params=params, interpret=interpret, name="lineattn_chunk_bwd_dg",
+    )(dG, kg_dkg, dend_KN, ddend_KN)
     cut = lambda x: None if x is None else x[:, :T]
     if scalar:
         dg = jnp.sum(dg.astype(f32), axis=-1).astype(g.dtype)

@@ -1,6 +1,6 @@
 """Chunkwise delta-rule forward as Pallas kernels (see ../shared/CHUNK_ALGORITHM.md for the algebra).
 
-The intra-chunk stage, parallel over (batch, head, chunk) (`_intra`; default "mml2"):
+The intra-chunk stage, parallel over (batch, head, chunk) (`_intra`):
   - `gate_cumsum`: G, the cumsum of the log gate inside each chunk, and e^(G_C);
   - `gram_rows`: one program per (chunk, 16-row block a) for the gated Gram matrices M (queries x keys, j <= i)
     and A (keys x keys, j < i, times beta_i), and Qin = scale q e^G, Kg = k e^(G_C - G). Off-diagonal sub-blocks
@@ -46,10 +46,9 @@ def _iota(shape, dim):
 #     after the block are clamped, finite and masked away. Otherwise (a cut or reset gate inside the block: a
 #     block-uniform `lax.cond`) the exact path below runs, so gates down to -1000 stay exact and finite.
 #   - exact path: off-diagonal columns by one product with the first-row reference n of block a (both factors
-#     <= 1), the 16 x 16 diagonal block pair by pair, masked before the exp: "mm" as a 3-D broadcast
-#     [16, 16, bk3] placed into the row by an exact selection product, "mml" by a 16-step column loop on 2-D tiles.
+#     <= 1), the 16 x 16 diagonal block pair by pair, masked before the exp, by a 16-step column loop on 2-D
+#     tiles. (A 3-D broadcast form of it, the "mm2" intra stage, was removed on 2026-12-01: never faster.)
 LIMIT = 40.0
-INTRAS = {"mm2": "mm", "mml2": "mml"}  # forward's intra stage -> the Gram kernels' exact path
 # Launch settings of the forward (read when a call is traced; for timing sweeps through
 # benchmarks/profile_pallas_kda.py --configs): warps of the Gram kernel, the solve and the state pass, and the Gram
 # kernel's K tile. H200 (8 x 4096, runs 4-5): Gram 2 warps 1.36 ms against 1.62 with 4, solve 4 warps 1.22 against
@@ -59,19 +58,7 @@ GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES = 2, 4, 4, 64, 3
 GRAM_SCALAR_WARPS = 4  # the scalar-gate Gram kernel (one program per chunk; not yet timed on a GPU)
 
 
-def _diag_exact(x_tiles, k_tiles, G_tiles, s):
-    """sum_d x_id k_jd e^(G_id - G_jd) for j <= i inside one 16-row block (masked before the exp), for each x in
-    x_tiles (lists over K tiles of [s, bk3] values; G_tiles, k_tiles the block's own). Returns [s, s] per x."""
-    i3, j3 = _iota((s, s, 1), 0), _iota((s, s, 1), 1)
-    out = [jnp.zeros((s, s), f32) for _ in x_tiles]
-    for t, (k, G) in enumerate(zip(k_tiles, G_tiles)):
-        e = jnp.exp(jnp.where(j3 <= i3, G[:, None, :] - G[None, :, :], -jnp.inf)) * k[None, :, :]
-        out = [o + jnp.sum(x[t][:, None, :] * e, axis=2) for o, x in zip(out, x_tiles)]
-    return out
-
-
-def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta, diag,
-                      bk, bk3):
+def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta, bk):
     s = SUB
     a = pl.program_id(2) % (C // s)
     r0 = a * s
@@ -98,19 +85,7 @@ def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_r
                 Ax = Ax + dot(k_ref[blk, d].astype(f32) * xr, kc, prec, trans_b=True)
         return Mx, Ax
 
-    def exact():
-        Mx, Ax = products(r0, 0.0)
-        d3 = [pl.ds(t * bk3, bk3) for t in range(K // bk3)]
-        kt = [k_ref[blk, d].astype(f32) for d in d3]
-        xs = [[q_ref[:, d].astype(f32) * scale for d in d3]] + ([kt] if delta else [])
-        D = _diag_exact(xs, kt, [G_ref[blk, d] for d in d3], s)
-        place = (_iota((s, C), 1) == _iota((s, C), 0) + r0).astype(f32)  # [s, C]: column r0 + j <- column j
-        Mx = jnp.where(cols < r0, Mx, dot(D[0], place, "ieee"))
-        if delta:
-            Ax = jnp.where(cols < r0, Ax, dot(D[1], place, "ieee"))
-        return Mx, Ax
-
-    def exact_loop():  # as exact(), the diagonal block by a 16-step column loop on [s, bk] tiles (few registers)
+    def exact():  # the diagonal block by a 16-step column loop on [s, bk] tiles (few registers)
         Mx, Ax = products(r0, 0.0)
         Mx, Ax = jnp.where(cols < r0, Mx, 0.0), jnp.where(cols < r0, Ax, 0.0)
         rows_s1 = _iota((s, 1), 0)
@@ -130,22 +105,21 @@ def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_r
             Mx, Ax = jax.lax.fori_loop(0, s, column, (Mx, Ax))
         return Mx, Ax
 
-    Mx, Ax = jax.lax.cond(spread <= LIMIT, lambda: products(r0 + s // 2, LIMIT), exact if diag == "mm" else exact_loop)
+    Mx, Ax = jax.lax.cond(spread <= LIMIT, lambda: products(r0 + s // 2, LIMIT), exact)
     m_ref[...] = jnp.where(cols <= rows, Mx, 0.0).astype(m_ref.dtype)
     if delta:
         a_ref[...] = jnp.where(cols < rows, beta_ref[...].astype(f32)[:, None] * Ax, 0.0)
 
 
-def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, diag, warps, interpret, a_dtype=f32, bk=64, bk3=16):
+def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, a_dtype=f32, bk=64):
     """M, A (= Diag(beta) KK, strictly lower), Qin, Kg as [B, H, Tp, .] from q, k [B, Tp, H, K], the in-chunk
-    cumsum G (fp32) and beta [B, Tp, H]. diag: the exact path, "mm" or "mml" (see `_gram_rows_kernel`)."""
+    cumsum G (fp32) and beta [B, Tp, H] (see `_gram_rows_kernel`)."""
     B, Tp, H, K = q.shape
     N, nb = Tp // C, C // SUB
     sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i, h, 0))
     whole = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
     row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, i, 0))
-    kernel = functools.partial(_gram_rows_kernel, C=C, scale=scale, prec=prec, delta=delta, diag=diag,
-                               bk=min(bk, K), bk3=min(bk3, K))
+    kernel = functools.partial(_gram_rows_kernel, C=C, scale=scale, prec=prec, delta=delta, bk=min(bk, K))
     return pl.pallas_call(
         kernel,
         grid=(B, H, N * nb),
@@ -297,10 +271,9 @@ def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, 
     )(A, k, v, G, beta)
 
 
-def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, diag="mml", save=False,
-           scalar=False):
+def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, save=False, scalar=False):
     """The intra-chunk stage's outputs (qin, kg, w, u, m, e^(G_C) as [B, H, K, N]): the gate-cumsum kernel, the
-    Gram rows (exact path `diag`) and the whole-chunk solve. save: also the unscaled key Gram KK and
+    Gram rows (or `gram_scalar`) and the whole-chunk solve. save: also the unscaled key Gram KK and
     R = (I + A)^-1 (fp32 [B, H, Tp, C]) for the backward: the Gram kernel then writes KK and the solve scales it
     by beta."""
     G, dend = gate_cumsum(g, C=C, interpret=interpret)
@@ -311,8 +284,8 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
                                     delta=delta, interpret=interpret)
     else:
         m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store,
-                                  prec=prec if exact else GRAM_PREC, delta=delta, diag=diag, warps=warps,
-                                  interpret=interpret, bk=GRAM_BK)
+                                  prec=prec if exact else GRAM_PREC, delta=delta, warps=warps, interpret=interpret,
+                                  bk=GRAM_BK)
     if not delta:
         return (qin, kg, None, None, m, dend) + ((None, None) if save else ())
     inv_prec = "ieee" if exact else SOLVE_PREC
@@ -362,20 +335,20 @@ def pick_block_v(programs: int, V: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "interpret", "block_v", "warps", "only_intra",
-                                             "intra", "export_chunks", "save"))
+                                             "export_chunks", "save"))
 def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpret: bool | None = None,
             block_v: int | None = None, warps: tuple[int, int] | None = None, only_intra: bool = False,
-            intra: str = "mml2", export_chunks: tuple[int, ...] = (), save: bool = False):
+            export_chunks: tuple[int, ...] = (), save: bool = False):
     """o [B, T, H, V] (q's dtype) and final state [B, H, K, V] fp32 of the delta rule with a per-channel gate.
 
     q, k [B, T, H, K] and v [B, T, H, V] (bf16 or fp32, one dtype), g [B, T, H, K] log decay per channel or
-    [B, T, H] per head (fp32; the scalar path: `gram_scalar` for the Gram matrices), beta [B, T, H] or None (additive write), h0 [B, H, K, V] fp32. block_v, warps (intra, state
-    pass; default (GRAM_WARPS, PASS_WARPS)) and only_intra (return the intra stage's outputs)
-    are for tuning and timing. intra (H200 forward at 8 x 4096 x 16 x 128 bf16, benchmarks/results/README.md):
-    "mml2" (the default, 2.44 ms in run8c: `gate_cumsum`, `_gram_rows_kernel` with the column-loop exact path,
-    `_solve_full_kernel`), "mm2" (the same with the 3-D exact path). (Removed on 2026-12-01 as slower in every
-    H200 run: the "split" family with an XLA cumsum and a 16 x 16-block solve, 4.44-8.01 ms, and two
-    single-program stages, "fused2" 7.15 ms and "fused" 9.40 ms.)
+    [B, T, H] per head (fp32; the scalar path: `gram_scalar` for the Gram matrices), beta [B, T, H] or None
+    (additive write), h0 [B, H, K, V] fp32. block_v, warps (intra, state pass; default (GRAM_WARPS, PASS_WARPS))
+    and only_intra (return the intra stage's outputs) are for tuning and timing. The intra-chunk stage
+    (`gate_cumsum`, `_gram_rows_kernel`, `_solve_full_kernel`) took 2.44 ms with the state pass at 8 x 4096 x 16 x
+    128 bf16 on the H200 (run8c; benchmarks/results/README.md). (Removed on 2026-12-01 as slower in every H200
+    run: the "split" family with an XLA cumsum and a 16 x 16-block solve, 4.44-8.01 ms, two single-program
+    stages, "fused2" 7.15 ms and "fused" 9.40 ms, and "mm2", a 3-D form of the exact diagonal blocks.)
     export_chunks: chunk indices n whose incoming fp32 state the state pass also writes; when given, the
     return is (o, final state, S0 [B, H, len(export_chunks), K, V], w [B, H, Tp, K], u [B, H, Tp, V]) with w, u
     kernel 1's WY terms (None for the additive write), from which `lineattn.ops.checkpoints` advances S0
@@ -407,11 +380,9 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     if not delta:
         beta = jnp.zeros((B, Tp, H), dt)  # unused by the additive kernel
 
-    if intra not in INTRAS:
-        raise ValueError(f"intra must be one of {sorted(INTRAS)}, got {intra!r}")
     qin, kg, w, u, m, dend, *extra = _intra(
         q, k, v, g, beta, C=C, scale=scale, store=store, prec="ieee" if exact else "tf32", delta=delta,
-        warps=warps[0], interpret=interpret, diag=INTRAS[intra], save=save, scalar=scalar)
+        warps=warps[0], interpret=interpret, save=save, scalar=scalar)
     if only_intra:
         return qin, kg, w, u, m, dend
     if not delta:
