@@ -111,6 +111,12 @@ def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_r
         a_ref[...] = jnp.where(cols < rows, beta_ref[...].astype(f32)[:, None] * Ax, 0.0)
 
 
+def _gram_outputs(B, H, Tp, C, K, store, a_dtype):
+    """The shapes of the Gram kernels' M, A [B, H, Tp, C] and Qin, Kg [B, H, Tp, K]."""
+    mat = lambda D, dt: jax.ShapeDtypeStruct((B, H, Tp, D), dt)
+    return [mat(C, store), mat(C, a_dtype), mat(K, store), mat(K, store)]
+
+
 def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, a_dtype=f32, bk=64):
     """M, A (= Diag(beta) KK, strictly lower), Qin, Kg as [B, H, Tp, .] from q, k [B, Tp, H, K], the in-chunk
     cumsum G (fp32) and beta [B, Tp, H] (see `_gram_rows_kernel`)."""
@@ -125,8 +131,7 @@ def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, 
         grid=(B, H, N * nb),
         in_specs=[sub(K), whole(K), whole(K), pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i, h))],
         out_specs=[row_out(C), row_out(C), row_out(K), row_out(K)],
-        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, C), store), jax.ShapeDtypeStruct((B, H, Tp, C), a_dtype),
-                   jax.ShapeDtypeStruct((B, H, Tp, K), store), jax.ShapeDtypeStruct((B, H, Tp, K), store)],
+        out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype),
         compiler_params=compiler_params(num_warps=warps, num_stages=1),
         interpret=interpret,
         name="lineattn_chunk_gram",
@@ -174,8 +179,7 @@ def gram_scalar(q, k, Gs, beta, *, C, scale, store, exact, delta, interpret, a_d
         grid=(B, H, Tp // C),
         in_specs=[tok, tok, tok1, tok1],
         out_specs=[out(C), out(C), out(K), out(K)],
-        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, C), store), jax.ShapeDtypeStruct((B, H, Tp, C), a_dtype),
-                   jax.ShapeDtypeStruct((B, H, Tp, K), store), jax.ShapeDtypeStruct((B, H, Tp, K), store)],
+        out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype),
         compiler_params=compiler_params(num_warps=GRAM_SCALAR_WARPS, num_stages=1),
         interpret=interpret,
         name="lineattn_chunk_gram_scalar",
