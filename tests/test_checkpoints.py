@@ -103,7 +103,7 @@ def test_pallas_checkpoints_lower_for_sm90(fake_h200):
     B, T, H, K, V = 1, 150, 2, 128, 128
     args = (S((B, T, H, K), jnp.bfloat16), S((B, T, H, K), jnp.bfloat16), S((B, T, H, V), jnp.bfloat16),
             S((B, T, H, K), jnp.float32), S((B, T, H), jnp.bfloat16), S((B, H, K, V), jnp.float32))
-    f = lambda *a: chunk_pallas_checkpoints(*a, K**-0.5, 64, tuple(POSITIONS), False, "mml2")
+    f = lambda *a: chunk_pallas_checkpoints(*a, K**-0.5, 64, tuple(POSITIONS), False)
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 4  # gate cumsum, Gram, solve and the state pass
 

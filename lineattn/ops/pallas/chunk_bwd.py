@@ -253,7 +253,7 @@ def _gram_scalar_bwd_kernel(q_ref, k_ref, gs_ref, dm_ref, dkk_ref, dqin_ref, dkg
 
 
 def gram_grads_scalar(q, k, Gs, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, interpret, delta=True, bk=64):
-    """`gram_grads_fused(..., combine_with=(dQin, dKg, dKin))`'s outputs for a gate equal across K (Gs [B, Tp, H]
+    """`gram_grads_fused`'s outputs for a gate equal across K (Gs [B, Tp, H]
     fp32, the in-chunk cumsum of the scalar gate), by `_gram_scalar_bwd_kernel`; the column sums of Kg * dKg come
     per chunk, [B, H, N, K]."""
     B, Tp, H, K = q.shape
