@@ -252,7 +252,7 @@ def main():
     p.add_argument("--fla-shapes", default="8x4096,1x32768", help="shapes at which FLA is timed")
     p.add_argument("--tune-shapes", default="8x4096,1x32768")
     p.add_argument("--gdn", action="store_true")
-    p.add_argument("--decode", default="64x4,64x8,32x4,64x4f,32x4f,16x4f",
+    p.add_argument("--decode", default="64x4f,64x8f,32x4f,32x2f,16x2f,64x4,64x8",
                    help="decode block_v x num_warps configs, a trailing f: the V tiles first in the launch order")
     p.add_argument("--long", type=int, default=0, help="also time one sequence of this length (0: no)")
     p.add_argument("--tune", action="store_true", help="time the forward's kernels apart and launch settings")

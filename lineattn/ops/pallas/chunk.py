@@ -9,11 +9,12 @@ benchmarks/results/README.md):
     `chunk_bwd.backward_fast` then runs only kernels: gate cumsum, the three state-pass kernels, the WY backward,
     the Gram gradients with the row-local combine, dg's reverse cumsum.
   - "kernels-mml2": `chunk_bwd.backward_fast` recomputing the terms (Gram kernel, whole-chunk solve writing R):
-    the forward saves only its inputs. (The "kernels-mm2" form with the 3-D exact Gram path was removed.)
+    the forward saves only its inputs. (The "kernels-mm2" form with the 3-D exact Gram path was removed as
+    redundant.)
   - "xla" (40.7 ms): `jax.vjp` of the XLA chunk form (`lineattn.ops.chunk.chunk`) in fp32. No Pallas kernel.
 g is [B, T, H, K] (a channel gate) or [B, T, H] (equal across K: the scalar Gram kernels; dg comes back in g's
-shape). Transient memory of `backward_fast`: about 6.5 KB per token and head at K = V = 128, C = 64 (per-chunk states,
-state cotangents K*V/C and E in bf16, fp32 cotangents of the terms, Gram gradients).
+shape). Transient memory of `backward_fast`: about 6.5 KB per token and head at K = V = 128, C = 64 (per-chunk
+states, state cotangents K*V/C and E in bf16, fp32 cotangents of the terms, Gram gradients).
 """
 
 from __future__ import annotations

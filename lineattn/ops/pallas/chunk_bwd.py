@@ -167,8 +167,8 @@ def _gram_grad_exact_loop(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, *, scale,
     return jax.lax.fori_loop(0, s, step, (xq, xk, kq, kk))
 
 
-def _gram_bwd_kernel(q_ref, k_ref, G_ref, dm_ref, dkk_ref, dqin_ref, dkg_ref, dkin_ref, dq_ref, dk_ref, dG_ref, r_ref, *,
-                     C, scale, prec, bk, delta=True):
+def _gram_bwd_kernel(q_ref, k_ref, G_ref, dm_ref, dkk_ref, dqin_ref, dkg_ref, dkin_ref, dq_ref, dk_ref, dG_ref,
+                     r_ref, *, C, scale, prec, bk, delta=True):
     """The Gram gradients of one 16-row block with the row-local combine: from the block's rows of dQin, dKg,
     dKin [16, K], the outputs dq, dk (the inputs' layout), dG [16, K] and the block's column sum of Kg * dKg
     [1, K] (`_combine_rows`; `_dg_kernel` then takes the in-chunk reverse cumsum)."""
@@ -253,9 +253,8 @@ def _gram_scalar_bwd_kernel(q_ref, k_ref, gs_ref, dm_ref, dkk_ref, dqin_ref, dkg
 
 
 def gram_grads_scalar(q, k, Gs, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, interpret, delta=True, bk=64):
-    """`gram_grads_fused`'s outputs for a gate equal across K (Gs [B, Tp, H]
-    fp32, the in-chunk cumsum of the scalar gate), by `_gram_scalar_bwd_kernel`; the column sums of Kg * dKg come
-    per chunk, [B, H, N, K]."""
+    """`gram_grads_fused`'s outputs for a gate equal across K (Gs [B, Tp, H] fp32, the in-chunk cumsum of the
+    scalar gate), by `_gram_scalar_bwd_kernel`; the column sums of Kg * dKg come per chunk, [B, H, N, K]."""
     B, Tp, H, K = q.shape
     tok = pl.BlockSpec((None, C, None, K), lambda b, h, n: (b, n, h, 0))
     chunk = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))

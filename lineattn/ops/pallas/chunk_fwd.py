@@ -47,7 +47,8 @@ def _iota(shape, dim):
 #     block-uniform `lax.cond`) the exact path below runs, so gates down to -1000 stay exact and finite.
 #   - exact path: off-diagonal columns by one product with the first-row reference n of block a (both factors
 #     <= 1), the 16 x 16 diagonal block pair by pair, masked before the exp, by a 16-step column loop on 2-D
-#     tiles. (A 3-D broadcast form of it, the "mm2" intra stage, was removed on 2026-12-01: never faster.)
+#     tiles. (A 3-D broadcast form of it, the "mm2" intra stage, was removed on 2026-12-01 as redundant: both
+#     took the same fast path, and the exact path runs only in blocks that hold a cut.)
 LIMIT = 40.0
 # Launch settings of the forward (read when a call is traced; for timing sweeps through
 # benchmarks/profile_pallas_kda.py --configs): warps of the Gram kernel, the solve and the state pass, and the Gram
@@ -352,7 +353,8 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     (`gate_cumsum`, `_gram_rows_kernel`, `_solve_full_kernel`) took 2.44 ms with the state pass at 8 x 4096 x 16 x
     128 bf16 on the H200 (run8c; benchmarks/results/README.md). (Removed on 2026-12-01 as slower in every H200
     run: the "split" family with an XLA cumsum and a 16 x 16-block solve, 4.44-8.01 ms, two single-program
-    stages, "fused2" 7.15 ms and "fused" 9.40 ms, and "mm2", a 3-D form of the exact diagonal blocks.)
+    stages, "fused2" 7.15 ms and "fused" 9.40 ms; and, as redundant, "mm2", a 3-D form of the exact diagonal
+    blocks.)
     export_chunks: chunk indices n whose incoming fp32 state the state pass also writes; when given, the
     return is (o, final state, S0 [B, H, len(export_chunks), K, V], w [B, H, Tp, K], u [B, H, Tp, V]) with w, u
     kernel 1's WY terms (None for the additive write), from which `lineattn.ops.checkpoints` advances S0
