@@ -95,6 +95,33 @@ def test_pallas_scalar_gate_bf16_and_varlen(monkeypatch):
     _compare("gdn", make_inputs("gdn", B=1, T=101, H=1, K=32, V=32, num_seqs=3, seed=3), cu_seqlens=cu_seqlens)
 
 
+@pytest.mark.parametrize("gate,backward", [(None, "kernels-saved"), ("lower_bound", "kernels-saved"),
+                                           ("cut", "kernels-mml2")])
+def test_pallas_gram_strips(gate, backward, monkeypatch, request):
+    # `chunk_fwd.GRAM = "strips"` (one program per chunk, 16-column strips): KDA in fp32 at chunks 32 and 64,
+    # K != V, every token at -5 (the strips' fast path at its 40-nat limit) or -1000 cuts (their exact path), and
+    # the Gram recompute of the kernels-mml2 backward; then bf16 against FLA's tolerances. `chunk_fwd.forward` is
+    # jitted and reads GRAM when traced: the caches are cleared before and after, so that neither this test nor
+    # the others reuse a trace made with the other setting.
+    from lineattn.ops.pallas import chunk_fwd
+    jax.clear_caches()
+    request.addfinalizer(jax.clear_caches)
+    monkeypatch.setattr(chunk_fwd, "GRAM", "strips")
+    monkeypatch.setattr(pallas_api, "BACKWARD", backward)
+    low, high = {None: (-5.0, 0.0), "lower_bound": (-5.0, -5.0), "cut": (-1.0, 0.0)}[gate]
+    inputs = make_inputs("kda", B=1, T=80, H=2, K=32, V=64, g_low=low, g_high=high, seed=15)
+    if gate == "cut":
+        inputs["g"] = inputs["g"].at[:, jnp.array([3, 20, 32, 61])].set(-1000.0)
+    for chunk_size in (32, 64):
+        _compare("kda", inputs, tol=1e-3 if gate == "cut" else TOL, chunk_size=chunk_size)
+    x = inputs
+    loss = lambda q: jnp.sum(ops.chunk_kda(q, x["k"], x["v"], x["g"], x["beta"], backend="pallas")[0])
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss))(x["q"]))
+    assert jaxpr.count("lineattn_chunk_gram_strips") >= 1 and "lineattn_chunk_gram\n" not in jaxpr
+    if gate is None:
+        test_pallas_bf16_against_fp32_oracle("kda", None, monkeypatch)
+
+
 def test_pallas_varlen():
     cu_seqlens = np.array([0, 37, 37, 101])  # an empty sequence, one crossing chunk edges
     _compare("kda", make_inputs("kda", B=1, T=101, H=1, K=32, V=32, num_seqs=3, seed=3), cu_seqlens=cu_seqlens)

@@ -35,6 +35,7 @@ def _run(rule, x, backend, monkeypatch=None, variant=None):
         for name, value in variant[1].items():
             module, attr = name.split(".")
             monkeypatch.setattr(modules[module], attr, value)
+        jax.clear_caches()  # `chunk_fwd.forward` is jitted and reads its module constants when traced
     names = [n for n in ("q", "k", "v", "g", "beta", "h0") if x[n] is not None]  # DeltaNet: no g; GLA: no beta
     rng = np.random.default_rng(1)
     B, T, H, _ = x["q"].shape
@@ -53,15 +54,18 @@ def _run(rule, x, backend, monkeypatch=None, variant=None):
     args = [x[n] for n in names]
     o, ht = jax.jit(f)(*args)
     grads = jax.jit(jax.grad(loss, argnums=tuple(range(len(names)))))(*args)
+    if variant is not None:
+        jax.clear_caches()  # no trace made with these constants outlives the test
     return {"o": o, "ht": ht, **{"d" + n: g for n, g in zip(names, grads)}}
 
 
-# The defaults (None: mml2 / kernels-saved) and the other variants. DeltaNet and GLA with the defaults: what `auto`
+# The defaults (None: kernels-saved) and the other variants. DeltaNet and GLA with the defaults: what `auto`
 # needs before it takes the kernels for them (`pallas.api.AUTO_RULES`).
-SCALAR = {"api.SCALAR_GATE": True}
+SCALAR, STRIPS = {"api.SCALAR_GATE": True}, {"chunk_fwd.GRAM": "strips"}
 VARIANTS = [("kda", None), ("gdn", None), ("deltanet", None), ("gla", None), ("kda", ("xla", {})),
             ("kda", ("kernels-mml2", {})), ("gdn", ("kernels-mml2", {})), ("gdn", ("kernels-saved", SCALAR)),
-            ("deltanet", ("kernels-saved", SCALAR)), ("gdn", ("kernels-mml2", SCALAR))]
+            ("deltanet", ("kernels-saved", SCALAR)), ("gdn", ("kernels-mml2", SCALAR)),
+            ("kda", ("kernels-saved", STRIPS)), ("kda", ("kernels-mml2", STRIPS))]
 
 
 def _variant_id(rule, variant):

@@ -57,6 +57,7 @@ LIMIT = 40.0
 # pass's pipeline depth (run8a: 0.35 ms with 3, 0.42 with 2, 0.375 with 1).
 GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES = 2, 4, 4, 64, 3
 GRAM_SCALAR_WARPS = 4  # the scalar-gate Gram kernel (one program per chunk; not yet timed on a GPU)
+GRAM_STRIPS_WARPS = 4  # the GRAM = "strips" kernel (one program per chunk; not yet timed on a GPU)
 
 
 def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta, bk):
@@ -112,6 +113,69 @@ def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_r
         a_ref[...] = jnp.where(cols < rows, beta_ref[...].astype(f32)[:, None] * Ax, 0.0)
 
 
+# GRAM = "strips": the same M, A, Qin, Kg with one program per chunk that forms M and A in 16-column strips, the
+# reference row being the middle row of the strip's column block b: for all rows at once,
+# `(x e^(min(G - G_m, 40))) (k_b e^(G_m - G_b))^T` ([C, K] x [K, 16] products) when the block's rows are within
+# 40 nats of G_m (rows below the block have G - G_m <= 0, rows above are clamped and masked away), else a 16-step
+# loop over the block's columns, exact for every row (masked before the exp). Against "rows" (one program per
+# 16-row block): a quarter of the programs, the chunk's q, k, G loaded once. CPU-tested, lowered for sm_90; not yet
+# timed on a GPU (read when a call is traced).
+GRAM = "rows"
+
+
+def _gram_strips_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta, bk):
+    s = SUB
+    K = k_ref.shape[-1]
+    rows, cols = _iota((C, s), 0), _iota((C, s), 1)
+    rows_c1 = _iota((C, 1), 0)
+    for t in range(K // bk):
+        d = pl.ds(t * bk, bk)
+        G = G_ref[:, d]
+        qin_ref[:, d] = (q_ref[:, d].astype(f32) * scale * jnp.exp(G)).astype(qin_ref.dtype)
+        kg_ref[:, d] = (k_ref[:, d].astype(f32) * jnp.exp(G_ref[pl.ds(C - 1, 1), d] - G)).astype(kg_ref.dtype)
+    for b in range(C // s):
+        c0, blk = b * s, pl.ds(b * s, s)
+        mid = pl.ds(c0 + s // 2, 1)
+        spread = jnp.float32(0.0)
+        for t in range(K // bk):
+            d = pl.ds(t * bk, bk)
+            spread = jnp.maximum(spread, jnp.max(jnp.abs(G_ref[blk, d] - G_ref[mid, d])))
+
+        def fast(blk=blk, mid=mid):
+            Mx, Ax = jnp.zeros((C, s), f32), jnp.zeros((C, s), f32)
+            for t in range(K // bk):
+                d = pl.ds(t * bk, bk)
+                Gm = G_ref[mid, d]
+                up = jnp.exp(jnp.minimum(G_ref[:, d] - Gm, LIMIT))
+                kb = k_ref[blk, d].astype(f32) * jnp.exp(Gm - G_ref[blk, d])
+                Mx = Mx + dot(q_ref[:, d].astype(f32) * (scale * up), kb, prec, trans_b=True)
+                if delta:
+                    Ax = Ax + dot(k_ref[:, d].astype(f32) * up, kb, prec, trans_b=True)
+            return Mx, Ax
+
+        def exact(c0=c0):  # column by column, every row exactly (exponents <= 0 after the mask)
+            Mx, Ax = jnp.zeros((C, s), f32), jnp.zeros((C, s), f32)
+            for t in range(K // bk):
+                d = pl.ds(t * bk, bk)
+                G, x, k = G_ref[:, d], q_ref[:, d].astype(f32) * scale, k_ref[:, d].astype(f32)
+
+                def column(j, acc, G=G, x=x, k=k, d=d):
+                    col = pl.ds(c0 + j, 1)
+                    kd = k_ref[col, d].astype(f32) * jnp.exp(jnp.where(rows_c1 >= c0 + j, G - G_ref[col, d], -jnp.inf))
+                    m = jnp.where(cols == j, acc[0] + jnp.sum(x * kd, axis=1, keepdims=True), acc[0])
+                    a = jnp.where(cols == j, acc[1] + jnp.sum(k * kd, axis=1, keepdims=True), acc[1]) if delta \
+                        else acc[1]
+                    return m, a
+
+                Mx, Ax = jax.lax.fori_loop(0, s, column, (Mx, Ax))
+            return Mx, Ax
+
+        Mx, Ax = jax.lax.cond(spread <= LIMIT, fast, exact)
+        m_ref[:, blk] = jnp.where(cols + c0 <= rows, Mx, 0.0).astype(m_ref.dtype)
+        if delta:
+            a_ref[:, blk] = jnp.where(cols + c0 < rows, beta_ref[...].astype(f32)[:, None] * Ax, 0.0)
+
+
 def _gram_outputs(B, H, Tp, C, K, store, a_dtype):
     """The shapes of the Gram kernels' M, A [B, H, Tp, C] and Qin, Kg [B, H, Tp, K]."""
     mat = lambda D, dt: jax.ShapeDtypeStruct((B, H, Tp, D), dt)
@@ -123,6 +187,11 @@ def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, 
     cumsum G (fp32) and beta [B, Tp, H] (see `_gram_rows_kernel`)."""
     B, Tp, H, K = q.shape
     N, nb = Tp // C, C // SUB
+    if GRAM == "strips":
+        return _gram_strips(q, k, G, beta, C=C, scale=scale, store=store, prec=prec, delta=delta, warps=warps,
+                            interpret=interpret, a_dtype=a_dtype, bk=bk)
+    if GRAM != "rows":
+        raise ValueError(f"chunk_fwd.GRAM must be 'rows' or 'strips', got {GRAM!r}")
     sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i, h, 0))
     whole = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
     row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, i, 0))
@@ -136,6 +205,24 @@ def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, 
         compiler_params=compiler_params(num_warps=warps, num_stages=1),
         interpret=interpret,
         name="lineattn_chunk_gram",
+    )(q, k, G, beta)
+
+
+def _gram_strips(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, a_dtype, bk):
+    """`gram_rows` by `_gram_strips_kernel` (GRAM = "strips"), one program per chunk."""
+    B, Tp, H, K = q.shape
+    tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
+    out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
+    kernel = functools.partial(_gram_strips_kernel, C=C, scale=scale, prec=prec, delta=delta, bk=min(bk, K))
+    return pl.pallas_call(
+        kernel,
+        grid=(B, H, Tp // C),
+        in_specs=[tok(K), tok(K), tok(K), pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))],
+        out_specs=[out(C), out(C), out(K), out(K)],
+        out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype),
+        compiler_params=compiler_params(num_warps=GRAM_STRIPS_WARPS, num_stages=1),
+        interpret=interpret,
+        name="lineattn_chunk_gram_strips",
     )(q, k, G, beta)
 
 
