@@ -35,7 +35,6 @@ def _run(rule, x, backend, monkeypatch=None, variant=None):
         for name, value in variant[1].items():
             module, attr = name.split(".")
             monkeypatch.setattr(modules[module], attr, value)
-        jax.clear_caches()  # `chunk_fwd.forward` is jitted and reads its module constants when traced
     names = [n for n in ("q", "k", "v", "g", "beta", "h0") if x[n] is not None]  # DeltaNet: no g; GLA: no beta
     rng = np.random.default_rng(1)
     B, T, H, _ = x["q"].shape
@@ -54,8 +53,6 @@ def _run(rule, x, backend, monkeypatch=None, variant=None):
     args = [x[n] for n in names]
     o, ht = jax.jit(f)(*args)
     grads = jax.jit(jax.grad(loss, argnums=tuple(range(len(names)))))(*args)
-    if variant is not None:
-        jax.clear_caches()  # no trace made with these constants outlives the test
     return {"o": o, "ht": ht, **{"d" + n: g for n, g in zip(names, grads)}}
 
 

@@ -426,11 +426,27 @@ def pick_block_v(programs: int, V: int) -> int:
     return bv
 
 
+def _constants():
+    """The values of the module constants the forward reads when traced."""
+    return (GRAM, GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES, GRAM_SCALAR_WARPS, GRAM_STRIPS_WARPS,
+            SOLVE_PREC, GRAM_PREC, UW_PREC)
+
+
+def _retrace_on_constants(jitted):
+    """`jitted` called with the module constants' current values as its static `constants` argument: jit caches
+    by static arguments, not by globals, so without it a constant set after a first call would be ignored."""
+    @functools.wraps(jitted)
+    def call(*args, **kwargs):
+        return jitted(*args, **kwargs, constants=_constants())
+    return call
+
+
+@_retrace_on_constants
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "interpret", "block_v", "warps", "only_intra",
-                                             "export_chunks", "save"))
+                                             "export_chunks", "save", "constants"))
 def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpret: bool | None = None,
             block_v: int | None = None, warps: tuple[int, int] | None = None, only_intra: bool = False,
-            export_chunks: tuple[int, ...] = (), save: bool = False):
+            export_chunks: tuple[int, ...] = (), save: bool = False, constants: tuple = ()):
     """o [B, T, H, V] (q's dtype) and final state [B, H, K, V] fp32 of the delta rule with a per-channel gate.
 
     q, k [B, T, H, K] and v [B, T, H, V] (bf16 or fp32, one dtype), g [B, T, H, K] log decay per channel or
@@ -448,7 +464,8 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     inside the chunk.
     save: return (o, final state, saved) with saved = (qin, kg, w, u, m [B, H, Tp, .] in
     the store dtype, e^(G_C) [B, H, K, N], KK, R [B, H, Tp, C] fp32; the last four None for the additive write),
-    what `chunk_bwd.backward_fast` would otherwise recompute.
+    what `chunk_bwd.backward_fast` would otherwise recompute. constants: set by the wrapper (the module
+    constants' values, a cache key only).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
