@@ -188,8 +188,9 @@ def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, 
     B, Tp, H, K = q.shape
     N, nb = Tp // C, C // SUB
     if GRAM == "strips":
-        return _gram_strips(q, k, G, beta, C=C, scale=scale, store=store, prec=prec, delta=delta, warps=warps,
-                            interpret=interpret, a_dtype=a_dtype, bk=bk)
+        kernel = functools.partial(_gram_strips_kernel, C=C, scale=scale, prec=prec, delta=delta, bk=min(bk, K))
+        return _per_chunk_gram(kernel, q, k, G, beta, C=C, store=store, a_dtype=a_dtype, warps=GRAM_STRIPS_WARPS,
+                               interpret=interpret, name="lineattn_chunk_gram_strips")
     if GRAM != "rows":
         raise ValueError(f"chunk_fwd.GRAM must be 'rows' or 'strips', got {GRAM!r}")
     sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i, h, 0))
@@ -208,21 +209,22 @@ def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, 
     )(q, k, G, beta)
 
 
-def _gram_strips(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, a_dtype, bk):
-    """`gram_rows` by `_gram_strips_kernel` (GRAM = "strips"), one program per chunk."""
+def _per_chunk_gram(kernel, q, k, G, beta, *, C, store, a_dtype, warps, interpret, name):
+    """`gram_rows`'s outputs from a Gram kernel with one program per chunk (the strips and scalar-gate kernels):
+    q, k [B, Tp, H, K], G [B, Tp, H, K] or [B, Tp, H] (scalar gate), beta [B, Tp, H]."""
     B, Tp, H, K = q.shape
-    tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
+    tok = pl.BlockSpec((None, C, None, K), lambda b, h, n: (b, n, h, 0))
+    tok1 = pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
     out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
-    kernel = functools.partial(_gram_strips_kernel, C=C, scale=scale, prec=prec, delta=delta, bk=min(bk, K))
     return pl.pallas_call(
         kernel,
         grid=(B, H, Tp // C),
-        in_specs=[tok(K), tok(K), tok(K), pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))],
+        in_specs=[tok, tok, tok if G.ndim == 4 else tok1, tok1],
         out_specs=[out(C), out(C), out(K), out(K)],
         out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype),
-        compiler_params=compiler_params(num_warps=GRAM_STRIPS_WARPS, num_stages=1),
+        compiler_params=compiler_params(num_warps=warps, num_stages=1),
         interpret=interpret,
-        name="lineattn_chunk_gram_strips",
+        name=name,
     )(q, k, G, beta)
 
 
@@ -256,22 +258,10 @@ def _gram_scalar_kernel(q_ref, k_ref, gs_ref, beta_ref, m_ref, a_ref, qin_ref, k
 def gram_scalar(q, k, Gs, beta, *, C, scale, store, exact, delta, interpret, a_dtype=f32, bk=64):
     """`gram_rows`'s outputs (M, A, Qin, Kg [B, H, Tp, .]) for a gate equal across K, by `_gram_scalar_kernel`;
     Gs [B, Tp, H] fp32 is the in-chunk cumsum of the scalar log gate."""
-    B, Tp, H, K = q.shape
-    tok = pl.BlockSpec((None, C, None, K), lambda b, h, n: (b, n, h, 0))
-    tok1 = pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
-    out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
     kernel = functools.partial(_gram_scalar_kernel, C=C, scale=scale, prec="ieee" if exact else "bf16", delta=delta,
-                               bk=min(bk, K))
-    return pl.pallas_call(
-        kernel,
-        grid=(B, H, Tp // C),
-        in_specs=[tok, tok, tok1, tok1],
-        out_specs=[out(C), out(C), out(K), out(K)],
-        out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype),
-        compiler_params=compiler_params(num_warps=GRAM_SCALAR_WARPS, num_stages=1),
-        interpret=interpret,
-        name="lineattn_chunk_gram_scalar",
-    )(q, k, Gs, beta)
+                               bk=min(bk, q.shape[-1]))
+    return _per_chunk_gram(kernel, q, k, Gs, beta, C=C, store=store, a_dtype=a_dtype, warps=GRAM_SCALAR_WARPS,
+                           interpret=interpret, name="lineattn_chunk_gram_scalar")
 
 
 # ---- Gate cumsum as a kernel (XLA's cumsum over the chunk axis took 0.6 ms at 8 x 4096 x 16 x 128) ----
