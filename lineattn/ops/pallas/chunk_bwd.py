@@ -364,10 +364,8 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     gp = gp.astype(f32)
     Tp = qp.shape[1]
     N = Tp // C
-    scalar = g.ndim == 3
-    if scalar:  # the solve and the state passes take the per-channel G and e^(G_C)
-        gp = jnp.broadcast_to(gp[..., None], (B, Tp, H, K))
-    G, dend_KN = gate_cumsum(gp, C=C, interpret=interpret)
+    scalar = g.ndim == 3  # (the gate cumsum broadcasts it: the solve and state passes take a per-channel G)
+    G, dend_KN = gate_cumsum(gp, C=C, K=K, interpret=interpret)
     ch = lambda x: x.reshape(B, H, N, C, x.shape[-1])
     if saved is not None:
         Qin, Kg, W, U, M, dend_KN, KK, R = saved

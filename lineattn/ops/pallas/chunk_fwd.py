@@ -269,19 +269,26 @@ def gram_scalar(q, k, Gs, beta, *, C, scale, store, exact, delta, interpret, a_d
 
 def _cumsum_kernel(g_ref, G_ref, dend_ref):
     g = g_ref[...].astype(f32)
-    G_ref[...] = jnp.cumsum(g, axis=0)
-    dend_ref[...] = jnp.exp(jnp.sum(g, axis=0))
+    if g.ndim == 1:  # a gate equal across K: one cumsum, broadcast over the K tile
+        G_ref[...] = jnp.broadcast_to(jnp.cumsum(g)[:, None], G_ref.shape)
+        dend_ref[...] = jnp.broadcast_to(jnp.exp(jnp.sum(g)), dend_ref.shape)
+    else:
+        G_ref[...] = jnp.cumsum(g, axis=0)
+        dend_ref[...] = jnp.exp(jnp.sum(g, axis=0))
 
 
-def gate_cumsum(g, *, C, interpret):
-    """G [B, Tp, H, K] fp32 (cumsum of g within each chunk of C) and e^(G_C) [B, H, K, N]."""
-    B, Tp, H, K = g.shape
+def gate_cumsum(g, *, C, K, interpret):
+    """G [B, Tp, H, K] fp32 (cumsum of g within each chunk of C) and e^(G_C) [B, H, K, N], from g [B, Tp, H, K]
+    or [B, Tp, H] (a gate equal across K, broadcast here)."""
+    B, Tp, H = g.shape[:3]
     N = Tp // C
     bk = min(K, 64)
+    g_spec = (pl.BlockSpec((None, C, None, bk), lambda b, h, n, t: (b, n, h, t)) if g.ndim == 4
+              else pl.BlockSpec((None, C, None), lambda b, h, n, t: (b, n, h)))
     return pl.pallas_call(
         _cumsum_kernel,
         grid=(B, H, N, K // bk),
-        in_specs=[pl.BlockSpec((None, C, None, bk), lambda b, h, n, t: (b, n, h, t))],
+        in_specs=[g_spec],
         out_specs=[pl.BlockSpec((None, C, None, bk), lambda b, h, n, t: (b, n, h, t)),
                    pl.BlockSpec((None, None, bk, None), lambda b, h, n, t: (b, h, t, n))],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), f32), jax.ShapeDtypeStruct((B, H, K, N), f32)],
@@ -358,7 +365,7 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     Gram rows (or `gram_scalar`) and the whole-chunk solve. save: also the unscaled key Gram KK and
     R = (I + A)^-1 (fp32 [B, H, Tp, C]) for the backward: the Gram kernel then writes KK and the solve scales it
     by beta."""
-    G, dend = gate_cumsum(g, C=C, interpret=interpret)
+    G, dend = gate_cumsum(g, C=C, K=q.shape[-1], interpret=interpret)
     gram_beta = jnp.ones_like(beta) if save else beta
     exact = prec == "ieee"
     if scalar:
@@ -471,9 +478,7 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
         q, k, v, g = map(pad_t, (q, k, v, g))
         beta = pad_t(beta) if delta else None
     Tp, N = T + pad, (T + pad) // C
-    scalar = g.ndim == 3
-    if scalar:  # the solve and the state passes take the per-channel G and e^(G_C)
-        g = jnp.broadcast_to(g[..., None], (B, Tp, H, K))
+    scalar = g.ndim == 3  # (the gate cumsum broadcasts it: the solve and state passes take a per-channel G)
     dt = q.dtype
     exact = dt == jnp.float32
     store = f32 if exact else dt
