@@ -11,7 +11,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 SUB = 16  # sub-chunk rows: the unit of the reference-point trick and of the blockwise inverse
