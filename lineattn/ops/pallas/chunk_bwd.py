@@ -228,16 +228,12 @@ def gram_grads_fused(q, k, G, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, inte
     )(q, k, G, dM, dKK, dQin, dKg, dKin)
 
 
-def _gram_scalar_bwd_kernel(q_ref, k_ref, gs_ref, dm_ref, dkk_ref, dqin_ref, dkg_ref, dkin_ref, dq_ref, dk_ref, dG_ref,
+def _gram_scalar_bwd_kernel(q_ref, k_ref, g_ref, dm_ref, dkk_ref, dqin_ref, dkg_ref, dkin_ref, dq_ref, dk_ref, dG_ref,
                             r_ref, *, C, scale, prec, delta, bk):
     """The Gram gradients for a gate equal across K (`chunk_fwd.gram_scalar`), one program per chunk, with the
     row-local combine: with D_ij = e^(G_i - G_j) (j <= i), dx = (dP * D) k and dk = (dP * D)^T x, then
     `_combine_rows` as in `_gram_bwd_kernel` (dG per channel: the caller sums it over K)."""
-    i, j = _iota((C, C), 0), _iota((C, C), 1)
-    Gs = gs_ref[...]
-    G = Gs[:, None]
-    decay = jnp.exp(jnp.where(j <= i, G - Gs[None, :], -jnp.inf))
-    G_end = gs_ref[pl.ds(C - 1, 1)][None, :]
+    G, decay, G_end = chunk_fwd.scalar_decay(g_ref)
     dM, dKK = dm_ref[...] * decay, dkk_ref[...] * decay
     for t in range(k_ref.shape[-1] // bk):
         d = pl.ds(t * bk, bk)
@@ -252,9 +248,9 @@ def _gram_scalar_bwd_kernel(q_ref, k_ref, gs_ref, dm_ref, dkk_ref, dqin_ref, dkg
         r_ref[:, d] = jnp.sum(kg_dkg, axis=0, keepdims=True)
 
 
-def gram_grads_scalar(q, k, Gs, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, interpret, delta=True, bk=64):
-    """`gram_grads_fused`'s outputs for a gate equal across K (Gs [B, Tp, H] fp32, the in-chunk cumsum of the
-    scalar gate), by `_gram_scalar_bwd_kernel`; the column sums of Kg * dKg come per chunk, [B, H, N, K]."""
+def gram_grads_scalar(q, k, g, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, interpret, delta=True, bk=64):
+    """`gram_grads_fused`'s outputs for a gate equal across K (g [B, Tp, H] fp32, the scalar log gate), by
+    `_gram_scalar_bwd_kernel`; the column sums of Kg * dKg come per chunk, [B, H, N, K]."""
     B, Tp, H, K = q.shape
     tok = pl.BlockSpec((None, C, None, K), lambda b, h, n: (b, n, h, 0))
     chunk = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
@@ -269,7 +265,7 @@ def gram_grads_scalar(q, k, Gs, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, in
                    jax.ShapeDtypeStruct((B, H, Tp, K), f32), jax.ShapeDtypeStruct((B, H, Tp // C, K), f32)],
         compiler_params=compiler_params(num_warps=GRADS_SCALAR_WARPS, num_stages=1), interpret=interpret,
         name="lineattn_gram_bwd_scalar",
-    )(q, k, Gs, dM, dKK, dQin, dKg, dKin)
+    )(q, k, g, dM, dKK, dQin, dKg, dKin)
 
 
 # ---- `backward_fast`: the backward as kernels only ----
@@ -374,7 +370,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     else:
         ones = jnp.ones((B, Tp, H), qp.dtype)
         if scalar:
-            M, KK, Qin, Kg = chunk_fwd.gram_scalar(qp, kp, G[..., 0], ones, C=C, scale=scale, store=f32, exact=exact,
+            M, KK, Qin, Kg = chunk_fwd.gram_scalar(qp, kp, gp, ones, C=C, scale=scale, store=f32, exact=exact,
                                                    delta=delta, interpret=interpret)
         else:
             M, KK, Qin, Kg = gram_rows(qp, kp, G, ones, C=C, scale=scale, store=f32,
@@ -412,7 +408,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     ktok = pl.BlockSpec((None, C, None, bk), lambda b, h, n, t: (b, n, h, t))
     kchunk = pl.BlockSpec((None, None, C, bk), lambda b, h, n, t: (b, h, n, t))
     kn = pl.BlockSpec((None, None, bk, None), lambda b, h, n, t: (b, h, t, n))
-    grads = (qp, kp, G[..., 0] if scalar else G, flat(cot.M_BHNCC), dKK, flat(cot.Qin_BHNCK), flat(cot.Kg_BHNCK),
+    grads = (qp, kp, gp if scalar else G, flat(cot.M_BHNCC), dKK, flat(cot.Qin_BHNCK), flat(cot.Kg_BHNCK),
              dKin)
     if scalar:
         dq, dk, dG, kg_dkg = gram_grads_scalar(*grads, C=C, scale=scale, exact=exact, interpret=interpret,

@@ -234,13 +234,21 @@ def _per_chunk_gram(kernel, q, k, G, beta, *, C, store, a_dtype, warps, interpre
 # pair by pair, masked before the exp (its exponent never above 0: exact for any g <= 0, no reference row).
 
 
-def _gram_scalar_kernel(q_ref, k_ref, gs_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta,
+def scalar_decay(g_ref):
+    """From one chunk of a scalar log gate [C]: its in-chunk cumsum G as a column [C, 1], the decay
+    D_ij = e^(G_i - G_j) for j <= i (0 above the diagonal) [C, C], and G_C (the chunk's sum)."""
+    g = g_ref[...].astype(f32)
+    Gs = jnp.cumsum(g)
+    C = g.shape[0]
+    decay = jnp.exp(jnp.where(_iota((C, C), 1) <= _iota((C, C), 0), Gs[:, None] - Gs[None, :], -jnp.inf))
+    return Gs[:, None], decay, jnp.sum(g)
+
+
+def _gram_scalar_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta,
                         bk):
     i, j = _iota((C, C), 0), _iota((C, C), 1)
-    Gs = gs_ref[...]
-    G = Gs[:, None]
-    decay = jnp.exp(jnp.where(j <= i, G - Gs[None, :], -jnp.inf))
-    to_end = jnp.exp(gs_ref[pl.ds(C - 1, 1)][None, :] - G)
+    G, decay, G_end = scalar_decay(g_ref)
+    to_end = jnp.exp(G_end - G)
     QK, KK = jnp.zeros((C, C), f32), jnp.zeros((C, C), f32)
     for t in range(k_ref.shape[-1] // bk):
         d = pl.ds(t * bk, bk)
@@ -255,12 +263,12 @@ def _gram_scalar_kernel(q_ref, k_ref, gs_ref, beta_ref, m_ref, a_ref, qin_ref, k
         a_ref[...] = jnp.where(j < i, beta_ref[...].astype(f32)[:, None] * KK * decay, 0.0)
 
 
-def gram_scalar(q, k, Gs, beta, *, C, scale, store, exact, delta, interpret, a_dtype=f32, bk=64):
+def gram_scalar(q, k, g, beta, *, C, scale, store, exact, delta, interpret, a_dtype=f32, bk=64):
     """`gram_rows`'s outputs (M, A, Qin, Kg [B, H, Tp, .]) for a gate equal across K, by `_gram_scalar_kernel`;
-    Gs [B, Tp, H] fp32 is the in-chunk cumsum of the scalar log gate."""
+    g [B, Tp, H] fp32 is the scalar log gate (its in-chunk cumsum is taken in the kernel)."""
     kernel = functools.partial(_gram_scalar_kernel, C=C, scale=scale, prec="ieee" if exact else "bf16", delta=delta,
                                bk=min(bk, q.shape[-1]))
-    return _per_chunk_gram(kernel, q, k, Gs, beta, C=C, store=store, a_dtype=a_dtype, warps=GRAM_SCALAR_WARPS,
+    return _per_chunk_gram(kernel, q, k, g, beta, C=C, store=store, a_dtype=a_dtype, warps=GRAM_SCALAR_WARPS,
                            interpret=interpret, name="lineattn_chunk_gram_scalar")
 
 
@@ -369,7 +377,7 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     gram_beta = jnp.ones_like(beta) if save else beta
     exact = prec == "ieee"
     if scalar:
-        m, A, qin, kg = gram_scalar(q, k, G[..., 0], gram_beta, C=C, scale=scale, store=store, exact=exact,
+        m, A, qin, kg = gram_scalar(q, k, g, gram_beta, C=C, scale=scale, store=store, exact=exact,
                                     delta=delta, interpret=interpret)
     else:
         m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store,
