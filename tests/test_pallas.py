@@ -95,28 +95,25 @@ def test_pallas_scalar_gate_bf16_and_varlen(monkeypatch):
     _compare("gdn", make_inputs("gdn", B=1, T=101, H=1, K=32, V=32, num_seqs=3, seed=3), cu_seqlens=cu_seqlens)
 
 
-@pytest.mark.parametrize("gate,backward", [(None, "kernels-saved"), ("lower_bound", "kernels-saved"),
-                                           ("cut", "kernels-mml2")])
-def test_pallas_gram_strips(gate, backward, monkeypatch):
-    # `chunk_fwd.GRAM = "strips"` (one program per chunk, 16-column strips): KDA in fp32 at chunks 32 and 64,
-    # K != V, every token at -5 (the strips' fast path at its 40-nat limit) or -1000 cuts (their exact path), and
-    # the Gram recompute of the kernels-mml2 backward; then bf16 against FLA's tolerances. Shapes as other tests
-    # here: the jitted forward must retrace when GRAM changes (the jaxpr check below).
+def test_pallas_head_gate_broadcast_and_retrace(monkeypatch):
+    # A head gate through the per-channel kernels (`api.SCALAR_GATE = False`: the gate broadcast over K), and the
+    # jitted forward retracing when a module constant changes after a first call with the same shapes: with
+    # PASS_MIN_PROGRAMS lowered to B * H = 4, the state pass's V tile is the whole V = 32 (grid 2 x 2 x 2 -> 2 x 2 x 1).
     from lineattn.ops.pallas import chunk_fwd
-    monkeypatch.setattr(chunk_fwd, "GRAM", "strips")
-    monkeypatch.setattr(pallas_api, "BACKWARD", backward)
-    low, high = {None: (-5.0, 0.0), "lower_bound": (-5.0, -5.0), "cut": (-1.0, 0.0)}[gate]
-    inputs = make_inputs("kda", B=1, T=80, H=2, K=32, V=64, g_low=low, g_high=high, seed=15)
-    if gate == "cut":
-        inputs["g"] = inputs["g"].at[:, jnp.array([3, 20, 32, 61])].set(-1000.0)
-    for chunk_size in (32, 64):
-        _compare("kda", inputs, tol=1e-3 if gate == "cut" else TOL, chunk_size=chunk_size)
+    monkeypatch.setattr(pallas_api, "SCALAR_GATE", False)
+    inputs = make_inputs("gdn", B=2, **SMALL, seed=16)
+    _compare("gdn", inputs)
     x = inputs
-    loss = lambda q: jnp.sum(ops.chunk_kda(q, x["k"], x["v"], x["g"], x["beta"], backend="pallas")[0])
-    jaxpr = str(jax.make_jaxpr(jax.grad(loss))(x["q"]))
-    assert jaxpr.count("lineattn_chunk_gram_strips") >= 1 and "lineattn_chunk_gram\n" not in jaxpr
-    if gate is None:
-        test_pallas_bf16_against_fp32_oracle("kda", None, monkeypatch)
+    # A new function object per trace (make_jaxpr caches by function, as jit does).
+    trace = lambda: str(jax.make_jaxpr(lambda q: ops.linear_attention("gdn", q, x["k"], x["v"], x["g"], x["beta"],
+                                                                      backend="pallas")[0])(x["q"]))
+    jaxpr = trace()
+    assert "lineattn_chunk_gram\n" in jaxpr or "lineattn_chunk_gram " in jaxpr
+    assert "lineattn_chunk_gram_scalar" not in jaxpr
+    grid = lambda text: text.split("lineattn_chunk_state_pass")[0].rsplit("grid=", 1)[-1].split(")")[0] + ")"
+    assert grid(jaxpr).replace(" ", "").startswith("(2,2,2)")
+    monkeypatch.setattr(chunk_fwd, "PASS_MIN_PROGRAMS", 4)
+    assert grid(trace()).replace(" ", "").startswith("(2,2,1)")
 
 
 def test_pallas_varlen():

@@ -64,16 +64,6 @@ def test_scalar_gate_kernels_lower_for_sm90(fake_h200, backward):
     assert text.count("__gpu$xla.gpu.triton") == 4 + {"kernels-saved": 7, "kernels-mml2": 9}[backward]
 
 
-def test_gram_strips_lower_for_sm90(fake_h200, monkeypatch):
-    # `chunk_fwd.GRAM = "strips"`: the one-program-per-chunk Gram kernel in place of the 16-row one (the same
-    # shapes as the tests above, which traced the jitted forward with the default: it must retrace).
-    from lineattn.ops.pallas import chunk_fwd
-    monkeypatch.setattr(chunk_fwd, "GRAM", "strips")
-    text = _lowered(100, jnp.bfloat16, "kernels-mml2")
-    assert text.count("lineattn_chunk_gram_strips") >= 2 and 'lineattn_chunk_gram"' not in text
-    assert text.count("__gpu$xla.gpu.triton") == 13
-
-
 @pytest.mark.parametrize("v_fastest", [False, True])
 def test_decode_kernel_lowers_for_sm90(fake_h200, v_fastest):
     B, T, H, K, V = 4, 2, 2, 128, 128

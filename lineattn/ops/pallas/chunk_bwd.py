@@ -34,8 +34,10 @@ f32 = jnp.float32
 # H200, 8 x 4096 x 16 x 128 (2026-12-01 run7c profile): bf16 passes 0.60 / 1.41 ms (reverse / chunk gradients)
 # against 0.94 / 2.11 with tf32; the WY backward 1.23 ms at tf32 against 1.78 at bf16x3; the relative RMS errors
 # of o and the five gradients against the fp32 XLA chunk form were the same to two digits (2.4e-3, dg 5.2e-3).
+# The WY backward in bf16 (run9a): 0.96 ms against 1.24 at tf32, dv and dbeta 2.9e-3 against 2.4e-3, the rest
+# unchanged.
 PASS_PREC = "bf16"
-WY_PREC = "tf32"
+WY_PREC = "bf16"
 # The dtype of the per-chunk states S0, their cotangents dS and E = U - W S0 that the state passes store for the
 # chunk gradients, for bf16 inputs: with PASS_PREC "bf16" the products round them to bf16 anyway; only
 # d e^(G_C) = rowsum(S0 * dS) sees the difference. bf16 (H200, 8 x 4096, run7d profile): states / reverse / chunk
@@ -46,13 +48,14 @@ STATES_DTYPE = "bfloat16"
 # run7e: 2 or 8 warps for the Gram gradients 3.62 / 2.63 ms against 1.62 with 4; WY 4 / 16 warps 1.28 / 2.42
 # against 1.24 with 8; chunk gradients 0.95 with 4 warps against 1.11 with 8).
 GRADS_WARPS, WY_WARPS, CHUNK_GRADS_WARPS, DG_BK = 4, 8, 4, 64
-GRADS_SCALAR_WARPS = 4  # the scalar-gate Gram gradients (`gram_grads_scalar`; not yet timed on a GPU)
+GRADS_SCALAR_WARPS = 4  # the scalar-gate Gram gradients (`gram_grads_scalar`; run9a, GDN 8 x 4096: 1.58 ms)
 # dq, dk and dG are formed inside the Gram-gradient kernel, row by row, and `_dg_kernel` takes dg's reverse
 # cumsum. (A separate combine kernel reading four fp32 Gram gradients back was slower on the H200, run8a: 1.62 +
 # 1.05 ms against 2.13 + 0.18; removed.)
 # The pipeline depths of the states pass and the reverse pass (run8a: states 0.27 / 0.32 / 0.37 ms with 2 / 3 / 1
 # stages, reverse 0.51 / 0.49 / 0.49).
 STATES_STAGES, REVERSE_STAGES = 2, 1
+PASSES_WARPS = 4  # both state passes (run9b, 1 x 32768, V tile 16: 2 warps 1.05 / 2.59 ms against 0.84 / 1.82)
 
 
 def _states_kernel(kg_ref, w_ref, u_ref, dend_ref, h0_ref, s0_ref, *e_ref, C, K, N, prec, delta):
@@ -497,7 +500,7 @@ def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None,
         functools.partial(_states_kernel, C=C, K=K, N=N, prec=prec, delta=delta),
         grid=(B, H, NV), in_specs=[whole(K), whole(K), vtile, kn, state], out_specs=[states, vtile],
         out_shape=[jax.ShapeDtypeStruct((B, H, N * K, V), kept), jax.ShapeDtypeStruct((B, H, Tp, V), kept)],
-        compiler_params=compiler_params(num_warps=4, num_stages=STATES_STAGES), interpret=interpret,
+        compiler_params=compiler_params(num_warps=PASSES_WARPS, num_stages=STATES_STAGES), interpret=interpret,
         name="lineattn_chunk_bwd_states",
     )(kg, w, u, dend_KN, h0.astype(f32))
     ds, du, dh0 = pl.pallas_call(
@@ -508,7 +511,7 @@ def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None,
         out_specs=[states, vtile, state],
         out_shape=[jax.ShapeDtypeStruct((B, H, N * K, V), kept), jax.ShapeDtypeStruct((B, H, Tp, V), f32),
                    jax.ShapeDtypeStruct((B, H, K, V), f32)],
-        compiler_params=compiler_params(num_warps=4, num_stages=REVERSE_STAGES), interpret=interpret,
+        compiler_params=compiler_params(num_warps=PASSES_WARPS, num_stages=REVERSE_STAGES), interpret=interpret,
         name="lineattn_chunk_bwd_reverse_ds",
     )(qin, kg, w, m, dend_KN, do, dht.astype(f32))
     chunk = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))

@@ -56,8 +56,7 @@ LIMIT = 40.0
 # 1.63 with 8 (timed alone); run8a: Gram K tile 128 with 4 warps 1.14 ms against 0.97. PASS_STAGES: the state
 # pass's pipeline depth (run8a: 0.35 ms with 3, 0.42 with 2, 0.375 with 1).
 GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES = 2, 4, 4, 64, 3
-GRAM_SCALAR_WARPS = 4  # the scalar-gate Gram kernel (one program per chunk; not yet timed on a GPU)
-GRAM_STRIPS_WARPS = 4  # the GRAM = "strips" kernel (one program per chunk; not yet timed on a GPU)
+GRAM_SCALAR_WARPS = 4  # the scalar-gate Gram kernel, one program per chunk (run9a, GDN 8 x 4096: 0.26 ms)
 
 
 def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta, bk):
@@ -113,69 +112,6 @@ def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_r
         a_ref[...] = jnp.where(cols < rows, beta_ref[...].astype(f32)[:, None] * Ax, 0.0)
 
 
-# GRAM = "strips": the same M, A, Qin, Kg with one program per chunk that forms M and A in 16-column strips, the
-# reference row being the middle row of the strip's column block b: for all rows at once,
-# `(x e^(min(G - G_m, 40))) (k_b e^(G_m - G_b))^T` ([C, K] x [K, 16] products) when the block's rows are within
-# 40 nats of G_m (rows below the block have G - G_m <= 0, rows above are clamped and masked away), else a 16-step
-# loop over the block's columns, exact for every row (masked before the exp). Against "rows" (one program per
-# 16-row block): a quarter of the programs, the chunk's q, k, G loaded once. CPU-tested, lowered for sm_90; not yet
-# timed on a GPU (read when a call is traced).
-GRAM = "rows"
-
-
-def _gram_strips_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta, bk):
-    s = SUB
-    K = k_ref.shape[-1]
-    rows, cols = _iota((C, s), 0), _iota((C, s), 1)
-    rows_c1 = _iota((C, 1), 0)
-    for t in range(K // bk):
-        d = pl.ds(t * bk, bk)
-        G = G_ref[:, d]
-        qin_ref[:, d] = (q_ref[:, d].astype(f32) * scale * jnp.exp(G)).astype(qin_ref.dtype)
-        kg_ref[:, d] = (k_ref[:, d].astype(f32) * jnp.exp(G_ref[pl.ds(C - 1, 1), d] - G)).astype(kg_ref.dtype)
-    for b in range(C // s):
-        c0, blk = b * s, pl.ds(b * s, s)
-        mid = pl.ds(c0 + s // 2, 1)
-        spread = jnp.float32(0.0)
-        for t in range(K // bk):
-            d = pl.ds(t * bk, bk)
-            spread = jnp.maximum(spread, jnp.max(jnp.abs(G_ref[blk, d] - G_ref[mid, d])))
-
-        def fast(blk=blk, mid=mid):
-            Mx, Ax = jnp.zeros((C, s), f32), jnp.zeros((C, s), f32)
-            for t in range(K // bk):
-                d = pl.ds(t * bk, bk)
-                Gm = G_ref[mid, d]
-                up = jnp.exp(jnp.minimum(G_ref[:, d] - Gm, LIMIT))
-                kb = k_ref[blk, d].astype(f32) * jnp.exp(Gm - G_ref[blk, d])
-                Mx = Mx + dot(q_ref[:, d].astype(f32) * (scale * up), kb, prec, trans_b=True)
-                if delta:
-                    Ax = Ax + dot(k_ref[:, d].astype(f32) * up, kb, prec, trans_b=True)
-            return Mx, Ax
-
-        def exact(c0=c0):  # column by column, every row exactly (exponents <= 0 after the mask)
-            Mx, Ax = jnp.zeros((C, s), f32), jnp.zeros((C, s), f32)
-            for t in range(K // bk):
-                d = pl.ds(t * bk, bk)
-                G, x, k = G_ref[:, d], q_ref[:, d].astype(f32) * scale, k_ref[:, d].astype(f32)
-
-                def column(j, acc, G=G, x=x, k=k, d=d):
-                    col = pl.ds(c0 + j, 1)
-                    kd = k_ref[col, d].astype(f32) * jnp.exp(jnp.where(rows_c1 >= c0 + j, G - G_ref[col, d], -jnp.inf))
-                    m = jnp.where(cols == j, acc[0] + jnp.sum(x * kd, axis=1, keepdims=True), acc[0])
-                    a = jnp.where(cols == j, acc[1] + jnp.sum(k * kd, axis=1, keepdims=True), acc[1]) if delta \
-                        else acc[1]
-                    return m, a
-
-                Mx, Ax = jax.lax.fori_loop(0, s, column, (Mx, Ax))
-            return Mx, Ax
-
-        Mx, Ax = jax.lax.cond(spread <= LIMIT, fast, exact)
-        m_ref[:, blk] = jnp.where(cols + c0 <= rows, Mx, 0.0).astype(m_ref.dtype)
-        if delta:
-            a_ref[:, blk] = jnp.where(cols + c0 < rows, beta_ref[...].astype(f32)[:, None] * Ax, 0.0)
-
-
 def _gram_outputs(B, H, Tp, C, K, store, a_dtype):
     """The shapes of the Gram kernels' M, A [B, H, Tp, C] and Qin, Kg [B, H, Tp, K]."""
     mat = lambda D, dt: jax.ShapeDtypeStruct((B, H, Tp, D), dt)
@@ -187,12 +123,6 @@ def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, 
     cumsum G (fp32) and beta [B, Tp, H] (see `_gram_rows_kernel`)."""
     B, Tp, H, K = q.shape
     N, nb = Tp // C, C // SUB
-    if GRAM == "strips":
-        kernel = functools.partial(_gram_strips_kernel, C=C, scale=scale, prec=prec, delta=delta, bk=min(bk, K))
-        return _per_chunk_gram(kernel, q, k, G, beta, C=C, store=store, a_dtype=a_dtype, warps=GRAM_STRIPS_WARPS,
-                               interpret=interpret, name="lineattn_chunk_gram_strips")
-    if GRAM != "rows":
-        raise ValueError(f"chunk_fwd.GRAM must be 'rows' or 'strips', got {GRAM!r}")
     sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i, h, 0))
     whole = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
     row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, i, 0))
@@ -206,25 +136,6 @@ def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, 
         compiler_params=compiler_params(num_warps=warps, num_stages=1),
         interpret=interpret,
         name="lineattn_chunk_gram",
-    )(q, k, G, beta)
-
-
-def _per_chunk_gram(kernel, q, k, G, beta, *, C, store, a_dtype, warps, interpret, name):
-    """`gram_rows`'s outputs from a Gram kernel with one program per chunk (the strips and scalar-gate kernels):
-    q, k [B, Tp, H, K], G [B, Tp, H, K] or [B, Tp, H] (scalar gate), beta [B, Tp, H]."""
-    B, Tp, H, K = q.shape
-    tok = pl.BlockSpec((None, C, None, K), lambda b, h, n: (b, n, h, 0))
-    tok1 = pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
-    out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
-    return pl.pallas_call(
-        kernel,
-        grid=(B, H, Tp // C),
-        in_specs=[tok, tok, tok if G.ndim == 4 else tok1, tok1],
-        out_specs=[out(C), out(C), out(K), out(K)],
-        out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype),
-        compiler_params=compiler_params(num_warps=warps, num_stages=1),
-        interpret=interpret,
-        name=name,
     )(q, k, G, beta)
 
 
@@ -266,10 +177,22 @@ def _gram_scalar_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg
 def gram_scalar(q, k, g, beta, *, C, scale, store, exact, delta, interpret, a_dtype=f32, bk=64):
     """`gram_rows`'s outputs (M, A, Qin, Kg [B, H, Tp, .]) for a gate equal across K, by `_gram_scalar_kernel`;
     g [B, Tp, H] fp32 is the scalar log gate (its in-chunk cumsum is taken in the kernel)."""
+    B, Tp, H, K = q.shape
     kernel = functools.partial(_gram_scalar_kernel, C=C, scale=scale, prec="ieee" if exact else "bf16", delta=delta,
-                               bk=min(bk, q.shape[-1]))
-    return _per_chunk_gram(kernel, q, k, g, beta, C=C, store=store, a_dtype=a_dtype, warps=GRAM_SCALAR_WARPS,
-                           interpret=interpret, name="lineattn_chunk_gram_scalar")
+                               bk=min(bk, K))
+    tok = pl.BlockSpec((None, C, None, K), lambda b, h, n: (b, n, h, 0))
+    tok1 = pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
+    out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
+    return pl.pallas_call(
+        kernel,
+        grid=(B, H, Tp // C),
+        in_specs=[tok, tok, tok1, tok1],
+        out_specs=[out(C), out(C), out(K), out(K)],
+        out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype),
+        compiler_params=compiler_params(num_warps=GRAM_SCALAR_WARPS, num_stages=1),
+        interpret=interpret,
+        name="lineattn_chunk_gram_scalar",
+    )(q, k, g, beta)
 
 
 # ---- Gate cumsum as a kernel (XLA's cumsum over the chunk axis took 0.6 ms at 8 x 4096 x 16 x 128) ----
@@ -421,20 +344,26 @@ def check_shapes(K: int, V: int, chunk_size: int):
         raise ValueError(f"the Pallas kernels take chunk_size 16, 32 or 64, got {chunk_size}")
 
 
+# The state passes' V tile: 64, halved (down to 16) while the grid has fewer than PASS_MIN_PROGRAMS programs
+# (read when a call is traced). H200, 8 x 4096, B * H = 128 (2026-11-29 run1): the forward state pass 0.31 ms with
+# 64 (256 programs), 0.76 with 32, 1.7 with 16. A single long sequence (B * H = 16) gets 16 (128 programs); at
+# 1 x 32768 (run9b) 32 (64 programs) took the forward pass 0.80 -> 0.77 ms but the backward's states and reverse
+# passes 0.84 / 1.82 -> 0.90 / 1.99, and 64: 0.98 / 1.06 / 2.40.
+PASS_MIN_PROGRAMS = 128
+
+
 def pick_block_v(programs: int, V: int) -> int:
-    """V tile of the state passes: 64, halved (down to 16) only while there are fewer than 128 programs. On the
-    H200 (2026-11-29 run1, 8 x 4096, B * H = 128) the forward state pass took 0.31 ms with 64 (256 programs), 0.76
-    with 32 and 1.7 with 16: fewer, wider programs win once the GPU holds a few per SM."""
+    """V tile of the state passes for a grid of `programs` (batch, head) pairs (see PASS_MIN_PROGRAMS)."""
     bv = min(V, 64)
-    while bv > 16 and programs * (V // bv) < 128:
+    while bv > 16 and programs * (V // bv) < PASS_MIN_PROGRAMS:
         bv //= 2
     return bv
 
 
 def _constants():
     """The values of the module constants the forward reads when traced."""
-    return (GRAM, GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES, GRAM_SCALAR_WARPS, GRAM_STRIPS_WARPS,
-            SOLVE_PREC, GRAM_PREC, UW_PREC)
+    return (GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES, GRAM_SCALAR_WARPS, SOLVE_PREC, GRAM_PREC,
+            UW_PREC, PASS_MIN_PROGRAMS)
 
 
 def _retrace_on_constants(jitted):
