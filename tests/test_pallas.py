@@ -144,6 +144,14 @@ def test_pallas_bf16_against_fp32_oracle(rule, backward, monkeypatch):
     assert all(errors[n] <= BF16_RMS[n] for n in want), errors
 
 
+@pytest.mark.parametrize("rule", ["kda", "gdn"])
+def test_pallas_bf16_cotangents(rule, monkeypatch):
+    # `chunk_bwd.COT_DTYPE = "bfloat16"`: the chunk gradients' dQin, dKg, dM stored in bf16, within FLA's bounds.
+    from lineattn.ops.pallas import chunk_bwd
+    monkeypatch.setattr(chunk_bwd, "COT_DTYPE", "bfloat16")
+    test_pallas_bf16_against_fp32_oracle(rule, None, monkeypatch)
+
+
 @pytest.mark.parametrize("rule", ["kda", "gdn", "deltanet"])
 def test_decode_step_matches_oracle(rule):
     x = make_inputs(rule, B=3, T=3, H=2, K=32, V=64, seed=8)

@@ -60,7 +60,8 @@ def _run(rule, x, backend, monkeypatch=None, variant=None):
 # needs before it takes the kernels for them (`pallas.api.AUTO_RULES`).
 BROADCAST = {"api.SCALAR_GATE": False}  # a head gate through the per-channel kernels
 VARIANTS = [("kda", None), ("gdn", None), ("deltanet", None), ("gla", None), ("kda", ("xla", {})),
-            ("kda", ("kernels-mml2", {})), ("gdn", ("kernels-mml2", {})), ("gdn", ("kernels-saved", BROADCAST))]
+            ("kda", ("kernels-mml2", {})), ("gdn", ("kernels-mml2", {})), ("gdn", ("kernels-saved", BROADCAST)),
+            ("kda", ("kernels-saved", {"chunk_bwd.COT_DTYPE": "bfloat16"}))]
 
 
 def _variant_id(rule, variant):

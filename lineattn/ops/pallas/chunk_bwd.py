@@ -55,6 +55,15 @@ GRADS_SCALAR_WARPS = 4  # the scalar-gate Gram gradients (`gram_grads_scalar`; r
 # The pipeline depths of the states pass and the reverse pass (run8a: states 0.27 / 0.32 / 0.37 ms with 2 / 3 / 1
 # stages, reverse 0.51 / 0.49 / 0.49).
 STATES_STAGES, REVERSE_STAGES = 2, 1
+# The dtype of the fp32-accumulated cotangents dQin, dKg and dM that `_chunk_grads_kernel` writes for the Gram
+# gradients, for bf16 inputs (read when a call is traced). dU and dW go only into bf16 products when PASS_PREC
+# and WY_PREC are "bf16", so they are stored in bf16 then: the same numbers (bit-identical gradients on the CPU),
+# and on the H200 (run9d, 8 x 4096) the WY backward / chunk gradients / reverse pass took 0.82 / 0.83 / 0.45 ms
+# against 0.96 / 0.95 / 0.48 (kernels fwd+bwd 6.31 against 6.62). COT_DTYPE "bfloat16" (run9d): chunk gradients
+# 0.64 ms, Gram gradients 2.04 against 2.11 (kernels 6.04 ms), at dq / dk / dg 3.3e-3 / 3.3e-3 / 5.7e-3 against
+# 2.8e-3 / 2.9e-3 / 5.5e-3 (the fp32 XLA chunk form, same inputs); its GPU test passed for KDA (T = 16381: dq
+# 3.7e-3, dg 5.3e-3), GDN's has not run with it: not the default yet.
+COT_DTYPE = "float32"
 PASSES_WARPS = 4  # both state passes (run9b, 1 x 32768, V tile 16: 2 warps 1.05 / 2.59 ms against 0.84 / 1.82)
 
 
@@ -448,7 +457,7 @@ def _reverse_ds_kernel(qin_ref, kg_ref, w_ref, m_ref, dend_ref, do_ref, dht_ref,
         ds_ref[pl.ds(n * K, K), :] = dS.astype(ds_ref.dtype)
         dO = do_ref[t, :].astype(f32)
         dE = dot(m_ref[t, :], dO, prec, trans_a=True) + dot(kg_ref[t, :], dS, prec)
-        du_ref[t, :] = dE
+        du_ref[t, :] = dE.astype(du_ref.dtype)
         dS_prev = dot(qin_ref[t, :], dO, prec, trans_a=True) + dS * dend_ref[:, pl.ds(n, 1)]
         if delta:
             dS_prev = dS_prev - dot(w_ref[t, :], dE, prec, trans_a=True)
@@ -478,12 +487,12 @@ def _chunk_grads_kernel(e_ref, s0_ref, ds_ref, do_ref, du_ref, dqin_ref, dm_ref,
             if delta:
                 dw = dw - dot(du_ref[:, e], S0, prec, trans_b=True)
             dd = dd + jnp.sum(S0 * dS, axis=1)
-        dqin_ref[:, d] = dqin
-        dkg_ref[:, d] = dkg
+        dqin_ref[:, d] = dqin.astype(dqin_ref.dtype)
+        dkg_ref[:, d] = dkg.astype(dkg_ref.dtype)
         if delta:
-            dw_ref[:, d] = dw
+            dw_ref[:, d] = dw.astype(dw_ref.dtype)
         ddend_ref[d] = dd
-    dm_ref[...] = jnp.where(_iota((C, C), 1) <= _iota((C, C), 0), dM, 0.0)  # M is lower triangular
+    dm_ref[...] = jnp.where(_iota((C, C), 1) <= _iota((C, C), 0), dM, 0.0).astype(dm_ref.dtype)  # M: lower
 
 
 def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None, block_v=None, warps=None,
@@ -496,6 +505,8 @@ def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None,
     (qin, kg, m, u, w, dend_KN), BV, (whole, vtile, state, states, kn) = _pass_setup(terms, block_v)
     NV = V // BV
     kept = f32 if exact else jnp.dtype(STATES_DTYPE)
+    cot_dt = f32 if exact else jnp.dtype(COT_DTYPE)
+    wy_dt = jnp.bfloat16 if not exact and PASS_PREC == WY_PREC == "bf16" else f32  # (dU, dW: see COT_DTYPE)
     s0, E = pl.pallas_call(
         functools.partial(_states_kernel, C=C, K=K, N=N, prec=prec, delta=delta),
         grid=(B, H, NV), in_specs=[whole(K), whole(K), vtile, kn, state], out_specs=[states, vtile],
@@ -509,7 +520,7 @@ def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None,
         in_specs=[whole(K), whole(K), whole(K), whole(C), kn,
                   pl.BlockSpec((None, Tp, None, BV), lambda b, h, j: (b, 0, h, j)), state],
         out_specs=[states, vtile, state],
-        out_shape=[jax.ShapeDtypeStruct((B, H, N * K, V), kept), jax.ShapeDtypeStruct((B, H, Tp, V), f32),
+        out_shape=[jax.ShapeDtypeStruct((B, H, N * K, V), kept), jax.ShapeDtypeStruct((B, H, Tp, V), wy_dt),
                    jax.ShapeDtypeStruct((B, H, K, V), f32)],
         compiler_params=compiler_params(num_warps=PASSES_WARPS, num_stages=REVERSE_STAGES), interpret=interpret,
         name="lineattn_chunk_bwd_reverse_ds",
@@ -522,8 +533,8 @@ def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None,
         in_specs=[chunk(V), kv, kv, pl.BlockSpec((None, C, None, V), lambda b, h, n: (b, n, h, 0)), chunk(V)],
         out_specs=[chunk(K), chunk(C), chunk(K), chunk(K), pl.BlockSpec((None, None, K, None),
                                                                          lambda b, h, n: (b, h, 0, n))],
-        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, K), f32), jax.ShapeDtypeStruct((B, H, Tp, C), f32),
-                   jax.ShapeDtypeStruct((B, H, Tp, K), f32), jax.ShapeDtypeStruct((B, H, Tp, K), f32),
+        out_shape=[jax.ShapeDtypeStruct((B, H, Tp, K), cot_dt), jax.ShapeDtypeStruct((B, H, Tp, C), cot_dt),
+                   jax.ShapeDtypeStruct((B, H, Tp, K), cot_dt), jax.ShapeDtypeStruct((B, H, Tp, K), wy_dt),
                    jax.ShapeDtypeStruct((B, H, K, N), f32)],
         compiler_params=compiler_params(num_warps=warps or CHUNK_GRADS_WARPS, num_stages=1), interpret=interpret,
         name="lineattn_chunk_bwd_chunk_grads",
