@@ -11,17 +11,18 @@ GATES = ("none", "fixed", "head", "channel")  # a head gate is a channel gate eq
 
 # What the GPU tests (tests/test_pallas*.py run on the H200, plus benchmarks/bench_pallas_*.py) cover: `auto`
 # picks the kernels only inside this set, on a GPU. The defaults below (mml2 / kernels-saved) ran on the H200
-# (2026-12-01 run5; again after the kernels changed: run7e/f, and run8d for the final settings) for KDA, GDN and
-# GLA at K = V = 128, bf16, chunk 64, T = 16381 with an initial state (run8d: KDA o 3.3e-3, GDN 3.1e-3, GLA 2.4e-3
-# of the 5e-3 budget), and for KDA in fp32 at K = V = 32, chunk 32 with -1000 gates, -5 gates and varlen (run8b).
-# DeltaNet passed too but at the edge (o 4.9e-3, run8d: no decay lets rounding accumulate), so `auto` keeps it on
+# (2026-12-01 run5; again after the kernels changed: run7e/f, run8d, and run9b/d for the final settings) for KDA,
+# GDN (scalar-gate kernels) and GLA at K = V = 128, bf16, chunk 64, T = 16381 with an initial state (run9b: KDA o
+# 3.3e-3, GDN 3.1e-3, GLA 2.4e-3 of the 5e-3 budget), and in fp32 at K = V = 32, chunk 32 with -1000 gates, -5
+# gates and varlen (run9a: the CPU suite's tests of those, compiled on the H200).
+# DeltaNet passed too but at the edge (o 4.9e-3, run9b: no decay lets rounding accumulate), so `auto` keeps it on
 # the XLA chunk path; K = 32 in bf16 and chunk 32 in bf16 have not run with these defaults on a GPU.
 AUTO_RULES = (("delta", "channel"), ("delta", "head"), ("additive", "channel"))  # kda, gdn, gla
 AUTO_DIMS = (128,)  # head dims the GPU tests of the defaults ran in bf16
 AUTO_CHUNKS = (64,)
 
 # The backward `backend="pallas"` uses (see `lineattn.ops.pallas.chunk`): "kernels-saved" (the forward keeps its
-# intra-chunk terms; every stage a Pallas kernel; 7.53 ms fwd+bwd at 8 x 4096 x 16 x 128 on the H200, run8c),
+# intra-chunk terms; every stage a Pallas kernel; 7.25 ms fwd+bwd at 8 x 4096 x 16 x 128 on the H200, run9c),
 # "kernels-mml2" (the same, recomputing the terms: no extra memory), "xla" (autodiff of the XLA chunk form,
 # 40.7 ms); see `chunk.py`. Read when a call is traced.
 BACKWARD = "kernels-saved"

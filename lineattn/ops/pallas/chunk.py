@@ -3,7 +3,7 @@
 Forward: the kernels of `chunk_fwd.forward` (intra-chunk stage, then the state pass). Backwards, chosen by the
 static `backward` argument (H200 times: fwd+bwd at B = 8, T = 4096, H = 16, K = V = 128, bf16; runs in
 benchmarks/results/README.md):
-  - "kernels-saved" (the default; 7.53 ms, run8c; 15.5 ms in run5 before the chunk-gradient and WY kernels were
+  - "kernels-saved" (the default; 7.25 ms, run9c; 15.5 ms in run5 before the chunk-gradient and WY kernels were
     tiled): the forward also keeps its intra-chunk terms Qin, Kg, W, U, M (input dtype), e^(G_C), KK and
     R = (I + A)^-1 (fp32): about 1.7 KB per token and head at K = V = 128, C = 64 in bf16, on top of the inputs.
     `chunk_bwd.backward_fast` then runs only kernels: gate cumsum, the three state-pass kernels, the WY backward,
@@ -13,8 +13,9 @@ benchmarks/results/README.md):
     redundant.)
   - "xla" (40.7 ms): `jax.vjp` of the XLA chunk form (`lineattn.ops.chunk.chunk`) in fp32. No Pallas kernel.
 g is [B, T, H, K] (a channel gate) or [B, T, H] (equal across K: the scalar Gram kernels; dg comes back in g's
-shape). Transient memory of `backward_fast`: about 6.5 KB per token and head at K = V = 128, C = 64 (per-chunk
-states, state cotangents K*V/C and E in bf16, fp32 cotangents of the terms, Gram gradients).
+shape). Transient memory of `backward_fast`: about 6 KB per token and head at K = V = 128, C = 64 (per-chunk
+states, state cotangents K*V/C and E in bf16, cotangents of the terms (dU, dW in bf16, the rest fp32: see
+`chunk_bwd.COT_DTYPE`), Gram gradients).
 """
 
 from __future__ import annotations

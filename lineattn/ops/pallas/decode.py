@@ -55,7 +55,8 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
         128 x 8), else 32 (the earlier default; small batches are latency-bound and were not timed).
       v_fastest: launch the V tiles of one state next to each other (the grid's first axis varies fastest)
         instead of the requests (default; H200 run8c, B = 256: 3.35 TB/s with V tile 64 x 4 warps against 3.13
-        without, 3.22 against 2.79 with V tile 32; FLA's decode kernel orders its grid the same way).
+        without, 3.22 against 2.79 with V tile 32; run9c: 3.41 against 3.33, 2 warps and V tile 16 slower; FLA's
+        decode kernel orders its grid the same way).
 
     Returns:
       (o [B, T, H, V] in q's dtype, new state [B, H, K, V] fp32[, states [B, T, H, K, V]]).
