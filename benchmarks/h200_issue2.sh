@@ -5,8 +5,8 @@
 #   SKIP_TESTS=1 / SKIP_BENCH=1   one part only        TESTS_K="expr"   a subset of the tests (pytest -k)
 #   BENCH_ARGS="..."   replaces the bench flags below; TEST_TIMEOUT / BENCH_TIMEOUT in seconds. The one long
 #   sequence alone (run6's call ran out of time before it): BENCH_ARGS="--shapes= --decode= --fla= --long 262144"
-#   The default bench (the whole table, T = 262144 included) fit one call in run8c: `SKIP_TESTS=1
-#   BENCH_TIMEOUT=565 bash benchmarks/h200_issue2.sh` (563 s; FLA autotunes each shape). If it does not, in two:
+#   The default bench (the whole table, T = 262144 included) fit one call in run8c (563 s) but not in run9c (cut
+#   at 570 s after jla's GDN forward at 1 x 32768; FLA autotunes each shape): better in two calls:
 #     SKIP_TESTS=1 BENCH_TIMEOUT=560 BENCH_ARGS="--iters 10 --shapes 8x4096 --gdn --fla fwd,fwdbwd
 #       --fla-shapes 8x4096 --skip lineattn-chunk lineattn-pallas-kernels-mml2" bash benchmarks/h200_issue2.sh
 #     SKIP_TESTS=1 BENCH_TIMEOUT=560 BENCH_ARGS="--iters 10 --shapes 1x32768 --gdn --fla fwd,fwdbwd
