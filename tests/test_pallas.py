@@ -131,17 +131,40 @@ def _rel_rms(actual, expected):
 def test_pallas_bf16_against_fp32_oracle(rule, backward, monkeypatch):
     if backward is not None:
         monkeypatch.setattr(pallas_api, "BACKWARD", backward)
-    inputs = make_inputs(rule, B=1, **SMALL, seed=6)
+    _assert_bf16_close(rule, make_inputs(rule, B=1, **SMALL, seed=6), chunk_size=32)
+
+
+def _assert_bf16_close(rule, inputs, chunk_size):
+    """The kernels on bf16 q, k, v, beta against the oracle on the same rounded values (FLA's tolerances)."""
     rounded = {n: None if x is None else x.astype(jnp.bfloat16).astype(jnp.float32) if n in "qkv beta" else x
                for n, x in inputs.items()}
     bf16 = {n: None if x is None else x.astype(jnp.bfloat16) if n in "qkv beta" else x for n, x in inputs.items()}
-    o, ht, grads = loss_and_grads(rule, bf16, backend="pallas", chunk_size=32)
+    o, ht, grads = loss_and_grads(rule, bf16, backend="pallas", chunk_size=chunk_size)
     o_ref, ht_ref, grads_ref = loss_and_grads(rule, rounded, backend="recurrent")
     assert o.dtype == jnp.bfloat16 and ht.dtype == jnp.float32
     got = {"o": o, "ht": ht, **grads}
     want = {"o": o_ref, "ht": ht_ref, **grads_ref}
     errors = {n: _rel_rms(got[n], want[n]) for n in want}
     assert all(errors[n] <= BF16_RMS[n] for n in want), errors
+
+
+@pytest.mark.parametrize("rule", ["kda", "gdn", "gla"])
+def test_pallas_segmented_state_passes(rule, monkeypatch):
+    # `chunk_bwd.SEGMENT_PASSES`: the backward's state passes in 4 segments of 2 chunks (T = 120 ragged, chunk 16),
+    # fp32 to 1e-4 of the oracle (every gradient, initial state and final-state cotangent), then bf16.
+    from lineattn.ops.pallas import chunk_bwd
+    monkeypatch.setattr(chunk_bwd, "SEGMENT_PASSES", True)
+    monkeypatch.setattr(chunk_bwd, "MIN_SEGMENT_CHUNKS", 2)
+    assert chunk_bwd.pick_segments(2, 8, 32) == 4 and chunk_bwd.pick_segments(2, 6, 32) == 1
+    inputs = make_inputs(rule, B=1, T=120, H=2, K=32, V=32, seed=17)
+    _compare(rule, inputs, chunk_size=16)
+    x = inputs
+    loss = lambda q: jnp.sum(ops.linear_attention(rule, q, x["k"], x["v"], x["g"], x["beta"], chunk_size=16,
+                                                  backend="pallas")[0])
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss))(x["q"]))
+    assert all(name in jaxpr for name in ("lineattn_chunk_bwd_transition", "lineattn_chunk_bwd_states_local",
+                                          "lineattn_chunk_bwd_reverse_local"))
+    _assert_bf16_close(rule, inputs, chunk_size=16)
 
 
 @pytest.mark.parametrize("rule", ["kda", "gdn"])

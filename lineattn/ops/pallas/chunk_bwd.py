@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from lineattn.ops.chunk import ChunkTerms, pad_to_chunks
 from lineattn.ops.pallas import chunk_fwd
 from lineattn.ops.pallas.chunk_fwd import LIMIT, _iota, gate_cumsum, gram_rows, pick_block_v, solve_full
-from lineattn.ops.pallas.common import SUB, compiler_params, dot, interpret_mode
+from lineattn.ops.pallas.common import SUB, compiler_params, dot, interpret_mode, is_pow2
 
 f32 = jnp.float32
 # Products of `backward_fast` for bf16 inputs (fp32 inputs: "ieee"), read when a call is traced: the state
@@ -67,18 +67,32 @@ COT_DTYPE = "float32"
 PASSES_WARPS = 4  # both state passes (run9b, 1 x 32768, V tile 16: 2 warps 1.05 / 2.59 ms against 0.84 / 1.82)
 
 
-def _states_kernel(kg_ref, w_ref, u_ref, dend_ref, h0_ref, s0_ref, *e_ref, C, K, N, prec, delta):
-    def body(n, S):  # e_ref: also write E = U - W S0 per chunk (the backward's `_chunk_grads_kernel` reads it)
-        s0_ref[pl.ds(n * K, K), :] = S.astype(s0_ref.dtype)
+def _states_kernel(*refs, C, K, N, prec, delta, mode):
+    """The forward pass over one sequence's (or segment's) N chunks from the state in h0.
+    mode "full": (kg, w, u, e^(G_C), h0) -> (every chunk's incoming state S0, E = U - W S0) for the chunk gradients;
+    "local": the same inputs -> the final state only; "transition": (kg, w, e^(G_C), h0) -> the final state of the
+    map without U, S -> Diag(e^(G_C)) S - Kg^T W S (from h0 = I: the chunks' composite transition)."""
+    if mode == "transition":
+        (kg_ref, w_ref, dend_ref, h0_ref, out_ref), u_ref = refs, None
+    else:
+        kg_ref, w_ref, u_ref, dend_ref, h0_ref, *out_refs = refs
+
+    def body(n, S):
         t = pl.ds(n * C, C)
-        E = u_ref[t, :].astype(f32)
+        if mode == "full":
+            out_refs[0][pl.ds(n * K, K), :] = S.astype(out_refs[0].dtype)
+        if u_ref is None and not delta:
+            return S * dend_ref[:, pl.ds(n, 1)]
+        E = jnp.zeros((C, S.shape[1]), f32) if u_ref is None else u_ref[t, :].astype(f32)
         if delta:
             E = E - dot(w_ref[t, :], S, prec)
-        if e_ref:
-            e_ref[0][t, :] = E.astype(e_ref[0].dtype)
+        if mode == "full":
+            out_refs[1][t, :] = E.astype(out_refs[1].dtype)
         return S * dend_ref[:, pl.ds(n, 1)] + dot(kg_ref[t, :], E, prec, trans_a=True)
 
-    jax.lax.fori_loop(0, N, body, h0_ref[...].astype(f32))
+    S = jax.lax.fori_loop(0, N, body, h0_ref[...].astype(f32))
+    if mode != "full":
+        (out_refs[0] if mode == "local" else out_ref)[...] = S
 
 
 def _pass_dims(terms: ChunkTerms):
@@ -97,17 +111,52 @@ def _pass_operands(terms: ChunkTerms):
     return qin, kg, m, u, w, jnp.swapaxes(terms.decay_end, -1, -2)
 
 
-def _pass_setup(terms: ChunkTerms, block_v):
-    """(`_pass_operands`, the V tile BV, and the block specs of the (batch, head, V tile) grid: whole(D) [Tp, D], a
-    V tile [Tp, BV], a state [K, BV], the per-chunk states [N K, BV] and e^(G_C) [K, N])."""
+# Segments: for a few long sequences (B * H too small to fill the GPU with V tiles of 64), the backward's two
+# state passes run each sequence as `nseg` segments of chunks in parallel (`pick_segments`): a "transition" pass
+# gives each segment's composite map P_s (K x K, from S = I), "local" passes its offsets from a zero start (forward:
+# the final state; reverse: the state cotangent at its start), a short XLA chain over the segments joins them into
+# every segment's true start (S) or end (dS), and the full passes run from those. The same sums in another order
+# (the products at PASS_PREC, the chain in fp32). Off (SEGMENT_PASSES False) until timed on the H200.
+SEGMENT_PASSES, MIN_SEGMENT_CHUNKS = False, 8
+
+
+def pick_segments(programs: int, N: int, V: int) -> int:
+    """Segments per sequence for the backward's state passes: doubled while the grid (with V tiles of 64) has
+    fewer than `chunk_fwd.PASS_MIN_PROGRAMS` programs and each segment keeps a power of two of at least
+    MIN_SEGMENT_CHUNKS chunks (1 when SEGMENT_PASSES is off)."""
+    nseg = 1
+    while (SEGMENT_PASSES and programs * nseg * max(V // 64, 1) < chunk_fwd.PASS_MIN_PROGRAMS
+           and N % (2 * nseg) == 0 and is_pow2(N // (2 * nseg)) and N // (2 * nseg) >= MIN_SEGMENT_CHUNKS):
+        nseg *= 2
+    return nseg
+
+
+def _pass_setup(terms: ChunkTerms, block_v, nseg):
+    """(`_pass_operands`, the V tile BV, the grid (B, H, nseg, V tiles) and the block specs of segment s: whole(D)
+    [Ts, D] (Ts = Tp / nseg), a V tile [Ts, BV], a segment's state [K, BV] of [B, H, nseg, K, V], the per-chunk
+    states [Ns K, BV] and e^(G_C) [K, Ns] (Ns = N / nseg), and do's [Ts, BV] in [B, Tp, H, V])."""
     B, H, N, C, K, V, Tp, delta = _pass_dims(terms)
-    BV = block_v or pick_block_v(B * H, V)
-    whole = lambda D: pl.BlockSpec((None, None, Tp, D), lambda b, h, j: (b, h, 0, 0))
-    vtile = pl.BlockSpec((None, None, Tp, BV), lambda b, h, j: (b, h, 0, j))
-    state = pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j))
-    states = pl.BlockSpec((None, None, N * K, BV), lambda b, h, j: (b, h, 0, j))
-    kn = pl.BlockSpec((None, None, K, N), lambda b, h, j: (b, h, 0, 0))
-    return _pass_operands(terms), BV, (whole, vtile, state, states, kn)
+    Ns, Ts = N // nseg, Tp // nseg
+    BV = block_v or pick_block_v(B * H * nseg, V)
+    whole = lambda D: pl.BlockSpec((None, None, Ts, D), lambda b, h, s, j: (b, h, s, 0))
+    vtile = pl.BlockSpec((None, None, Ts, BV), lambda b, h, s, j: (b, h, s, j))
+    state = pl.BlockSpec((None, None, None, K, BV), lambda b, h, s, j: (b, h, s, 0, j))
+    states = pl.BlockSpec((None, None, Ns * K, BV), lambda b, h, s, j: (b, h, s, j))
+    kn = pl.BlockSpec((None, None, K, Ns), lambda b, h, s, j: (b, h, 0, s))
+    do = pl.BlockSpec((None, Ts, None, BV), lambda b, h, s, j: (b, s, h, j))
+    return _pass_operands(terms), BV, (B, H, nseg, V // BV), (whole, vtile, state, states, kn, do)
+
+
+def _chain(P, offsets, first, *, reverse):
+    """The segments' true starts [B, H, nseg, K, V] from their maps P [B, H, nseg, K, K] and zero-start offsets:
+    forward x_0 = first, x_(s+1) = P_s x_s + offset_s; reverse (state cotangents at the segments' ends)
+    x_(nseg-1) = first, x_(s-1) = P_s^T x_s + offset_s."""
+    nseg = P.shape[2]
+    mm = lambda a, x, eq: jnp.einsum(eq, a, x, precision=jax.lax.Precision.HIGHEST)
+    xs = [first.astype(f32)]
+    for s in (range(nseg - 1) if not reverse else range(nseg - 1, 0, -1)):
+        xs.append(mm(P[:, :, s], xs[-1], "bhji,bhjv->bhiv" if reverse else "bhij,bhjv->bhiv") + offsets[:, :, s])
+    return jnp.stack(xs[::-1] if reverse else xs, axis=2)
 
 
 # The Gram gradients. For P_ij = sum_d x_id k_jd e^(G_id - G_jd) (M: x = scale q; KK: x = k),
@@ -449,15 +498,20 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
 #     dQin = dO S0^T,  dM = dO E^T,  dKg = E dS^T,  dW = -dE S0^T,  d e^(G_C) = rowsum(S0 * dS).
 
 
-def _reverse_ds_kernel(qin_ref, kg_ref, w_ref, m_ref, dend_ref, do_ref, dht_ref, ds_ref, du_ref, dh0_ref, *, C, K, N,
-                       prec, delta):
+def _reverse_ds_kernel(qin_ref, kg_ref, w_ref, m_ref, dend_ref, do_ref, dht_ref, *out_refs, C, K, N, prec, delta):
+    """The reverse pass over N chunks from the state cotangent dht: writes dS per chunk, dE and the cotangent of
+    the incoming state (out_refs (ds, du, dh0)), or the last only (out_refs (dh0,): a segment's offset)."""
+    *full, dh0_ref = out_refs
+
     def body(i, dS):
         n = N - 1 - i
         t = pl.ds(n * C, C)
-        ds_ref[pl.ds(n * K, K), :] = dS.astype(ds_ref.dtype)
+        if full:
+            full[0][pl.ds(n * K, K), :] = dS.astype(full[0].dtype)
         dO = do_ref[t, :].astype(f32)
         dE = dot(m_ref[t, :], dO, prec, trans_a=True) + dot(kg_ref[t, :], dS, prec)
-        du_ref[t, :] = dE.astype(du_ref.dtype)
+        if full:
+            full[1][t, :] = dE.astype(full[1].dtype)
         dS_prev = dot(qin_ref[t, :], dO, prec, trans_a=True) + dS * dend_ref[:, pl.ds(n, 1)]
         if delta:
             dS_prev = dS_prev - dot(w_ref[t, :], dE, prec, trans_a=True)
@@ -496,35 +550,52 @@ def _chunk_grads_kernel(e_ref, s0_ref, ds_ref, do_ref, du_ref, dqin_ref, dm_ref,
 
 
 def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None, block_v=None, warps=None,
-                       bk=64, bv=64):
+                 bk=64, bv=64):
     """The Pallas passes: cotangents of `terms` (a ChunkTerms of [B, H, N, C, .] arrays) and d(h0), by
-    `_states_kernel`, `_reverse_ds_kernel` and `_chunk_grads_kernel`. do: [B, Tp, H, V] (Tp = N * C), dht:
-    [B, H, K, V]. Returns (ChunkTerms of cotangents, dh0)."""
+    `_states_kernel`, `_reverse_ds_kernel` (in segments: see SEGMENT_PASSES) and `_chunk_grads_kernel`. do:
+    [B, Tp, H, V] (Tp = N * C), dht: [B, H, K, V]. Returns (ChunkTerms of cotangents, dh0)."""
     B, H, N, C, K, V, Tp, delta = _pass_dims(terms)
     interpret, prec = interpret_mode(interpret), "ieee" if exact else PASS_PREC
-    (qin, kg, m, u, w, dend_KN), BV, (whole, vtile, state, states, kn) = _pass_setup(terms, block_v)
-    NV = V // BV
+    nseg = pick_segments(B * H, N, V)
+    (qin, kg, m, u, w, dend_KN), BV, grid, (whole, vtile, state, states, kn, do_spec) = _pass_setup(terms, block_v,
+                                                                                                    nseg)
+    Ns = N // nseg
     kept = f32 if exact else jnp.dtype(STATES_DTYPE)
     cot_dt = f32 if exact else jnp.dtype(COT_DTYPE)
     wy_dt = jnp.bfloat16 if not exact and PASS_PREC == WY_PREC == "bf16" else f32  # (dU, dW: see COT_DTYPE)
-    s0, E = pl.pallas_call(
-        functools.partial(_states_kernel, C=C, K=K, N=N, prec=prec, delta=delta),
-        grid=(B, H, NV), in_specs=[whole(K), whole(K), vtile, kn, state], out_specs=[states, vtile],
-        out_shape=[jax.ShapeDtypeStruct((B, H, N * K, V), kept), jax.ShapeDtypeStruct((B, H, Tp, V), kept)],
-        compiler_params=compiler_params(num_warps=PASSES_WARPS, num_stages=STATES_STAGES), interpret=interpret,
-        name="lineattn_chunk_bwd_states",
-    )(kg, w, u, dend_KN, h0.astype(f32))
-    ds, du, dh0 = pl.pallas_call(
-        functools.partial(_reverse_ds_kernel, C=C, K=K, N=N, prec=prec, delta=delta),
-        grid=(B, H, NV),
-        in_specs=[whole(K), whole(K), whole(K), whole(C), kn,
-                  pl.BlockSpec((None, Tp, None, BV), lambda b, h, j: (b, 0, h, j)), state],
-        out_specs=[states, vtile, state],
-        out_shape=[jax.ShapeDtypeStruct((B, H, N * K, V), kept), jax.ShapeDtypeStruct((B, H, Tp, V), wy_dt),
-                   jax.ShapeDtypeStruct((B, H, K, V), f32)],
-        compiler_params=compiler_params(num_warps=PASSES_WARPS, num_stages=REVERSE_STAGES), interpret=interpret,
-        name="lineattn_chunk_bwd_reverse_ds",
-    )(qin, kg, w, m, dend_KN, do, dht.astype(f32))
+    seg_states = lambda D: jax.ShapeDtypeStruct((B, H, nseg, K, D), f32)
+
+    def run(kernel, name, stages, in_specs, out_specs, out_shape, *args, grid=grid, **kw):
+        return pl.pallas_call(
+            functools.partial(kernel, C=C, K=K, N=Ns, prec=prec, delta=delta, **kw), grid=grid, in_specs=in_specs,
+            out_specs=out_specs, out_shape=out_shape, interpret=interpret, name=name,
+            compiler_params=compiler_params(num_warps=PASSES_WARPS, num_stages=stages))(*args)
+
+    states_in = [whole(K), whole(K), vtile, kn, state]
+    reverse_in = [whole(K), whole(K), whole(K), whole(C), kn, do_spec, state]
+    if nseg == 1:
+        S_start, dS_end = h0.astype(f32)[:, :, None], dht.astype(f32)[:, :, None]
+    else:  # the segments' true starts (S) and ends (dS) from their maps and zero-start offsets
+        BK = min(BV, K)
+        kstate = pl.BlockSpec((None, None, None, K, BK), lambda b, h, s, j: (b, h, s, 0, j))
+        eye = jnp.broadcast_to(jnp.eye(K, dtype=f32), (B, H, nseg, K, K))
+        P = run(_states_kernel, "lineattn_chunk_bwd_transition", STATES_STAGES, [whole(K), whole(K), kn, kstate],
+                kstate, seg_states(K), kg, w, dend_KN, eye, grid=grid[:3] + (K // BK,), mode="transition")
+        zeros = jnp.zeros((B, H, nseg, K, V), f32)
+        offsets = run(_states_kernel, "lineattn_chunk_bwd_states_local", STATES_STAGES, states_in, state,
+                      seg_states(V), kg, w, u, dend_KN, zeros, mode="local")
+        S_start = _chain(P, offsets, h0, reverse=False)
+        offsets = run(_reverse_ds_kernel, "lineattn_chunk_bwd_reverse_local", REVERSE_STAGES, reverse_in, [state],
+                      [seg_states(V)], qin, kg, w, m, dend_KN, do, zeros)[0]
+        dS_end = _chain(P, offsets, dht, reverse=True)
+    s0, E = run(_states_kernel, "lineattn_chunk_bwd_states", STATES_STAGES, states_in, [states, vtile],
+                [jax.ShapeDtypeStruct((B, H, N * K, V), kept), jax.ShapeDtypeStruct((B, H, Tp, V), kept)],
+                kg, w, u, dend_KN, S_start, mode="full")
+    ds, du, dS_start = run(_reverse_ds_kernel, "lineattn_chunk_bwd_reverse_ds", REVERSE_STAGES, reverse_in,
+                           [states, vtile, state], [jax.ShapeDtypeStruct((B, H, N * K, V), kept),
+                                                    jax.ShapeDtypeStruct((B, H, Tp, V), wy_dt), seg_states(V)],
+                           qin, kg, w, m, dend_KN, do, dS_end)
+    dh0 = dS_start[:, :, 0]
     chunk = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
     kv = pl.BlockSpec((None, None, K, V), lambda b, h, n: (b, h, n, 0))
     dqin, dm, dkg, dw, ddend = pl.pallas_call(
