@@ -13,7 +13,9 @@ Writes <out>/<date>-<device>-kda.json: a list of {"op", "impl", "mode", "B", "T"
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
+import glob
 import importlib.metadata
 import json
 import time
@@ -64,6 +66,24 @@ def time_jax(fn, args, iters):
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return 1e3 * float(np.median(times))
+
+
+def kernel_times(trace_dir: str) -> dict[str, float]:
+    """{kernel name: total ns} over the device planes of the trace in trace_dir (stream lines only, so that the
+    'XLA Ops' / 'XLA Modules' summary lines are not counted twice)."""
+    from jax.profiler import ProfileData
+
+    totals: dict[str, float] = collections.defaultdict(float)
+    for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
+        for plane in ProfileData.from_file(path).planes:
+            if not plane.name.startswith("/device:"):
+                continue
+            for line in plane.lines:
+                if not line.name.startswith("Stream"):
+                    continue
+                for event in line.events:
+                    totals[event.name] += event.duration_ns
+    return totals
 
 
 def rel_err(a, b):

@@ -6,8 +6,9 @@ For each shape: bf16 q, k (L2-normalised), v, beta; fp32 g in (-5, 0); H = 16, K
 implementation's forward output is compared with lineattn's XLA chunk form in fp32 on the same rounded inputs
 (max relative error and relative RMS error); then forward and forward+backward are timed (JAX: jit, warm-up,
 median of --iters calls ended by block_until_ready; FLA: triton do_bench median). Then GDN, the decode step
-(B = 256 requests, one token, fp32 state [B, 16, 128, 128] updated in place: GB/s of state read + write), and one
-long sequence. Writes <out>/<date>-h200-kda.json: a list of {"op", "impl", "mode", "B", "T", "H", "K", "V", "ms",
+(B = 256 requests, one token, fp32 state [B, 16, 128, 128] updated in place: TB/s of state read + write, from the
+wall clock of 50 steps in one jitted loop, and from the kernel's device time in a profiler trace of that loop), and
+one long sequence. Writes <out>/<date>-h200-kda.json: a list of {"op", "impl", "mode", "B", "T", "H", "K", "V", "ms",
 "device", "versions", ...} records, rewritten after every record so a cut-short run keeps what it measured.
 """
 
@@ -17,6 +18,7 @@ import argparse
 import datetime
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_kda import make_inputs, rel_err, time_jax, versions  # noqa: E402
+from bench_kda import kernel_times, make_inputs, rel_err, time_jax, versions  # noqa: E402
 
 from lineattn import ops  # noqa: E402
 from lineattn.ops.pallas.decode import decode_step  # noqa: E402
@@ -183,9 +185,16 @@ def bench_decode(a, B=256, tokens=1):
             s = jax.block_until_ready(many(s))
             times.append(time.perf_counter() - start)
         ms = 1e3 * float(np.median(times)) / steps
+        # The kernel's device time from a profiler trace of the same loop: the wall clock above also holds the
+        # loop's per-step overhead, which FLA's do_bench (CUDA events around queued calls) does not see.
+        with tempfile.TemporaryDirectory() as tmp:
+            with jax.profiler.trace(tmp):
+                s = jax.block_until_ready(many(s))
+            kernel_ms = kernel_times(tmp).get("lineattn_decode_step", float("nan")) / steps / 1e6
         name = f"lineattn-pallas-decode-bv{block_v}-w{warps}" + ("-vfirst" if v_fastest else "")
         record(a.out, op="kda", impl=name, mode="decode", B=B, T=tokens, H=H, K=K, V=V, ms=ms,
-               state_TBps=2 * state_bytes / (ms * 1e-3) / 1e12, **errs)
+               state_TBps=2 * state_bytes / (ms * 1e-3) / 1e12, kernel_ms=kernel_ms,
+               kernel_state_TBps=2 * state_bytes / (kernel_ms * 1e-3) / 1e12, **errs)
     try:
         import torch
         import triton

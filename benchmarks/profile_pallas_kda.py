@@ -17,9 +17,7 @@ transposes, sums) appear under their own names. Writes
 from __future__ import annotations
 
 import argparse
-import collections
 import datetime
-import glob
 import json
 import sys
 import tempfile
@@ -30,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_kda import make_inputs, versions  # noqa: E402
+from bench_kda import kernel_times, make_inputs, versions  # noqa: E402
 
 import importlib  # noqa: E402
 
@@ -41,24 +39,6 @@ from lineattn.ops.pallas import api  # noqa: E402
 from lineattn.ops.pallas.chunk import chunk_pallas  # noqa: E402
 
 f32 = jnp.float32
-
-
-def kernel_times(trace_dir: str) -> dict[str, float]:
-    """{kernel name: total ns} over the device planes of the trace in trace_dir (stream lines only, so that the
-    'XLA Ops' / 'XLA Modules' summary lines are not counted twice)."""
-    from jax.profiler import ProfileData
-
-    totals: dict[str, float] = collections.defaultdict(float)
-    for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
-        for plane in ProfileData.from_file(path).planes:
-            if not plane.name.startswith("/device:"):
-                continue
-            for line in plane.lines:
-                if not line.name.startswith("Stream"):
-                    continue
-                for event in line.events:
-                    totals[event.name] += event.duration_ns
-    return totals
 
 
 def profile(fn, args, iters: int) -> dict:
