@@ -116,16 +116,21 @@ def _pass_operands(terms: ChunkTerms):
 # gives each segment's composite map P_s (K x K, from S = I), "local" passes its offsets from a zero start (forward:
 # the final state; reverse: the state cotangent at its start), a short XLA chain over the segments joins them into
 # every segment's true start (S) or end (dS), and the full passes run from those. The same sums in another order
-# (the products at PASS_PREC, the chain in fp32). Off (SEGMENT_PASSES False) until timed on the H200.
-SEGMENT_PASSES, MIN_SEGMENT_CHUNKS = False, 8
+# (the products at PASS_PREC, the chain in fp32). Five passes instead of two, each over 1/nseg of the chunks: at
+# 1 x 32768 (8 segments, 256 programs; the two passes took 0.84 + 1.82 ms there with 128 programs of V tile 16,
+# 0.27 + 0.45 at 8 x 4096 with 256 programs) a gain only if a pass costs about what it does at 8 x 4096. Cheaper
+# still (not done): the segment starts exported by the forward's state pass (no zero-start forward pass), and the
+# transition carried as K extra columns of the reverse zero-start pass (one launch). Off (SEGMENT_PASSES False)
+# until timed on the H200; SEGMENT_MIN_PROGRAMS: the grid size the segments aim for.
+SEGMENT_PASSES, MIN_SEGMENT_CHUNKS, SEGMENT_MIN_PROGRAMS = False, 8, 256
 
 
 def pick_segments(programs: int, N: int, V: int) -> int:
     """Segments per sequence for the backward's state passes: doubled while the grid (with V tiles of 64) has
-    fewer than `chunk_fwd.PASS_MIN_PROGRAMS` programs and each segment keeps a power of two of at least
-    MIN_SEGMENT_CHUNKS chunks (1 when SEGMENT_PASSES is off)."""
+    fewer than SEGMENT_MIN_PROGRAMS programs and each segment keeps a power of two of at least MIN_SEGMENT_CHUNKS
+    chunks (1 when SEGMENT_PASSES is off or the grid is large enough)."""
     nseg = 1
-    while (SEGMENT_PASSES and programs * nseg * max(V // 64, 1) < chunk_fwd.PASS_MIN_PROGRAMS
+    while (SEGMENT_PASSES and programs * nseg * max(V // 64, 1) < SEGMENT_MIN_PROGRAMS
            and N % (2 * nseg) == 0 and is_pow2(N // (2 * nseg)) and N // (2 * nseg) >= MIN_SEGMENT_CHUNKS):
         nseg *= 2
     return nseg
