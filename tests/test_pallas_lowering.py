@@ -66,14 +66,13 @@ def test_scalar_gate_kernels_lower_for_sm90(fake_h200, backward):
 
 def test_segmented_state_passes_lower_for_sm90(fake_h200, monkeypatch):
     # `chunk_bwd.SEGMENT_PASSES`: T = 1024 is 16 chunks of 64, 2 segments of 8 (B * H = 2); the backward adds the
-    # transition pass and the two zero-start passes (4-D grids, per-segment [K, V] state blocks).
+    # two zero-start passes (4-D grids, per-segment [K, V] state blocks; the reverse one also forms the maps).
     from lineattn.ops.pallas import chunk_bwd
     monkeypatch.setattr(chunk_bwd, "SEGMENT_PASSES", True)
     assert chunk_bwd.pick_segments(2, 16, 128) == 2
     text = _lowered(1024, jnp.bfloat16, "kernels-saved")
-    assert all(name in text for name in ("lineattn_chunk_bwd_transition", "lineattn_chunk_bwd_states_local",
-                                         "lineattn_chunk_bwd_reverse_local"))
-    assert text.count("__gpu$xla.gpu.triton") == 4 + 7 + 3
+    assert all(name in text for name in ("lineattn_chunk_bwd_states_local", "lineattn_chunk_bwd_reverse_local"))
+    assert text.count("__gpu$xla.gpu.triton") == 4 + 7 + 2
 
 
 @pytest.mark.parametrize("v_fastest", [False, True])

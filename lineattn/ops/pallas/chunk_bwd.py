@@ -67,32 +67,26 @@ COT_DTYPE = "float32"
 PASSES_WARPS = 4  # both state passes (run9b, 1 x 32768, V tile 16: 2 warps 1.05 / 2.59 ms against 0.84 / 1.82)
 
 
-def _states_kernel(*refs, C, K, N, prec, delta, mode):
-    """The forward pass over one sequence's (or segment's) N chunks from the state in h0.
-    mode "full": (kg, w, u, e^(G_C), h0) -> (every chunk's incoming state S0, E = U - W S0) for the chunk gradients;
-    "local": the same inputs -> the final state only; "transition": (kg, w, e^(G_C), h0) -> the final state of the
-    map without U, S -> Diag(e^(G_C)) S - Kg^T W S (from h0 = I: the chunks' composite transition)."""
-    if mode == "transition":
-        (kg_ref, w_ref, dend_ref, h0_ref, out_ref), u_ref = refs, None
-    else:
-        kg_ref, w_ref, u_ref, dend_ref, h0_ref, *out_refs = refs
+def _states_kernel(kg_ref, w_ref, u_ref, dend_ref, h0_ref, *out_refs, C, K, N, prec, delta):
+    """The forward pass over one sequence's (or segment's) N chunks from the state in h0: writes every chunk's
+    incoming state S0 and E = U - W S0 for the chunk gradients (out_refs (s0, E)), or the final state only
+    (out_refs (hT,): a segment's offset from a zero start)."""
+    full = len(out_refs) == 2
 
     def body(n, S):
         t = pl.ds(n * C, C)
-        if mode == "full":
+        if full:
             out_refs[0][pl.ds(n * K, K), :] = S.astype(out_refs[0].dtype)
-        if u_ref is None and not delta:
-            return S * dend_ref[:, pl.ds(n, 1)]
-        E = jnp.zeros((C, S.shape[1]), f32) if u_ref is None else u_ref[t, :].astype(f32)
+        E = u_ref[t, :].astype(f32)
         if delta:
             E = E - dot(w_ref[t, :], S, prec)
-        if mode == "full":
+        if full:
             out_refs[1][t, :] = E.astype(out_refs[1].dtype)
         return S * dend_ref[:, pl.ds(n, 1)] + dot(kg_ref[t, :], E, prec, trans_a=True)
 
     S = jax.lax.fori_loop(0, N, body, h0_ref[...].astype(f32))
-    if mode != "full":
-        (out_refs[0] if mode == "local" else out_ref)[...] = S
+    if not full:
+        out_refs[0][...] = S
 
 
 def _pass_dims(terms: ChunkTerms):
@@ -112,16 +106,16 @@ def _pass_operands(terms: ChunkTerms):
 
 
 # Segments: for a few long sequences (B * H too small to fill the GPU with V tiles of 64), the backward's two
-# state passes run each sequence as `nseg` segments of chunks in parallel (`pick_segments`): a "transition" pass
-# gives each segment's composite map P_s (K x K, from S = I), "local" passes its offsets from a zero start (forward:
-# the final state; reverse: the state cotangent at its start), a short XLA chain over the segments joins them into
-# every segment's true start (S) or end (dS), and the full passes run from those. The same sums in another order
-# (the products at PASS_PREC, the chain in fp32). Five passes instead of two, each over 1/nseg of the chunks: at
-# 1 x 32768 (8 segments, 256 programs; the two passes took 0.84 + 1.82 ms there with 128 programs of V tile 16,
-# 0.27 + 0.45 at 8 x 4096 with 256 programs) a gain only if a pass costs about what it does at 8 x 4096. Cheaper
-# still (not done): the segment starts exported by the forward's state pass (no zero-start forward pass), and the
-# transition carried as K extra columns of the reverse zero-start pass (one launch). Off (SEGMENT_PASSES False)
-# until timed on the H200; SEGMENT_MIN_PROGRAMS: the grid size the segments aim for.
+# state passes run each sequence as `nseg` segments of chunks in parallel (`pick_segments`). The reverse pass from
+# a zero end gives each segment's offset c_s (the state cotangent at its start), and, on K extra columns started
+# at I with no dO, its transposed composite map P_s^T (the reverse map dS -> (Diag(e^G_C) - W^T Kg) dS over the
+# segment); the forward pass from a zero start gives its offset; short fp32 chains in XLA over the segments give
+# every segment's true start S and end dS, and the full passes run from those. The same sums in another order
+# (the products at PASS_PREC). Four passes instead of two, each over 1/nseg of the chunks: at 1 x 32768 (8
+# segments, 256 programs; the two passes took 0.84 + 1.82 ms there with 128 programs of V tile 16, 0.27 + 0.45 at
+# 8 x 4096 with 256 programs) a gain only if a pass costs about what it does at 8 x 4096. (The forward's state
+# pass could export the segment starts instead of the zero-start forward pass: not done.) Off until timed on the
+# H200; SEGMENT_MIN_PROGRAMS: the grid size the segments aim for.
 SEGMENT_PASSES, MIN_SEGMENT_CHUNKS, SEGMENT_MIN_PROGRAMS = False, 8, 256
 
 
@@ -152,15 +146,15 @@ def _pass_setup(terms: ChunkTerms, block_v, nseg):
     return _pass_operands(terms), BV, (B, H, nseg, V // BV), (whole, vtile, state, states, kn, do)
 
 
-def _chain(P, offsets, first, *, reverse):
-    """The segments' true starts [B, H, nseg, K, V] from their maps P [B, H, nseg, K, K] and zero-start offsets:
-    forward x_0 = first, x_(s+1) = P_s x_s + offset_s; reverse (state cotangents at the segments' ends)
+def _chain(PT, offsets, first, *, reverse):
+    """The segments' true starts [B, H, nseg, K, V] from their transposed maps PT [B, H, nseg, K, K] and zero-start
+    offsets: forward x_0 = first, x_(s+1) = P_s x_s + offset_s; reverse (state cotangents at the segments' ends)
     x_(nseg-1) = first, x_(s-1) = P_s^T x_s + offset_s."""
-    nseg = P.shape[2]
+    nseg = PT.shape[2]
     mm = lambda a, x, eq: jnp.einsum(eq, a, x, precision=jax.lax.Precision.HIGHEST)
     xs = [first.astype(f32)]
     for s in (range(nseg - 1) if not reverse else range(nseg - 1, 0, -1)):
-        xs.append(mm(P[:, :, s], xs[-1], "bhji,bhjv->bhiv" if reverse else "bhij,bhjv->bhiv") + offsets[:, :, s])
+        xs.append(mm(PT[:, :, s], xs[-1], "bhij,bhjv->bhiv" if reverse else "bhji,bhjv->bhiv") + offsets[:, :, s])
     return jnp.stack(xs[::-1] if reverse else xs, axis=2)
 
 
@@ -503,17 +497,20 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
 #     dQin = dO S0^T,  dM = dO E^T,  dKg = E dS^T,  dW = -dE S0^T,  d e^(G_C) = rowsum(S0 * dS).
 
 
-def _reverse_ds_kernel(qin_ref, kg_ref, w_ref, m_ref, dend_ref, do_ref, dht_ref, *out_refs, C, K, N, prec, delta):
+def _reverse_ds_kernel(qin_ref, kg_ref, w_ref, m_ref, dend_ref, do_ref, dht_ref, *out_refs, C, K, N, prec, delta,
+                       value_tiles=None):
     """The reverse pass over N chunks from the state cotangent dht: writes dS per chunk, dE and the cotangent of
-    the incoming state (out_refs (ds, du, dh0)), or the last only (out_refs (dh0,): a segment's offset)."""
+    the incoming state (out_refs (ds, du, dh0)), or the last only (out_refs (dh0,): a segment's offset).
+    value_tiles: programs past this many column tiles (the last grid axis) run without dO (a segment's map)."""
     *full, dh0_ref = out_refs
+    keep = 1.0 if value_tiles is None else (pl.program_id(3) < value_tiles).astype(f32)
 
     def body(i, dS):
         n = N - 1 - i
         t = pl.ds(n * C, C)
         if full:
             full[0][pl.ds(n * K, K), :] = dS.astype(full[0].dtype)
-        dO = do_ref[t, :].astype(f32)
+        dO = do_ref[t, :].astype(f32) * keep
         dE = dot(m_ref[t, :], dO, prec, trans_a=True) + dot(kg_ref[t, :], dS, prec)
         if full:
             full[1][t, :] = dE.astype(full[1].dtype)
@@ -581,21 +578,23 @@ def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None,
     if nseg == 1:
         S_start, dS_end = h0.astype(f32)[:, :, None], dht.astype(f32)[:, :, None]
     else:  # the segments' true starts (S) and ends (dS) from their maps and zero-start offsets
-        BK = min(BV, K)
-        kstate = pl.BlockSpec((None, None, None, K, BK), lambda b, h, s, j: (b, h, s, 0, j))
-        eye = jnp.broadcast_to(jnp.eye(K, dtype=f32), (B, H, nseg, K, K))
-        P = run(_states_kernel, "lineattn_chunk_bwd_transition", STATES_STAGES, [whole(K), whole(K), kn, kstate],
-                kstate, seg_states(K), kg, w, dend_KN, eye, grid=grid[:3] + (K // BK,), mode="transition")
-        zeros = jnp.zeros((B, H, nseg, K, V), f32)
-        offsets = run(_states_kernel, "lineattn_chunk_bwd_states_local", STATES_STAGES, states_in, state,
-                      seg_states(V), kg, w, u, dend_KN, zeros, mode="local")
-        S_start = _chain(P, offsets, h0, reverse=False)
-        offsets = run(_reverse_ds_kernel, "lineattn_chunk_bwd_reverse_local", REVERSE_STAGES, reverse_in, [state],
-                      [seg_states(V)], qin, kg, w, m, dend_KN, do, zeros)[0]
-        dS_end = _chain(P, offsets, dht, reverse=True)
+        BQ = min(BV, K)  # the reverse zero-start pass: V tiles of dS, then K tiles of the map (no dO)
+        NQ = V // BQ
+        stateq = pl.BlockSpec((None, None, None, K, BQ), lambda b, h, s, j: (b, h, s, 0, j))
+        do_q = pl.BlockSpec((None, Ns * C, None, BQ), lambda b, h, s, j: (b, s, h, jnp.minimum(j, NQ - 1)))
+        start = jnp.concatenate([jnp.zeros((B, H, nseg, K, V), f32),
+                                 jnp.broadcast_to(jnp.eye(K, dtype=f32), (B, H, nseg, K, K))], axis=-1)
+        out = run(_reverse_ds_kernel, "lineattn_chunk_bwd_reverse_local", REVERSE_STAGES,
+                  reverse_in[:5] + [do_q, stateq], [stateq], [seg_states(V + K)], qin, kg, w, m, dend_KN, do, start,
+                  grid=grid[:3] + (NQ + K // BQ,), value_tiles=NQ)[0]
+        PT = out[..., V:]
+        dS_end = _chain(PT, out[..., :V], dht, reverse=True)
+        offsets = run(_states_kernel, "lineattn_chunk_bwd_states_local", STATES_STAGES, states_in, [state],
+                      [seg_states(V)], kg, w, u, dend_KN, jnp.zeros((B, H, nseg, K, V), f32))[0]
+        S_start = _chain(PT, offsets, h0, reverse=False)
     s0, E = run(_states_kernel, "lineattn_chunk_bwd_states", STATES_STAGES, states_in, [states, vtile],
                 [jax.ShapeDtypeStruct((B, H, N * K, V), kept), jax.ShapeDtypeStruct((B, H, Tp, V), kept)],
-                kg, w, u, dend_KN, S_start, mode="full")
+                kg, w, u, dend_KN, S_start)
     ds, du, dS_start = run(_reverse_ds_kernel, "lineattn_chunk_bwd_reverse_ds", REVERSE_STAGES, reverse_in,
                            [states, vtile, state], [jax.ShapeDtypeStruct((B, H, N * K, V), kept),
                                                     jax.ShapeDtypeStruct((B, H, Tp, V), wy_dt), seg_states(V)],
