@@ -167,10 +167,10 @@ def test_pallas_segmented_state_passes(rule, monkeypatch):
 
 
 @pytest.mark.parametrize("rule", ["kda", "gdn"])
-def test_pallas_bf16_cotangents(rule, monkeypatch):
-    # `chunk_bwd.COT_DTYPE = "bfloat16"`: the chunk gradients' dQin, dKg, dM stored in bf16, within FLA's bounds.
+def test_pallas_fp32_cotangents(rule, monkeypatch):
+    # `chunk_bwd.COT_DTYPE = "float32"` (the default stores the chunk gradients' dQin, dKg, dM in bf16).
     from lineattn.ops.pallas import chunk_bwd
-    monkeypatch.setattr(chunk_bwd, "COT_DTYPE", "bfloat16")
+    monkeypatch.setattr(chunk_bwd, "COT_DTYPE", "float32")
     test_pallas_bf16_against_fp32_oracle(rule, None, monkeypatch)
 
 

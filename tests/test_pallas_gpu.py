@@ -61,8 +61,9 @@ def _run(rule, x, backend, monkeypatch=None, variant=None):
 BROADCAST = {"api.SCALAR_GATE": False}  # a head gate through the per-channel kernels
 VARIANTS = [("kda", None), ("gdn", None), ("deltanet", None), ("gla", None), ("kda", ("xla", {})),
             ("kda", ("kernels-mml2", {})), ("gdn", ("kernels-mml2", {})), ("gdn", ("kernels-saved", BROADCAST)),
-            ("kda", ("kernels-saved", {"chunk_bwd.COT_DTYPE": "bfloat16"})),
-            ("kda", ("kernels-saved", {"chunk_bwd.SEGMENT_PASSES": True}))]  # B * H = 2: 32 segments of 8 chunks
+            ("kda", ("kernels-saved", {"chunk_bwd.COT_DTYPE": "float32"})),
+            ("kda", ("kernels-saved", {"chunk_bwd.SEGMENT_PASSES": False})),  # the defaults: 32 segments of 8 chunks
+            ("gdn", ("kernels-saved", {"chunk_bwd.SEGMENT_PASSES": False}))]
 
 
 def _variant_id(rule, variant):

@@ -60,10 +60,10 @@ STATES_STAGES, REVERSE_STAGES = 2, 1
 # and WY_PREC are "bf16", so they are stored in bf16 then: the same numbers (bit-identical gradients on the CPU),
 # and on the H200 (run9d, 8 x 4096) the WY backward / chunk gradients / reverse pass took 0.82 / 0.83 / 0.45 ms
 # against 0.96 / 0.95 / 0.48 (kernels fwd+bwd 6.31 against 6.62). COT_DTYPE "bfloat16" (run9d): chunk gradients
-# 0.64 ms, Gram gradients 2.04 against 2.11 (kernels 6.04 ms), at dq / dk / dg 3.3e-3 / 3.3e-3 / 5.7e-3 against
-# 2.8e-3 / 2.9e-3 / 5.5e-3 (the fp32 XLA chunk form, same inputs); its GPU test passed for KDA (T = 16381: dq
-# 3.7e-3, dg 5.3e-3), GDN's has not run with it: not the default yet.
-COT_DTYPE = "float32"
+# 0.64 ms against 0.83, Gram gradients 2.04 against 2.11 (kernels 6.04 ms against 6.31), at dq / dk / dg
+# 3.3e-3 / 3.3e-3 / 5.7e-3 against 2.8e-3 / 2.9e-3 / 5.5e-3 (the fp32 XLA chunk form, same inputs); GPU tests at
+# T = 16381 (run10a): KDA dq 3.7e-3, dg 5.3e-3; GDN dq 3.6e-3, dg 4.7e-3 (FLA's bounds 8e-3 / 2e-2).
+COT_DTYPE = "bfloat16"
 PASSES_WARPS = 4  # both state passes (run9b, 1 x 32768, V tile 16: 2 warps 1.05 / 2.59 ms against 0.84 / 1.82)
 
 
@@ -114,9 +114,11 @@ def _pass_operands(terms: ChunkTerms):
 # (the products at PASS_PREC). Four passes instead of two, each over 1/nseg of the chunks: at 1 x 32768 (8
 # segments, 256 programs; the two passes took 0.84 + 1.82 ms there with 128 programs of V tile 16, 0.27 + 0.45 at
 # 8 x 4096 with 256 programs) a gain only if a pass costs about what it does at 8 x 4096. (The forward's state
-# pass could export the segment starts instead of the zero-start forward pass: not done.) Off until timed on the
-# H200; SEGMENT_MIN_PROGRAMS: the grid size the segments aim for.
-SEGMENT_PASSES, MIN_SEGMENT_CHUNKS, SEGMENT_MIN_PROGRAMS = False, 8, 256
+# pass could export the segment starts instead of the zero-start forward pass: not done.) H200, 1 x 32768 x 16 x
+# 128 bf16 (run10a profile, 8 segments): states 0.84 -> 0.15 (zero-start) + 0.28 ms, reverse 1.80 -> 0.53
+# (zero-start, V + K columns) + 0.44, the XLA chains 0.08: kernels fwd+bwd 6.98 ms against 8.11; GPU tests at
+# T = 16381 (32 segments) within the unsegmented errors. SEGMENT_MIN_PROGRAMS: the grid size the segments aim for.
+SEGMENT_PASSES, MIN_SEGMENT_CHUNKS, SEGMENT_MIN_PROGRAMS = True, 8, 256
 
 
 def pick_segments(programs: int, N: int, V: int) -> int:
