@@ -48,6 +48,8 @@ STATES_DTYPE = "bfloat16"
 # run7e: 2 or 8 warps for the Gram gradients 3.62 / 2.63 ms against 1.62 with 4; WY 4 / 16 warps 1.28 / 2.42
 # against 1.24 with 8; chunk gradients 0.95 with 4 warps against 1.11 with 8).
 GRADS_WARPS, WY_WARPS, CHUNK_GRADS_WARPS, DG_BK = 4, 8, 4, 64
+# The Gram gradients' K tile (run10b, 8 x 4096: 1.87 ms with 128 against 2.05 with 64 and 3.18 with 32).
+GRADS_BK = 128
 GRADS_SCALAR_WARPS = 4  # the scalar-gate Gram gradients (`gram_grads_scalar`; run9a, GDN 8 x 4096: 1.58 ms)
 # dq, dk and dG are formed inside the Gram-gradient kernel, row by row, and `_dg_kernel` takes dg's reverse
 # cumsum. (A separate combine kernel reading four fp32 Gram gradients back was slower on the H200, run8a: 1.62 +
@@ -477,7 +479,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
                                                delta=delta)
     else:
         dq, dk, dG, kg_dkg = gram_grads_fused(*grads, C=C, scale=scale, exact=exact, interpret=interpret,
-                                              warps=grads_warps or GRADS_WARPS, delta=delta)
+                                              warps=grads_warps or GRADS_WARPS, delta=delta, bk=GRADS_BK)
     nr = kg_dkg.shape[2] // N  # rows of Kg * dKg column sums per chunk (16-row blocks, or 1 per chunk)
     dg = pl.pallas_call(
         _dg_kernel, grid=(B, H, N, K // bk),

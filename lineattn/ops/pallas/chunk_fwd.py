@@ -43,8 +43,10 @@ def _iota(shape, dim):
 #     always for gates >= -5 per token), the whole row of M and A is ONE product per K tile,
 #     `(x_a e^(G_a - G_r)) (k e^(min(G_r - G, 40)))^T`: off-diagonal columns (j < a's rows) have G_r - G_j <= 0 and
 #     diagonal ones |G_r - G_j| <= 40, so no factor exceeds e^40 and no product e^80 (fp32 holds e^88); columns
-#     after the block are clamped, finite and masked away. Otherwise (a cut or reset gate inside the block: a
-#     block-uniform `lax.cond`) the exact path below runs, so gates down to -1000 stay exact and finite.
+#     after the block are clamped, finite and masked away. Otherwise (a cut or reset gate inside the block) the
+#     exact path below rewrites the block's rows (`_gram_exact_kernel`, a second kernel that exits at once for the
+#     other blocks; or a block-uniform `lax.cond` in the first, see GRAM_EXACT_KERNEL), so gates down to -1000
+#     stay exact and finite.
 #   - exact path: off-diagonal columns by one product with the first-row reference n of block a (both factors
 #     <= 1), the 16 x 16 diagonal block pair by pair, masked before the exp, by a 16-step column loop on 2-D
 #     tiles. (A 3-D broadcast form of it, the "mm2" intra stage, was removed on 2026-12-01 as redundant: both
@@ -56,60 +58,104 @@ LIMIT = 40.0
 # 1.63 with 8 (timed alone); run8a: Gram K tile 128 with 4 warps 1.14 ms against 0.97. PASS_STAGES: the state
 # pass's pipeline depth (run8a: 0.35 ms with 3, 0.42 with 2, 0.375 with 1).
 GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES = 2, 4, 4, 64, 3
+# GRAM_EXACT_KERNEL: the exact path in a second kernel that rewrites only the blocks needing it, so the
+# first kernel is the fast path alone; otherwise both paths in one kernel behind a `lax.cond` (H200, 8 x 4096,
+# run10b: the Gram kernel with the fast path alone 0.79 ms against 0.97 with the cond).
+GRAM_EXACT_KERNEL = True
 GRAM_SCALAR_WARPS = 4  # the scalar-gate Gram kernel, one program per chunk (run9a, GDN 8 x 4096: 0.26 ms)
 
 
-def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta, bk):
-    s = SUB
-    a = pl.program_id(2) % (C // s)
-    r0 = a * s
-    K = k_ref.shape[-1]
-    rows, cols = _iota((s, C), 0) + r0, _iota((s, C), 1)
-    blk = pl.ds(r0, s)
+def _gram_block_spread(G_ref, r0, K, bk):
+    """max |G_a - G_r| over the 16-row block a at r0 and its middle row r (the fast path needs <= LIMIT)."""
     spread = jnp.float32(0.0)
+    for t in range(K // bk):
+        d = pl.ds(t * bk, bk)
+        spread = jnp.maximum(spread, jnp.max(jnp.abs(G_ref[pl.ds(r0, SUB), d] - G_ref[pl.ds(r0 + SUB // 2, 1), d])))
+    return spread
+
+
+def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delta, bk):
+    """[16, C] rows of (scale q) and k against all keys, factored through the reference row ref_row."""
+    s, C, K = SUB, k_ref.shape[0], k_ref.shape[-1]
+    blk = pl.ds(r0, s)
+    Mx, Ax = jnp.zeros((s, C), f32), jnp.zeros((s, C), f32)
+    for t in range(K // bk):
+        d = pl.ds(t * bk, bk)
+        Gr = G_ref[pl.ds(ref_row, 1), d]
+        xr = jnp.exp(G_ref[blk, d] - Gr)
+        kc = k_ref[:, d].astype(f32) * jnp.exp(jnp.minimum(Gr - G_ref[:, d], limit))
+        Mx = Mx + dot(q_ref[:, d].astype(f32) * (scale * xr), kc, prec, trans_b=True)
+        if delta:
+            Ax = Ax + dot(k_ref[blk, d].astype(f32) * xr, kc, prec, trans_b=True)
+    return Mx, Ax
+
+
+def _gram_exact(q_ref, k_ref, G_ref, r0, *, scale, prec, delta, bk):
+    """The exact path: off-diagonal columns through the block's first row, the diagonal block by a 16-step column
+    loop on [16, bk] tiles (few registers)."""
+    s, C, K = SUB, k_ref.shape[0], k_ref.shape[-1]
+    blk = pl.ds(r0, s)
+    cols = _iota((s, C), 1)
+    Mx, Ax = _gram_products(q_ref, k_ref, G_ref, r0, r0, 0.0, scale=scale, prec=prec, delta=delta, bk=bk)
+    Mx, Ax = jnp.where(cols < r0, Mx, 0.0), jnp.where(cols < r0, Ax, 0.0)
+    rows_s1 = _iota((s, 1), 0)
+    for t in range(K // bk):
+        d = pl.ds(t * bk, bk)
+        Ga = G_ref[blk, d]
+        qa, ka = q_ref[:, d].astype(f32) * scale, k_ref[blk, d].astype(f32)
+
+        def column(j, acc, Ga=Ga, qa=qa, ka=ka, d=d):
+            row = pl.ds(r0 + j, 1)
+            kd = k_ref[row, d].astype(f32) * jnp.exp(jnp.where(rows_s1 >= j, Ga - G_ref[row, d], -jnp.inf))
+            m = jnp.where(cols == r0 + j, acc[0] + jnp.sum(qa * kd, axis=1, keepdims=True), acc[0])
+            a = jnp.where(cols == r0 + j, acc[1] + jnp.sum(ka * kd, axis=1, keepdims=True), acc[1]) if delta \
+                else acc[1]
+            return m, a
+
+        Mx, Ax = jax.lax.fori_loop(0, s, column, (Mx, Ax))
+    return Mx, Ax
+
+
+def _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta):
+    rows, cols = _iota(Mx.shape, 0) + r0, _iota(Mx.shape, 1)
+    m_ref[...] = jnp.where(cols <= rows, Mx, 0.0).astype(m_ref.dtype)
+    if delta:
+        a_ref[...] = jnp.where(cols < rows, beta_ref[...].astype(f32)[:, None] * Ax, 0.0)
+
+
+def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta, bk,
+                      with_exact):
+    """One 16-row block: Qin, Kg and the fast path's rows of M and A; with_exact: the exact path as well, taken by
+    a block-uniform `lax.cond` (otherwise `_gram_exact_kernel` redoes the blocks that need it)."""
+    s = SUB
+    r0 = (pl.program_id(2) % (C // s)) * s
+    K = k_ref.shape[-1]
+    blk = pl.ds(r0, s)
     for t in range(K // bk):
         d = pl.ds(t * bk, bk)
         Ga = G_ref[blk, d]
         qin_ref[:, d] = (q_ref[:, d].astype(f32) * scale * jnp.exp(Ga)).astype(qin_ref.dtype)
         kg_ref[:, d] = (k_ref[blk, d].astype(f32) * jnp.exp(G_ref[pl.ds(C - 1, 1), d] - Ga)).astype(kg_ref.dtype)
-        spread = jnp.maximum(spread, jnp.max(jnp.abs(Ga - G_ref[pl.ds(r0 + s // 2, 1), d])))
+    kw = dict(scale=scale, prec=prec, delta=delta, bk=bk)
+    fast = lambda: _gram_products(q_ref, k_ref, G_ref, r0, r0 + s // 2, LIMIT, **kw)
+    if with_exact:
+        Mx, Ax = jax.lax.cond(_gram_block_spread(G_ref, r0, K, bk) <= LIMIT, fast,
+                              lambda: _gram_exact(q_ref, k_ref, G_ref, r0, **kw))
+    else:
+        Mx, Ax = fast()
+    _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta)
 
-    def products(ref_row, limit):  # [s, C] rows of (scale q) and k against all keys, reference row ref_row
-        Mx, Ax = jnp.zeros((s, C), f32), jnp.zeros((s, C), f32)
-        for t in range(K // bk):
-            d = pl.ds(t * bk, bk)
-            Gr = G_ref[pl.ds(ref_row, 1), d]
-            xr = jnp.exp(G_ref[blk, d] - Gr)
-            kc = k_ref[:, d].astype(f32) * jnp.exp(jnp.minimum(Gr - G_ref[:, d], limit))
-            Mx = Mx + dot(q_ref[:, d].astype(f32) * (scale * xr), kc, prec, trans_b=True)
-            if delta:
-                Ax = Ax + dot(k_ref[blk, d].astype(f32) * xr, kc, prec, trans_b=True)
-        return Mx, Ax
 
-    def exact():  # the diagonal block by a 16-step column loop on [s, bk] tiles (few registers)
-        Mx, Ax = products(r0, 0.0)
-        Mx, Ax = jnp.where(cols < r0, Mx, 0.0), jnp.where(cols < r0, Ax, 0.0)
-        rows_s1 = _iota((s, 1), 0)
-        for t in range(K // bk):
-            d = pl.ds(t * bk, bk)
-            Ga = G_ref[blk, d]
-            qa, ka = q_ref[:, d].astype(f32) * scale, k_ref[blk, d].astype(f32)
+def _gram_exact_kernel(q_ref, k_ref, G_ref, beta_ref, m_in_ref, a_in_ref, m_ref, a_ref, *, C, scale, prec, delta,
+                       bk):
+    """Rewrites M's and A's rows of the blocks that need the exact path (in place: m_in, a_in alias m, a)."""
+    del m_in_ref, a_in_ref
+    r0 = (pl.program_id(2) % (C // SUB)) * SUB
 
-            def column(j, acc, Ga=Ga, qa=qa, ka=ka, d=d):
-                row = pl.ds(r0 + j, 1)
-                kd = k_ref[row, d].astype(f32) * jnp.exp(jnp.where(rows_s1 >= j, Ga - G_ref[row, d], -jnp.inf))
-                m = jnp.where(cols == r0 + j, acc[0] + jnp.sum(qa * kd, axis=1, keepdims=True), acc[0])
-                a = jnp.where(cols == r0 + j, acc[1] + jnp.sum(ka * kd, axis=1, keepdims=True), acc[1]) if delta \
-                    else acc[1]
-                return m, a
-
-            Mx, Ax = jax.lax.fori_loop(0, s, column, (Mx, Ax))
-        return Mx, Ax
-
-    Mx, Ax = jax.lax.cond(spread <= LIMIT, lambda: products(r0 + s // 2, LIMIT), exact)
-    m_ref[...] = jnp.where(cols <= rows, Mx, 0.0).astype(m_ref.dtype)
-    if delta:
-        a_ref[...] = jnp.where(cols < rows, beta_ref[...].astype(f32)[:, None] * Ax, 0.0)
+    @pl.when(_gram_block_spread(G_ref, r0, k_ref.shape[-1], bk) > LIMIT)
+    def _():
+        Mx, Ax = _gram_exact(q_ref, k_ref, G_ref, r0, scale=scale, prec=prec, delta=delta, bk=bk)
+        _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta)
 
 
 def _gram_outputs(B, H, Tp, C, K, store, a_dtype):
@@ -120,23 +166,24 @@ def _gram_outputs(B, H, Tp, C, K, store, a_dtype):
 
 def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, a_dtype=f32, bk=64):
     """M, A (= Diag(beta) KK, strictly lower), Qin, Kg as [B, H, Tp, .] from q, k [B, Tp, H, K], the in-chunk
-    cumsum G (fp32) and beta [B, Tp, H] (see `_gram_rows_kernel`)."""
+    cumsum G (fp32) and beta [B, Tp, H] (see `_gram_rows_kernel`; GRAM_EXACT_KERNEL)."""
     B, Tp, H, K = q.shape
     N, nb = Tp // C, C // SUB
     sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i, h, 0))
     whole = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
     row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, i, 0))
-    kernel = functools.partial(_gram_rows_kernel, C=C, scale=scale, prec=prec, delta=delta, bk=min(bk, K))
-    return pl.pallas_call(
-        kernel,
-        grid=(B, H, N * nb),
-        in_specs=[sub(K), whole(K), whole(K), pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i, h))],
-        out_specs=[row_out(C), row_out(C), row_out(K), row_out(K)],
-        out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype),
-        compiler_params=compiler_params(num_warps=warps, num_stages=1),
-        interpret=interpret,
-        name="lineattn_chunk_gram",
-    )(q, k, G, beta)
+    in_specs = [sub(K), whole(K), whole(K), pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i, h))]
+    kw = dict(C=C, scale=scale, prec=prec, delta=delta, bk=min(bk, K))
+    call = lambda kernel, n_in, outs, name, **extra: pl.pallas_call(
+        kernel, grid=(B, H, N * nb), in_specs=in_specs + [row_out(C)] * n_in, out_specs=[row_out(D) for D in outs],
+        out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype)[:len(outs)], name=name, interpret=interpret,
+        compiler_params=compiler_params(num_warps=warps, num_stages=1), **extra)
+    m, A, qin, kg = call(functools.partial(_gram_rows_kernel, with_exact=not GRAM_EXACT_KERNEL, **kw), 0,
+                         (C, C, K, K), "lineattn_chunk_gram")(q, k, G, beta)
+    if GRAM_EXACT_KERNEL:
+        m, A = call(functools.partial(_gram_exact_kernel, **kw), 2, (C, C), "lineattn_chunk_gram_exact",
+                    input_output_aliases={4: 0, 5: 1})(q, k, G, beta, m, A)
+    return m, A, qin, kg
 
 
 # ---- The Gram matrices for a gate equal across K (GDN, DeltaNet: the `scalar` path) ----
@@ -363,7 +410,7 @@ def pick_block_v(programs: int, V: int) -> int:
 def _constants():
     """The values of the module constants the forward reads when traced."""
     return (GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES, GRAM_SCALAR_WARPS, SOLVE_PREC, GRAM_PREC,
-            UW_PREC, PASS_MIN_PROGRAMS)
+            UW_PREC, PASS_MIN_PROGRAMS, GRAM_EXACT_KERNEL)
 
 
 def _retrace_on_constants(jitted):
