@@ -74,8 +74,9 @@ def _gram_block_spread(G_ref, r0, K, bk):
     return spread
 
 
-def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delta, bk):
-    """[16, C] rows of (scale q) and k against all keys, factored through the reference row ref_row."""
+def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delta, bk, q0=0):
+    """[16, C] rows of (scale q) and k against all keys, factored through the reference row ref_row (the block's
+    queries at rows q0.. of q_ref: 0 for a 16-row block, r0 for a whole chunk)."""
     s, C, K = SUB, k_ref.shape[0], k_ref.shape[-1]
     blk = pl.ds(r0, s)
     Mx, Ax = jnp.zeros((s, C), f32), jnp.zeros((s, C), f32)
@@ -84,25 +85,25 @@ def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delt
         Gr = G_ref[pl.ds(ref_row, 1), d]
         xr = jnp.exp(G_ref[blk, d] - Gr)
         kc = k_ref[:, d].astype(f32) * jnp.exp(jnp.minimum(Gr - G_ref[:, d], limit))
-        Mx = Mx + dot(q_ref[:, d].astype(f32) * (scale * xr), kc, prec, trans_b=True)
+        Mx = Mx + dot(q_ref[pl.ds(q0, s), d].astype(f32) * (scale * xr), kc, prec, trans_b=True)
         if delta:
             Ax = Ax + dot(k_ref[blk, d].astype(f32) * xr, kc, prec, trans_b=True)
     return Mx, Ax
 
 
-def _gram_exact(q_ref, k_ref, G_ref, r0, *, scale, prec, delta, bk):
+def _gram_exact(q_ref, k_ref, G_ref, r0, *, scale, prec, delta, bk, q0=0):
     """The exact path: off-diagonal columns through the block's first row, the diagonal block by a 16-step column
     loop on [16, bk] tiles (few registers)."""
     s, C, K = SUB, k_ref.shape[0], k_ref.shape[-1]
     blk = pl.ds(r0, s)
     cols = _iota((s, C), 1)
-    Mx, Ax = _gram_products(q_ref, k_ref, G_ref, r0, r0, 0.0, scale=scale, prec=prec, delta=delta, bk=bk)
+    Mx, Ax = _gram_products(q_ref, k_ref, G_ref, r0, r0, 0.0, scale=scale, prec=prec, delta=delta, bk=bk, q0=q0)
     Mx, Ax = jnp.where(cols < r0, Mx, 0.0), jnp.where(cols < r0, Ax, 0.0)
     rows_s1 = _iota((s, 1), 0)
     for t in range(K // bk):
         d = pl.ds(t * bk, bk)
         Ga = G_ref[blk, d]
-        qa, ka = q_ref[:, d].astype(f32) * scale, k_ref[blk, d].astype(f32)
+        qa, ka = q_ref[pl.ds(q0, s), d].astype(f32) * scale, k_ref[blk, d].astype(f32)
 
         def column(j, acc, Ga=Ga, qa=qa, ka=ka, d=d):
             row = pl.ds(r0 + j, 1)
@@ -116,17 +117,20 @@ def _gram_exact(q_ref, k_ref, G_ref, r0, *, scale, prec, delta, bk):
     return Mx, Ax
 
 
-def _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta):
+def _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, o0=0):
+    """M's and A's rows of the block at r0 into rows o0.. of m_ref, a_ref (beta_ref's rows o0..)."""
     rows, cols = _iota(Mx.shape, 0) + r0, _iota(Mx.shape, 1)
-    m_ref[...] = jnp.where(cols <= rows, Mx, 0.0).astype(m_ref.dtype)
+    out = pl.ds(o0, SUB)
+    m_ref[out, :] = jnp.where(cols <= rows, Mx, 0.0).astype(m_ref.dtype)
     if delta:
-        a_ref[...] = jnp.where(cols < rows, beta_ref[...].astype(f32)[:, None] * Ax, 0.0)
+        a_ref[out, :] = jnp.where(cols < rows, beta_ref[out].astype(f32)[:, None] * Ax, 0.0)
 
 
-def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta, bk,
-                      with_exact):
-    """One 16-row block: Qin, Kg and the fast path's rows of M and A; with_exact: the exact path as well, taken by
-    a block-uniform `lax.cond` (otherwise `_gram_exact_kernel` redoes the blocks that need it)."""
+def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *flag_ref, C, scale, prec, delta,
+                      bk):
+    """One 16-row block: Qin, Kg and the rows of M and A, the exact path taken by a block-uniform `lax.cond`; or,
+    with flag_ref, the fast path alone and a flag (1.0) in flag_ref when the block needs the exact path
+    (`_gram_exact_kernel` then rewrites it)."""
     s = SUB
     r0 = (pl.program_id(2) % (C // s)) * s
     K = k_ref.shape[-1]
@@ -138,24 +142,34 @@ def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_r
         kg_ref[:, d] = (k_ref[blk, d].astype(f32) * jnp.exp(G_ref[pl.ds(C - 1, 1), d] - Ga)).astype(kg_ref.dtype)
     kw = dict(scale=scale, prec=prec, delta=delta, bk=bk)
     fast = lambda: _gram_products(q_ref, k_ref, G_ref, r0, r0 + s // 2, LIMIT, **kw)
-    if with_exact:
-        Mx, Ax = jax.lax.cond(_gram_block_spread(G_ref, r0, K, bk) <= LIMIT, fast,
-                              lambda: _gram_exact(q_ref, k_ref, G_ref, r0, **kw))
-    else:
+    spread = _gram_block_spread(G_ref, r0, K, bk)
+    if flag_ref:
+        flag_ref[0][...] = jnp.full(flag_ref[0].shape, (spread > LIMIT).astype(f32))
         Mx, Ax = fast()
+    else:
+        Mx, Ax = jax.lax.cond(spread <= LIMIT, fast, lambda: _gram_exact(q_ref, k_ref, G_ref, r0, **kw))
     _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta)
 
 
-def _gram_exact_kernel(q_ref, k_ref, G_ref, beta_ref, m_in_ref, a_in_ref, m_ref, a_ref, *, C, scale, prec, delta,
-                       bk):
-    """Rewrites M's and A's rows of the blocks that need the exact path (in place: m_in, a_in alias m, a)."""
+def _gram_exact_kernel(flag_ref, q_ref, k_ref, G_ref, beta_ref, m_in_ref, a_in_ref, m_ref, a_ref, *, C, scale, prec,
+                       delta, bk):
+    """One chunk: rewrites M's and A's rows of the 16-row blocks flagged by `_gram_rows_kernel` with the exact
+    path (in place: m_in, a_in alias m, a); the other programs read their flags only."""
     del m_in_ref, a_in_ref
-    r0 = (pl.program_id(2) % (C // SUB)) * SUB
+    nb = C // SUB
+    flags = flag_ref[...]
 
-    @pl.when(_gram_block_spread(G_ref, r0, k_ref.shape[-1], bk) > LIMIT)
-    def _():
-        Mx, Ax = _gram_exact(q_ref, k_ref, G_ref, r0, scale=scale, prec=prec, delta=delta, bk=bk)
-        _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta)
+    def block(a, carry):
+        r0 = a * SUB
+
+        @pl.when(jnp.sum(jnp.where(_iota((nb,), 0) == a, flags, 0.0)) > 0.0)
+        def _():
+            Mx, Ax = _gram_exact(q_ref, k_ref, G_ref, r0, scale=scale, prec=prec, delta=delta, bk=bk, q0=r0)
+            _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, o0=r0)
+
+        return carry
+
+    jax.lax.fori_loop(0, nb, block, 0)
 
 
 def _gram_outputs(B, H, Tp, C, K, store, a_dtype):
@@ -172,17 +186,29 @@ def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, 
     sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i, h, 0))
     whole = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
     row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, i, 0))
-    in_specs = [sub(K), whole(K), whole(K), pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i, h))]
+    params = compiler_params(num_warps=warps, num_stages=1)
     kw = dict(C=C, scale=scale, prec=prec, delta=delta, bk=min(bk, K))
-    call = lambda kernel, n_in, outs, name, **extra: pl.pallas_call(
-        kernel, grid=(B, H, N * nb), in_specs=in_specs + [row_out(C)] * n_in, out_specs=[row_out(D) for D in outs],
-        out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype)[:len(outs)], name=name, interpret=interpret,
-        compiler_params=compiler_params(num_warps=warps, num_stages=1), **extra)
-    m, A, qin, kg = call(functools.partial(_gram_rows_kernel, with_exact=not GRAM_EXACT_KERNEL, **kw), 0,
-                         (C, C, K, K), "lineattn_chunk_gram")(q, k, G, beta)
+    outs = _gram_outputs(B, H, Tp, C, K, store, a_dtype)
+    flag = ([pl.BlockSpec((None, None, None, 1), lambda b, h, i: (b, h, i // nb, i % nb))],
+            [jax.ShapeDtypeStruct((B, H, N, nb), f32)]) if GRAM_EXACT_KERNEL else ([], [])
+    m, A, qin, kg, *flags = pl.pallas_call(
+        functools.partial(_gram_rows_kernel, **kw),
+        grid=(B, H, N * nb),
+        in_specs=[sub(K), whole(K), whole(K), pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i, h))],
+        out_specs=[row_out(C), row_out(C), row_out(K), row_out(K)] + flag[0],
+        out_shape=outs + flag[1], compiler_params=params, interpret=interpret, name="lineattn_chunk_gram",
+    )(q, k, G, beta)
     if GRAM_EXACT_KERNEL:
-        m, A = call(functools.partial(_gram_exact_kernel, **kw), 2, (C, C), "lineattn_chunk_gram_exact",
-                    input_output_aliases={4: 0, 5: 1})(q, k, G, beta, m, A)
+        tok = pl.BlockSpec((None, C, None, K), lambda b, h, n: (b, n, h, 0))
+        mat = pl.BlockSpec((None, None, C, C), lambda b, h, n: (b, h, n, 0))
+        m, A = pl.pallas_call(
+            functools.partial(_gram_exact_kernel, **kw),
+            grid=(B, H, N),
+            in_specs=[pl.BlockSpec((None, None, None, nb), lambda b, h, n: (b, h, n, 0)), tok, tok, tok,
+                      pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h)), mat, mat],
+            out_specs=[mat, mat], out_shape=outs[:2], input_output_aliases={5: 0, 6: 1}, compiler_params=params,
+            interpret=interpret, name="lineattn_chunk_gram_exact",
+        )(flags[0], q, k, G, beta, m, A)
     return m, A, qin, kg
 
 
