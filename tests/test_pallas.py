@@ -66,14 +66,6 @@ def test_pallas_gate_extremes(gate, backward, monkeypatch):
     _compare("kda", inputs, tol=1e-3 if gate == "cut" else TOL)
 
 
-def test_pallas_gram_exact_path_inside_the_kernel(monkeypatch):
-    # `chunk_fwd.GRAM_EXACT_KERNEL = False`: the blocks holding a cut take the exact path by a `lax.cond` inside
-    # the Gram kernel instead of the fix-up kernel.
-    from lineattn.ops.pallas import chunk_fwd
-    monkeypatch.setattr(chunk_fwd, "GRAM_EXACT_KERNEL", False)
-    test_pallas_gate_extremes("cut", "kernels-saved", monkeypatch)
-
-
 @pytest.mark.parametrize("rule,gate,backward", [("gdn", None, "kernels-saved"), ("deltanet", None, "kernels-saved"),
                                                ("gdn", "lower_bound", "kernels-saved"), ("gdn", "cut", "kernels-saved"),
                                                ("gdn", None, "kernels-mml2"), ("deltanet", None, "kernels-mml2")])

@@ -48,20 +48,11 @@ def _lowered(T, dtype, backward, head_gate=False):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_chunk_kernels_lower_for_sm90(fake_h200, dtype, backward):
     text = _lowered(100, dtype, backward)
-    # forward: cumsum, gram, the exact Gram fix-up, solve, state pass; backward "xla": none; "kernels-mml2":
-    # cumsum, gram and its fix-up, solve, states, reverse, chunk grads, WY, Gram gradients with the combine, dg;
-    # "kernels-saved": the same without the Gram and solve (the forward's terms are kept)
-    expected = 5 + {"xla": 0, "kernels-mml2": 10, "kernels-saved": 7}[backward]
+    # forward: cumsum, gram, solve, state pass; backward "xla": none; "kernels-mml2": cumsum, gram, solve, states,
+    # reverse, chunk grads, WY, Gram gradients with the combine, dg; "kernels-saved": the same without the Gram and
+    # solve (the forward's terms are kept)
+    expected = 4 + {"xla": 0, "kernels-mml2": 9, "kernels-saved": 7}[backward]
     assert text.count("__gpu$xla.gpu.triton") == expected
-    assert "lineattn_chunk_gram_exact" in text
-
-
-def test_gram_with_the_exact_path_inside_lowers_for_sm90(fake_h200, monkeypatch):
-    # `chunk_fwd.GRAM_EXACT_KERNEL = False`: both paths in the Gram kernel (a `lax.cond`), no fix-up kernel.
-    from lineattn.ops.pallas import chunk_fwd
-    monkeypatch.setattr(chunk_fwd, "GRAM_EXACT_KERNEL", False)
-    text = _lowered(100, jnp.bfloat16, "kernels-saved")
-    assert "lineattn_chunk_gram_exact" not in text and text.count("__gpu$xla.gpu.triton") == 4 + 7
 
 
 @pytest.mark.parametrize("backward", ["kernels-saved", "kernels-mml2"])
@@ -81,7 +72,7 @@ def test_segmented_state_passes_lower_for_sm90(fake_h200, monkeypatch):
     assert chunk_bwd.pick_segments(2, 16, 128) == 2
     text = _lowered(1024, jnp.bfloat16, "kernels-saved")
     assert all(name in text for name in ("lineattn_chunk_bwd_states_local", "lineattn_chunk_bwd_reverse_local"))
-    assert text.count("__gpu$xla.gpu.triton") == 5 + 7 + 2
+    assert text.count("__gpu$xla.gpu.triton") == 4 + 7 + 2
 
 
 @pytest.mark.parametrize("v_fastest", [False, True])

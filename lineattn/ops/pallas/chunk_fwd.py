@@ -43,10 +43,8 @@ def _iota(shape, dim):
 #     always for gates >= -5 per token), the whole row of M and A is ONE product per K tile,
 #     `(x_a e^(G_a - G_r)) (k e^(min(G_r - G, 40)))^T`: off-diagonal columns (j < a's rows) have G_r - G_j <= 0 and
 #     diagonal ones |G_r - G_j| <= 40, so no factor exceeds e^40 and no product e^80 (fp32 holds e^88); columns
-#     after the block are clamped, finite and masked away. Otherwise (a cut or reset gate inside the block) the
-#     exact path below rewrites the block's rows (`_gram_exact_kernel`, a second kernel that exits at once for the
-#     other blocks; or a block-uniform `lax.cond` in the first, see GRAM_EXACT_KERNEL), so gates down to -1000
-#     stay exact and finite.
+#     after the block are clamped, finite and masked away. Otherwise (a cut or reset gate inside the block: a
+#     block-uniform `lax.cond`) the exact path below runs, so gates down to -1000 stay exact and finite.
 #   - exact path: off-diagonal columns by one product with the first-row reference n of block a (both factors
 #     <= 1), the 16 x 16 diagonal block pair by pair, masked before the exp, by a 16-step column loop on 2-D
 #     tiles. (A 3-D broadcast form of it, the "mm2" intra stage, was removed on 2026-12-01 as redundant: both
@@ -58,10 +56,10 @@ LIMIT = 40.0
 # 1.63 with 8 (timed alone); run8a: Gram K tile 128 with 4 warps 1.14 ms against 0.97. PASS_STAGES: the state
 # pass's pipeline depth (run8a: 0.35 ms with 3, 0.42 with 2, 0.375 with 1).
 GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES = 2, 4, 4, 64, 3
-# GRAM_EXACT_KERNEL: the exact path in a second kernel that rewrites only the blocks needing it, so the
-# first kernel is the fast path alone; otherwise both paths in one kernel behind a `lax.cond` (H200, 8 x 4096,
-# run10b: the Gram kernel with the fast path alone 0.79 ms against 0.97 with the cond).
-GRAM_EXACT_KERNEL = True
+# (Run10b-d: the Gram kernel with the fast path alone took 0.79 ms against 0.94-0.97 with the `lax.cond`; moving
+# the exact path to a second kernel that rewrites the blocks holding a cut gave no gain: 0.17 ms for that kernel
+# when it read G, and with the Gram kernel writing per-block flags 0.90 + 0.05 ms. Flags from the gate cumsum
+# kernel were not tried.)
 GRAM_SCALAR_WARPS = 4  # the scalar-gate Gram kernel, one program per chunk (run9a, GDN 8 x 4096: 0.26 ms)
 
 
@@ -74,9 +72,9 @@ def _gram_block_spread(G_ref, r0, K, bk):
     return spread
 
 
-def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delta, bk, q0=0):
-    """[16, C] rows of (scale q) and k against all keys, factored through the reference row ref_row (the block's
-    queries at rows q0.. of q_ref: 0 for a 16-row block, r0 for a whole chunk)."""
+def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delta, bk):
+    """[16, C] rows of (scale q) and k against all keys, factored through the reference row ref_row (q_ref: the
+    block's 16 queries)."""
     s, C, K = SUB, k_ref.shape[0], k_ref.shape[-1]
     blk = pl.ds(r0, s)
     Mx, Ax = jnp.zeros((s, C), f32), jnp.zeros((s, C), f32)
@@ -85,25 +83,25 @@ def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delt
         Gr = G_ref[pl.ds(ref_row, 1), d]
         xr = jnp.exp(G_ref[blk, d] - Gr)
         kc = k_ref[:, d].astype(f32) * jnp.exp(jnp.minimum(Gr - G_ref[:, d], limit))
-        Mx = Mx + dot(q_ref[pl.ds(q0, s), d].astype(f32) * (scale * xr), kc, prec, trans_b=True)
+        Mx = Mx + dot(q_ref[:, d].astype(f32) * (scale * xr), kc, prec, trans_b=True)
         if delta:
             Ax = Ax + dot(k_ref[blk, d].astype(f32) * xr, kc, prec, trans_b=True)
     return Mx, Ax
 
 
-def _gram_exact(q_ref, k_ref, G_ref, r0, *, scale, prec, delta, bk, q0=0):
+def _gram_exact(q_ref, k_ref, G_ref, r0, *, scale, prec, delta, bk):
     """The exact path: off-diagonal columns through the block's first row, the diagonal block by a 16-step column
     loop on [16, bk] tiles (few registers)."""
     s, C, K = SUB, k_ref.shape[0], k_ref.shape[-1]
     blk = pl.ds(r0, s)
     cols = _iota((s, C), 1)
-    Mx, Ax = _gram_products(q_ref, k_ref, G_ref, r0, r0, 0.0, scale=scale, prec=prec, delta=delta, bk=bk, q0=q0)
+    Mx, Ax = _gram_products(q_ref, k_ref, G_ref, r0, r0, 0.0, scale=scale, prec=prec, delta=delta, bk=bk)
     Mx, Ax = jnp.where(cols < r0, Mx, 0.0), jnp.where(cols < r0, Ax, 0.0)
     rows_s1 = _iota((s, 1), 0)
     for t in range(K // bk):
         d = pl.ds(t * bk, bk)
         Ga = G_ref[blk, d]
-        qa, ka = q_ref[pl.ds(q0, s), d].astype(f32) * scale, k_ref[blk, d].astype(f32)
+        qa, ka = q_ref[:, d].astype(f32) * scale, k_ref[blk, d].astype(f32)
 
         def column(j, acc, Ga=Ga, qa=qa, ka=ka, d=d):
             row = pl.ds(r0 + j, 1)
@@ -117,20 +115,16 @@ def _gram_exact(q_ref, k_ref, G_ref, r0, *, scale, prec, delta, bk, q0=0):
     return Mx, Ax
 
 
-def _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, o0=0):
-    """M's and A's rows of the block at r0 into rows o0.. of m_ref, a_ref (beta_ref's rows o0..)."""
+def _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta):
+    """The block's rows of M (j <= i) and A (j < i, times beta_i), from its products Mx, Ax [16, C]."""
     rows, cols = _iota(Mx.shape, 0) + r0, _iota(Mx.shape, 1)
-    out = pl.ds(o0, SUB)
-    m_ref[out, :] = jnp.where(cols <= rows, Mx, 0.0).astype(m_ref.dtype)
+    m_ref[...] = jnp.where(cols <= rows, Mx, 0.0).astype(m_ref.dtype)
     if delta:
-        a_ref[out, :] = jnp.where(cols < rows, beta_ref[out].astype(f32)[:, None] * Ax, 0.0)
+        a_ref[...] = jnp.where(cols < rows, beta_ref[...].astype(f32)[:, None] * Ax, 0.0)
 
 
-def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *flag_ref, C, scale, prec, delta,
-                      bk):
-    """One 16-row block: Qin, Kg and the rows of M and A, the exact path taken by a block-uniform `lax.cond`; or,
-    with flag_ref, the fast path alone and a flag (1.0) in flag_ref when the block needs the exact path
-    (`_gram_exact_kernel` then rewrites it)."""
+def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta, bk):
+    """One 16-row block: Qin, Kg and the rows of M and A, the exact path taken by a block-uniform `lax.cond`."""
     s = SUB
     r0 = (pl.program_id(2) % (C // s)) * s
     K = k_ref.shape[-1]
@@ -141,35 +135,10 @@ def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_r
         qin_ref[:, d] = (q_ref[:, d].astype(f32) * scale * jnp.exp(Ga)).astype(qin_ref.dtype)
         kg_ref[:, d] = (k_ref[blk, d].astype(f32) * jnp.exp(G_ref[pl.ds(C - 1, 1), d] - Ga)).astype(kg_ref.dtype)
     kw = dict(scale=scale, prec=prec, delta=delta, bk=bk)
-    fast = lambda: _gram_products(q_ref, k_ref, G_ref, r0, r0 + s // 2, LIMIT, **kw)
-    spread = _gram_block_spread(G_ref, r0, K, bk)
-    if flag_ref:
-        flag_ref[0][...] = jnp.full(flag_ref[0].shape, (spread > LIMIT).astype(f32))
-        Mx, Ax = fast()
-    else:
-        Mx, Ax = jax.lax.cond(spread <= LIMIT, fast, lambda: _gram_exact(q_ref, k_ref, G_ref, r0, **kw))
+    Mx, Ax = jax.lax.cond(_gram_block_spread(G_ref, r0, K, bk) <= LIMIT,
+                          lambda: _gram_products(q_ref, k_ref, G_ref, r0, r0 + s // 2, LIMIT, **kw),
+                          lambda: _gram_exact(q_ref, k_ref, G_ref, r0, **kw))
     _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta)
-
-
-def _gram_exact_kernel(flag_ref, q_ref, k_ref, G_ref, beta_ref, m_in_ref, a_in_ref, m_ref, a_ref, *, C, scale, prec,
-                       delta, bk):
-    """One chunk: rewrites M's and A's rows of the 16-row blocks flagged by `_gram_rows_kernel` with the exact
-    path (in place: m_in, a_in alias m, a); the other programs read their flags only."""
-    del m_in_ref, a_in_ref
-    nb = C // SUB
-    flags = flag_ref[...]
-
-    def block(a, carry):
-        r0 = a * SUB
-
-        @pl.when(jnp.sum(jnp.where(_iota((nb,), 0) == a, flags, 0.0)) > 0.0)
-        def _():
-            Mx, Ax = _gram_exact(q_ref, k_ref, G_ref, r0, scale=scale, prec=prec, delta=delta, bk=bk, q0=r0)
-            _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, o0=r0)
-
-        return carry
-
-    jax.lax.fori_loop(0, nb, block, 0)
 
 
 def _gram_outputs(B, H, Tp, C, K, store, a_dtype):
@@ -180,36 +149,22 @@ def _gram_outputs(B, H, Tp, C, K, store, a_dtype):
 
 def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, a_dtype=f32, bk=64):
     """M, A (= Diag(beta) KK, strictly lower), Qin, Kg as [B, H, Tp, .] from q, k [B, Tp, H, K], the in-chunk
-    cumsum G (fp32) and beta [B, Tp, H] (see `_gram_rows_kernel`; GRAM_EXACT_KERNEL)."""
+    cumsum G (fp32) and beta [B, Tp, H] (see `_gram_rows_kernel`)."""
     B, Tp, H, K = q.shape
     N, nb = Tp // C, C // SUB
     sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i, h, 0))
     whole = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
     row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, i, 0))
-    params = compiler_params(num_warps=warps, num_stages=1)
-    kw = dict(C=C, scale=scale, prec=prec, delta=delta, bk=min(bk, K))
-    outs = _gram_outputs(B, H, Tp, C, K, store, a_dtype)
-    flag = ([pl.BlockSpec((None, None, None, 1), lambda b, h, i: (b, h, i // nb, i % nb))],
-            [jax.ShapeDtypeStruct((B, H, N, nb), f32)]) if GRAM_EXACT_KERNEL else ([], [])
-    m, A, qin, kg, *flags = pl.pallas_call(
-        functools.partial(_gram_rows_kernel, **kw),
+    return pl.pallas_call(
+        functools.partial(_gram_rows_kernel, C=C, scale=scale, prec=prec, delta=delta, bk=min(bk, K)),
         grid=(B, H, N * nb),
         in_specs=[sub(K), whole(K), whole(K), pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i, h))],
-        out_specs=[row_out(C), row_out(C), row_out(K), row_out(K)] + flag[0],
-        out_shape=outs + flag[1], compiler_params=params, interpret=interpret, name="lineattn_chunk_gram",
+        out_specs=[row_out(C), row_out(C), row_out(K), row_out(K)],
+        out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype),
+        compiler_params=compiler_params(num_warps=warps, num_stages=1),
+        interpret=interpret,
+        name="lineattn_chunk_gram",
     )(q, k, G, beta)
-    if GRAM_EXACT_KERNEL:
-        tok = pl.BlockSpec((None, C, None, K), lambda b, h, n: (b, n, h, 0))
-        mat = pl.BlockSpec((None, None, C, C), lambda b, h, n: (b, h, n, 0))
-        m, A = pl.pallas_call(
-            functools.partial(_gram_exact_kernel, **kw),
-            grid=(B, H, N),
-            in_specs=[pl.BlockSpec((None, None, None, nb), lambda b, h, n: (b, h, n, 0)), tok, tok, tok,
-                      pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h)), mat, mat],
-            out_specs=[mat, mat], out_shape=outs[:2], input_output_aliases={5: 0, 6: 1}, compiler_params=params,
-            interpret=interpret, name="lineattn_chunk_gram_exact",
-        )(flags[0], q, k, G, beta, m, A)
-    return m, A, qin, kg
 
 
 # ---- The Gram matrices for a gate equal across K (GDN, DeltaNet: the `scalar` path) ----
@@ -436,7 +391,7 @@ def pick_block_v(programs: int, V: int) -> int:
 def _constants():
     """The values of the module constants the forward reads when traced."""
     return (GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES, GRAM_SCALAR_WARPS, SOLVE_PREC, GRAM_PREC,
-            UW_PREC, PASS_MIN_PROGRAMS, GRAM_EXACT_KERNEL)
+            UW_PREC, PASS_MIN_PROGRAMS)
 
 
 def _retrace_on_constants(jitted):
