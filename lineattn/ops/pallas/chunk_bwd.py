@@ -25,7 +25,8 @@ from jax.experimental import pallas as pl
 
 from lineattn.ops.chunk import ChunkTerms, pad_to_chunks
 from lineattn.ops.pallas import chunk_fwd
-from lineattn.ops.pallas.chunk_fwd import LIMIT, _iota, gate_cumsum, gram_rows, pick_block_v, solve_full
+from lineattn.ops.pallas.chunk_fwd import (LIMIT, _gram_block_spread, _iota, gate_cumsum, gram_rows, pick_block_v,
+                                           solve_full)
 from lineattn.ops.pallas.common import SUB, compiler_params, dot, interpret_mode, is_pow2
 
 f32 = jnp.float32
@@ -252,10 +253,7 @@ def _gram_bwd_kernel(q_ref, k_ref, G_ref, dm_ref, dkk_ref, dqin_ref, dkg_ref, dk
         dG_ref[:, d] = dG
         r_ref[:, d] = jnp.sum(kg_dkg, axis=0, keepdims=True)
 
-    spread = jnp.float32(0.0)
-    for t in range(K // bk):
-        d = pl.ds(t * bk, bk)
-        spread = jnp.maximum(spread, jnp.max(jnp.abs(G_ref[blk, d] - G_ref[pl.ds(r0 + s // 2, 1), d])))
+    spread = _gram_block_spread(G_ref, r0, K, bk)
 
     def per_tile(path):
         def run():

@@ -415,8 +415,8 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     [B, T, H] per head (fp32; the scalar path: `gram_scalar` for the Gram matrices), beta [B, T, H] or None
     (additive write), h0 [B, H, K, V] fp32. block_v, warps (intra, state pass; default (GRAM_WARPS, PASS_WARPS))
     and only_intra (return the intra stage's outputs) are for tuning and timing. The intra-chunk stage
-    (`gate_cumsum`, `_gram_rows_kernel`, `_solve_full_kernel`) took 2.36 ms with the state pass at 8 x 4096 x 16 x
-    128 bf16 on the H200 (run9c; benchmarks/results/README.md). (Removed on 2026-12-01 as slower in every H200
+    (`gate_cumsum`, `_gram_rows_kernel`, `_solve_full_kernel`) took 2.31 ms with the state pass at 8 x 4096 x 16 x
+    128 bf16 on the H200 (run10d; benchmarks/results/README.md). (Removed on 2026-12-01 as slower in every H200
     run: the "split" family with an XLA cumsum and a 16 x 16-block solve, 4.44-8.01 ms, two single-program
     stages, "fused2" 7.15 ms and "fused" 9.40 ms; and, as redundant, "mm2", a 3-D form of the exact diagonal
     blocks.)
