@@ -148,6 +148,47 @@ def _assert_bf16_close(rule, inputs, chunk_size):
     assert all(errors[n] <= BF16_RMS[n] for n in want), errors
 
 
+@pytest.mark.parametrize("with_r", [False, True])
+def test_mosaic_solve_matches_the_triton_solve(with_r):
+    # `solve_mgpu.solve_mosaic` (Mosaic GPU wgmma kernel, run by its interpreter here) against `solve_full` on the
+    # same inputs: two chunks of 64, K = 32, V = 64, bf16; with_r: the backward's form (A the unscaled key Gram,
+    # R written).
+    from lineattn.ops.pallas import chunk_fwd, solve_mgpu
+    rng = np.random.default_rng(21)
+    B, Tp, H, K, V, C = 1, 128, 2, 32, 64, 64
+    k = rng.standard_normal((B, Tp, H, K))
+    k = jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((B, Tp, H, V)), jnp.bfloat16)
+    G, _ = chunk_fwd.gate_cumsum(-jnp.asarray(rng.uniform(0, 0.5, (B, Tp, H, K)), jnp.float32), C=C, K=K,
+                                 interpret=True)
+    beta = jnp.asarray(rng.uniform(0, 1, (B, Tp, H)), jnp.bfloat16)
+    kc = k.astype(jnp.float32).reshape(B, Tp // C, C, H, K)
+    KK = jnp.einsum("bnihk,bnjhk->bhnij", kc, kc) * np.tril(np.ones((C, C)), -1)
+    A = KK.reshape(B, H, Tp, C) * (1.0 if with_r else jnp.moveaxis(beta.astype(jnp.float32), 1, 2)[..., None])
+    kw = dict(C=C, store=jnp.bfloat16, with_r=with_r, kk=with_r)
+    want = chunk_fwd.solve_full(A, k, v, G, beta, prec="bf16", inv_prec="bf16x3", warps=4, interpret=True, **kw)
+    got = solve_mgpu.solve_mosaic(A, k, v, G, beta, interpret=True, **kw)
+    assert len(got) == len(want) == 2 + with_r
+    for name, x, y in zip("WUR", got, want):
+        # W, U: bf16 outputs (an ulp where the two roundings differ); R: fp32 from bf16x3 products
+        assert _rel_rms(x, y) <= (1e-5 if name == "R" else 1e-3), name
+    with pytest.raises(ValueError, match="bf16 k, v and store"):
+        solve_mgpu.solve_mosaic(A, k.astype(jnp.float32), v, G, beta, interpret=True, **kw)
+
+
+def test_pallas_with_the_mosaic_solve(monkeypatch):
+    # `chunk_fwd.SOLVE_IMPL = "mosaic"`: KDA in bf16 at chunk 64 (T = 80 ragged) through the Mosaic GPU solve,
+    # within FLA's bounds of the fp32 oracle, forward and every gradient.
+    from lineattn.ops.pallas import chunk_fwd
+    monkeypatch.setattr(chunk_fwd, "SOLVE_IMPL", "mosaic")
+    inputs = make_inputs("kda", B=1, **SMALL, seed=6)
+    x = {n: y.astype(jnp.bfloat16) if n in ("q", "k", "v", "beta") else y for n, y in inputs.items()}
+    jaxpr = str(jax.make_jaxpr(lambda q: ops.linear_attention("kda", q, x["k"], x["v"], x["g"], x["beta"],
+                                                              chunk_size=64, backend="pallas")[0])(x["q"]))
+    assert "lineattn_solve_mosaic" in jaxpr
+    _assert_bf16_close("kda", inputs, chunk_size=64)
+
+
 @pytest.mark.parametrize("rule", ["kda", "gdn", "gla"])
 def test_pallas_segmented_state_passes(rule, monkeypatch):
     # `chunk_bwd.SEGMENT_PASSES`: the backward's state passes in 4 segments of 2 chunks (T = 120 ragged, chunk 16),

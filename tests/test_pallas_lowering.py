@@ -82,3 +82,12 @@ def test_decode_kernel_lowers_for_sm90(fake_h200, v_fastest):
             S((B, T, H, K), jnp.float32), S((B, T, H), jnp.bfloat16), S((B, H, K, V), jnp.float32))
     step = lambda *a: decode_step(*a, output_states=True, interpret=False, v_fastest=v_fastest)
     assert "__gpu$xla.gpu.triton" in jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_mosaic_solve_lowers_for_sm90(fake_h200, monkeypatch):
+    # `chunk_fwd.SOLVE_IMPL = "mosaic"`: the solve as a Mosaic GPU kernel (wgmma) beside the Triton kernels.
+    from lineattn.ops.pallas import chunk_fwd
+    monkeypatch.setattr(chunk_fwd, "SOLVE_IMPL", "mosaic")
+    text = _lowered(100, jnp.bfloat16, "kernels-saved")
+    assert "lineattn_solve_mosaic" in text and "lineattn_chunk_solve_full" not in text
+    assert text.count("__gpu$xla.gpu.triton") == 3 + 7

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from lineattn.ops.pallas.common import SUB, compiler_params, dot, interpret_mode, is_pow2
+from lineattn.ops.pallas.solve_mgpu import solve_mosaic
 
 f32 = jnp.float32
 
@@ -265,6 +266,11 @@ SOLVE_PREC = "bf16x3"  # the doubling products' precision for bf16 inputs (read 
 # 3.3e-3 against 2.9e-3 (FLA's chunk_kda: 3.3e-3 in the same comparison, jla 4.0e-3), the gradients' at most
 # +4e-4; the Gram products in bf16 as well: Gram 0.90 ms against 0.97, o 4.0e-3 (not taken).
 GRAM_PREC, UW_PREC = "tf32", "bf16"
+# The solve's implementation for bf16 inputs: "triton" (`solve_full`) or "mosaic" (`solve_mgpu.solve_mosaic`: the
+# same algebra as Mosaic GPU wgmma kernels, Hopper only; prepared on the CPU, not yet timed on the H200). fp32
+# inputs, chunks other than 64 (wgmma takes 64 rows) and precisions other than SOLVE_PREC "bf16x3" with UW_PREC
+# "bf16" always take "triton".
+SOLVE_IMPL = "triton"
 # R = (I + A)^-1 for the unit lower triangular I + A of one chunk, in registers, from X_1 = I by
 # X_2b = X_b - X_b A_b X_b, A_b = A restricted to the blocks below the diagonal inside each diagonal block of 2b
 # (X_b is block diagonal with inverted diagonal blocks of size b): the recursive block inverse
@@ -337,9 +343,11 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     if not delta:
         return (qin, kg, None, None, m, dend) + ((None, None) if save else ())
     inv_prec = "ieee" if exact else SOLVE_PREC
-    out = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec if exact else UW_PREC, inv_prec=inv_prec,
-                     warps=SOLVE_WARPS,
-                     interpret=interpret, with_r=save, kk=save)
+    if SOLVE_IMPL == "mosaic" and not exact and C == 64 and (SOLVE_PREC, UW_PREC) == ("bf16x3", "bf16"):
+        out = solve_mosaic(A, k, v, G, beta, C=C, store=store, with_r=save, kk=save, interpret=interpret)
+    else:
+        out = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec if exact else UW_PREC, inv_prec=inv_prec,
+                         warps=SOLVE_WARPS, interpret=interpret, with_r=save, kk=save)
     if save:
         w, u, R = out
         return qin, kg, w, u, m, dend, A, R
@@ -391,7 +399,7 @@ def pick_block_v(programs: int, V: int) -> int:
 def _constants():
     """The values of the module constants the forward reads when traced."""
     return (GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES, GRAM_SCALAR_WARPS, SOLVE_PREC, GRAM_PREC,
-            UW_PREC, PASS_MIN_PROGRAMS)
+            UW_PREC, PASS_MIN_PROGRAMS, SOLVE_IMPL)
 
 
 def _retrace_on_constants(jitted):

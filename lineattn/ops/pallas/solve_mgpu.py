@@ -1,0 +1,138 @@
+"""The forward's solve stage as a Mosaic GPU kernel (wgmma on Hopper): an experimental alternative to
+`chunk_fwd.solve_full` (Triton), chosen by `chunk_fwd.SOLVE_IMPL = "mosaic"`.
+
+One CTA (one warpgroup) per (batch, head, chunk): A [C, C] (and the chunk's k, v, G, beta) come in by TMA; R =
+(I + A)^-1 by the same block doubling as `chunk_fwd._invert_unit_lower` (X_2b = X_b - X_b A_b X_b), each product
+on the tensor cores as three bf16 wgmmas (hi hi + hi lo + lo hi of the fp32 operands split into bf16 parts, as the
+Triton kernel's "bf16x3"); then U = R Diag(beta) V and W = R Diag(beta) (k e^G) as one bf16 wgmma each, written
+back by TMA. The register arrays live in the WGMMA accumulator layout; every product's operands go through
+swizzled SMEM. Without a GPU it runs in the Mosaic GPU interpreter (`plgpu.InterpretGPUParams`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+f32, bf16 = jnp.float32, jnp.bfloat16
+_WG = plgpu.Layout.WGMMA
+_ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout array
+
+
+def _smem(shape, dtype):
+    """SMEM tiled (8 rows) and swizzled for its minor dimension: the form wgmma operands and TMA copies take."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(shape[-1] * itemsize * 8)
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // itemsize)),
+                                                plgpu.SwizzleTransform(swizzle)))
+
+
+def _split(x):
+    """fp32 x as bf16 parts (hi, lo) with hi + lo = x to about 16 mantissa bits."""
+    hi = x.astype(bf16)
+    return hi, (x - hi.astype(f32)).astype(bf16)
+
+
+def _product(lhs, rhs, bufs):
+    """lhs @ rhs for fp32 register arrays [C, C] (WGMMA layout) on the tensor cores as three bf16 wgmmas (hi hi +
+    hi lo + lo hi). bufs: four [C, C] bf16 SMEM buffers for the parts."""
+    lhs_hi, lhs_lo, rhs_hi, rhs_lo = bufs
+    (a_hi, a_lo), (b_hi, b_lo) = _split(lhs), _split(rhs)
+    lhs_hi[...], lhs_lo[...], rhs_hi[...], rhs_lo[...] = a_hi, a_lo, b_hi, b_lo
+    pairs = ((lhs_hi, rhs_hi), (lhs_hi, rhs_lo), (lhs_lo, rhs_hi))
+    plgpu.commit_smem()
+
+    def scoped(acc):
+        for a, b in pairs:
+            plgpu.wgmma(acc, a, b)
+        plgpu.wgmma_wait(0)
+        return acc[...]
+
+    return pl.run_scoped(scoped, plgpu.ACC((lhs.shape[0], rhs.shape[1]), f32))
+
+
+def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpret: bool | None = None):
+    """`chunk_fwd.solve_full`'s outputs (W, U [B, H, Tp, .] in `store`, and R [B, H, Tp, C] fp32 when with_r) by
+    the Mosaic GPU kernel above; A [B, H, Tp, C] fp32 (kk: the unscaled key Gram, scaled by beta here), k [B, Tp,
+    H, K], v [B, Tp, H, V] (bf16), G [B, Tp, H, K] fp32, beta [B, Tp, H]. bf16 inputs only (fp32 inputs keep the
+    exact Triton solve). interpret: the Mosaic GPU interpreter (default: when no GPU is the default backend)."""
+    B, Tp, H, K = k.shape
+    V, N = v.shape[-1], Tp // C
+    if k.dtype != bf16 or v.dtype != bf16 or store != bf16:
+        raise ValueError(f"solve_mosaic takes bf16 k, v and store, got {k.dtype}, {v.dtype} and {store}")
+    beta_BHT = jnp.moveaxis(beta.astype(f32), 1, 2)  # [B, H, Tp]: each chunk's beta contiguous for its TMA copy
+
+    def body(a_g, k_g, v_g, G_g, b_g, w_g, u_g, *rest):
+        r_g = rest[0] if with_r else None
+        k_s, v_s, b_s, bar = rest[int(with_r):]
+        b, h, n = jax.lax.axis_index("b"), jax.lax.axis_index("h"), jax.lax.axis_index("n")
+        rows = pl.ds(n * C, C)
+        row_bcast = lambda D: jax.lax.broadcast_in_dim(plgpu.load(b_s, layout=_ROW), (C, D), [0])
+        load = lambda ref: plgpu.load(ref, layout=_WG, optimized=False)
+
+        def inputs(a_s, G_s):  # A into registers; k_s <- Diag(beta) k e^G, v_s <- Diag(beta) v (bf16)
+            copies = ((a_g.at[b, h, rows], a_s), (k_g.at[b, rows, h], k_s), (v_g.at[b, rows, h], v_s),
+                      (G_g.at[b, rows, h], G_s), (b_g.at[b, h, rows], b_s))
+            for src, dst in copies:
+                plgpu.copy_gmem_to_smem(src, dst, bar.at[0])
+            plgpu.barrier_wait(bar.at[0])
+            A_ = load(a_s)
+            k_s[...] = (row_bcast(K) * load(k_s).astype(f32) * jnp.exp(load(G_s))).astype(bf16)
+            v_s[...] = (row_bcast(V) * load(v_s).astype(f32)).astype(bf16)
+            return A_ * row_bcast(C) if kk else A_
+
+        A_ = pl.run_scoped(inputs, _smem((C, C), f32), _smem((C, K), f32))
+        i = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=_WG)
+        j = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=_WG)
+        zero = jnp.zeros((C, C), f32)
+
+        def solve(*sq):  # R by doubling, then W = R k_s, U = R v_s written back into k_s, v_s
+            X = jnp.where(i == j, 1.0, jnp.where(((i >> 1) == (j >> 1)) & (i != j), -A_, zero))
+            shift = 1
+            while (1 << shift) < C:  # X_2b = X_b - X_b A_b X_b (A_b: A inside the diagonal blocks of 2b, off b's)
+                A_b = jnp.where(((i >> (shift + 1)) == (j >> (shift + 1))) & ((i >> shift) != (j >> shift)), A_,
+                                zero)
+                P = _product(X, A_b, sq)
+                X = X - _product(P, X, sq)
+                shift += 1
+            sq[0][...] = X.astype(bf16)
+            plgpu.commit_smem()
+
+            def wu(acc_w, acc_u):
+                plgpu.wgmma(acc_w, sq[0], k_s)
+                plgpu.wgmma(acc_u, sq[0], v_s)
+                plgpu.wgmma_wait(0)
+                return acc_w[...], acc_u[...]
+
+            W, U = pl.run_scoped(wu, plgpu.ACC((C, K), f32), plgpu.ACC((C, V), f32))
+            k_s[...], v_s[...] = W.astype(bf16), U.astype(bf16)
+            return X
+
+        X = pl.run_scoped(solve, *[_smem((C, C), bf16) for _ in range(4)])
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_s, w_g.at[b, h, rows])
+        plgpu.copy_smem_to_gmem(v_s, u_g.at[b, h, rows])
+        if with_r:
+            def store_r(r_s):
+                r_s[...] = X
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(r_s, r_g.at[b, h, rows])
+                plgpu.wait_smem_to_gmem(0)
+
+            pl.run_scoped(store_r, _smem((C, C), f32))
+        plgpu.wait_smem_to_gmem(0)
+
+    # SMEM: the k and v tiles (reused for W and U) throughout, then in turn A and G (fp32) while the inputs are
+    # formed, the four bf16 operand buffers of the doubling, and R: 32 + 48 = 80 KB at C = 64, K = V = 128 (two
+    # CTAs per SM on the H200)
+    scratch = [_smem((C, K), bf16), _smem((C, V), bf16), plgpu.SMEM((C,), f32),
+               plgpu.Barrier(num_arrivals=5, num_barriers=1)]
+    out = [jax.ShapeDtypeStruct((B, H, Tp, K), bf16), jax.ShapeDtypeStruct((B, H, Tp, V), bf16)]
+    out += [jax.ShapeDtypeStruct((B, H, Tp, C), f32)] if with_r else []
+    on_cpu = jax.default_backend() != "gpu" if interpret is None else interpret
+    kernel = plgpu.kernel(body, out_type=out, scratch_types=scratch, grid=(B, H, N), grid_names=("b", "h", "n"),
+                          interpret=plgpu.InterpretGPUParams() if on_cpu else None,
+                          kernel_name="lineattn_solve_mosaic")
+    return kernel(A, k, v, G, beta_BHT)
