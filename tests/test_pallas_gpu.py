@@ -29,9 +29,9 @@ def _rel_rms(actual, expected):
 def _run(rule, x, backend, monkeypatch=None, variant=None):
     if variant is not None:  # None: the defaults; else (`pallas.api.BACKWARD`, {module constants to set}), e.g.
         from lineattn.ops.pallas import api as pallas_api  # ("kernels-saved", {"api.SCALAR_GATE": True})
-        from lineattn.ops.pallas import chunk_bwd, chunk_fwd
+        from lineattn.ops.pallas import chunk_bwd, chunk_fwd, solve_mgpu
         monkeypatch.setattr(pallas_api, "BACKWARD", variant[0])
-        modules = {"chunk_fwd": chunk_fwd, "chunk_bwd": chunk_bwd, "api": pallas_api}
+        modules = {"chunk_fwd": chunk_fwd, "chunk_bwd": chunk_bwd, "api": pallas_api, "solve_mgpu": solve_mgpu}
         for name, value in variant[1].items():
             module, attr = name.split(".")
             monkeypatch.setattr(modules[module], attr, value)
@@ -63,6 +63,7 @@ VARIANTS = [("kda", None), ("gdn", None), ("deltanet", None), ("gla", None), ("k
             ("kda", ("kernels-mml2", {})), ("gdn", ("kernels-mml2", {})), ("gdn", ("kernels-saved", BROADCAST)),
             ("kda", ("kernels-saved", {"chunk_bwd.COT_DTYPE": "float32"})),
             ("kda", ("kernels-saved", {"chunk_fwd.SOLVE_IMPL": "mosaic"})),  # not yet run on the H200
+            ("kda", ("kernels-saved", {"chunk_fwd.SOLVE_IMPL": "mosaic", "solve_mgpu.LHS_REGS": True})),
             ("kda", ("kernels-saved", {"chunk_bwd.SEGMENT_PASSES": False})),  # the defaults: 32 segments of 8 chunks
             ("gdn", ("kernels-saved", {"chunk_bwd.SEGMENT_PASSES": False}))]
 

@@ -84,10 +84,13 @@ def test_decode_kernel_lowers_for_sm90(fake_h200, v_fastest):
     assert "__gpu$xla.gpu.triton" in jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_mosaic_solve_lowers_for_sm90(fake_h200, monkeypatch):
-    # `chunk_fwd.SOLVE_IMPL = "mosaic"`: the solve as a Mosaic GPU kernel (wgmma) beside the Triton kernels.
-    from lineattn.ops.pallas import chunk_fwd
+@pytest.mark.parametrize("lhs_regs", [False, True])
+def test_mosaic_solve_lowers_for_sm90(fake_h200, monkeypatch, lhs_regs):
+    # `chunk_fwd.SOLVE_IMPL = "mosaic"`: the solve as a Mosaic GPU kernel (wgmma) beside the Triton kernels, its
+    # left operands from SMEM or (`solve_mgpu.LHS_REGS`, a path the CPU interpreter cannot run) from registers.
+    from lineattn.ops.pallas import chunk_fwd, solve_mgpu
     monkeypatch.setattr(chunk_fwd, "SOLVE_IMPL", "mosaic")
+    monkeypatch.setattr(solve_mgpu, "LHS_REGS", lhs_regs)
     text = _lowered(100, jnp.bfloat16, "kernels-saved")
     assert "lineattn_solve_mosaic" in text and "lineattn_chunk_solve_full" not in text
     assert text.count("__gpu$xla.gpu.triton") == 3 + 7

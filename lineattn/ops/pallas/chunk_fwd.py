@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from lineattn.ops.pallas.common import SUB, compiler_params, dot, interpret_mode, is_pow2
-from lineattn.ops.pallas.solve_mgpu import solve_mosaic
+from lineattn.ops.pallas import solve_mgpu
 
 f32 = jnp.float32
 
@@ -344,7 +344,7 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
         return (qin, kg, None, None, m, dend) + ((None, None) if save else ())
     inv_prec = "ieee" if exact else SOLVE_PREC
     if SOLVE_IMPL == "mosaic" and not exact and C == 64 and (SOLVE_PREC, UW_PREC) == ("bf16x3", "bf16"):
-        out = solve_mosaic(A, k, v, G, beta, C=C, store=store, with_r=save, kk=save, interpret=interpret)
+        out = solve_mgpu.solve_mosaic(A, k, v, G, beta, C=C, store=store, with_r=save, kk=save, interpret=interpret)
     else:
         out = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec if exact else UW_PREC, inv_prec=inv_prec,
                          warps=SOLVE_WARPS, interpret=interpret, with_r=save, kk=save)
@@ -399,7 +399,7 @@ def pick_block_v(programs: int, V: int) -> int:
 def _constants():
     """The values of the module constants the forward reads when traced."""
     return (GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES, GRAM_SCALAR_WARPS, SOLVE_PREC, GRAM_PREC,
-            UW_PREC, PASS_MIN_PROGRAMS, SOLVE_IMPL)
+            UW_PREC, PASS_MIN_PROGRAMS, SOLVE_IMPL, solve_mgpu.LHS_REGS)
 
 
 def _retrace_on_constants(jitted):

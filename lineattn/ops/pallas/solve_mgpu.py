@@ -35,17 +35,27 @@ def _split(x):
     return hi, (x - hi.astype(f32)).astype(bf16)
 
 
-def _product(lhs, rhs, bufs):
+# LHS_REGS: the left operands of the wgmmas (X's bf16 parts) straight from registers instead of SMEM (fewer SMEM
+# stores, 16 KB less SMEM); the Mosaic GPU interpreter takes SMEM operands only, so on the CPU they are staged
+# through SMEM either way (read when a call is traced; not yet timed).
+LHS_REGS = False
+
+
+def _product(lhs, rhs, bufs, regs: bool):
     """lhs @ rhs for fp32 register arrays [C, C] (WGMMA layout) on the tensor cores as three bf16 wgmmas (hi hi +
-    hi lo + lo hi). bufs: four [C, C] bf16 SMEM buffers for the parts."""
-    lhs_hi, lhs_lo, rhs_hi, rhs_lo = bufs
+    hi lo + lo hi). bufs: [C, C] bf16 SMEM buffers for the parts: (rhs_hi, rhs_lo) with regs (the lhs parts from
+    registers), else (lhs_hi, lhs_lo, rhs_hi, rhs_lo)."""
     (a_hi, a_lo), (b_hi, b_lo) = _split(lhs), _split(rhs)
-    lhs_hi[...], lhs_lo[...], rhs_hi[...], rhs_lo[...] = a_hi, a_lo, b_hi, b_lo
-    pairs = ((lhs_hi, rhs_hi), (lhs_hi, rhs_lo), (lhs_lo, rhs_hi))
+    bufs[-2][...], bufs[-1][...] = b_hi, b_lo
+    if regs:
+        a_hi_op, a_lo_op = a_hi, a_lo
+    else:
+        bufs[0][...], bufs[1][...] = a_hi, a_lo
+        a_hi_op, a_lo_op = bufs[0], bufs[1]
     plgpu.commit_smem()
 
     def scoped(acc):
-        for a, b in pairs:
+        for a, b in ((a_hi_op, bufs[-2]), (a_hi_op, bufs[-1]), (a_lo_op, bufs[-2])):
             plgpu.wgmma(acc, a, b)
         plgpu.wgmma_wait(0)
         return acc[...]
@@ -94,15 +104,19 @@ def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpre
             while (1 << shift) < C:  # X_2b = X_b - X_b A_b X_b (A_b: A inside the diagonal blocks of 2b, off b's)
                 A_b = jnp.where(((i >> (shift + 1)) == (j >> (shift + 1))) & ((i >> shift) != (j >> shift)), A_,
                                 zero)
-                P = _product(X, A_b, sq)
-                X = X - _product(P, X, sq)
+                P = _product(X, A_b, sq, regs)
+                X = X - _product(P, X, sq, regs)
                 shift += 1
-            sq[0][...] = X.astype(bf16)
+            if regs:
+                x_op = X.astype(bf16)
+            else:
+                sq[0][...] = X.astype(bf16)
+                x_op = sq[0]
             plgpu.commit_smem()
 
             def wu(acc_w, acc_u):
-                plgpu.wgmma(acc_w, sq[0], k_s)
-                plgpu.wgmma(acc_u, sq[0], v_s)
+                plgpu.wgmma(acc_w, x_op, k_s)
+                plgpu.wgmma(acc_u, x_op, v_s)
                 plgpu.wgmma_wait(0)
                 return acc_w[...], acc_u[...]
 
@@ -110,7 +124,7 @@ def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpre
             k_s[...], v_s[...] = W.astype(bf16), U.astype(bf16)
             return X
 
-        X = pl.run_scoped(solve, *[_smem((C, C), bf16) for _ in range(4)])
+        X = pl.run_scoped(solve, *[_smem((C, C), bf16) for _ in range(2 if regs else 4)])
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(k_s, w_g.at[b, h, rows])
         plgpu.copy_smem_to_gmem(v_s, u_g.at[b, h, rows])
@@ -125,13 +139,14 @@ def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpre
         plgpu.wait_smem_to_gmem(0)
 
     # SMEM: the k and v tiles (reused for W and U) throughout, then in turn A and G (fp32) while the inputs are
-    # formed, the four bf16 operand buffers of the doubling, and R: 32 + 48 = 80 KB at C = 64, K = V = 128 (two
-    # CTAs per SM on the H200)
+    # formed, the four (LHS_REGS: two) bf16 operand buffers of the doubling, and R: 32 + 48 = 80 KB at C = 64,
+    # K = V = 128 (two CTAs per SM on the H200)
     scratch = [_smem((C, K), bf16), _smem((C, V), bf16), plgpu.SMEM((C,), f32),
                plgpu.Barrier(num_arrivals=5, num_barriers=1)]
     out = [jax.ShapeDtypeStruct((B, H, Tp, K), bf16), jax.ShapeDtypeStruct((B, H, Tp, V), bf16)]
     out += [jax.ShapeDtypeStruct((B, H, Tp, C), f32)] if with_r else []
     on_cpu = jax.default_backend() != "gpu" if interpret is None else interpret
+    regs = LHS_REGS and not on_cpu
     kernel = plgpu.kernel(body, out_type=out, scratch_types=scratch, grid=(B, H, N), grid_names=("b", "h", "n"),
                           interpret=plgpu.InterpretGPUParams() if on_cpu else None,
                           kernel_name="lineattn_solve_mosaic")
