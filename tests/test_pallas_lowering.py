@@ -94,3 +94,13 @@ def test_mosaic_solve_lowers_for_sm90(fake_h200, monkeypatch, lhs_regs):
     text = _lowered(100, jnp.bfloat16, "kernels-saved")
     assert "lineattn_solve_mosaic" in text and "lineattn_chunk_solve_full" not in text
     assert text.count("__gpu$xla.gpu.triton") == 3 + 7
+
+
+def test_mosaic_gram_lowers_for_sm90(fake_h200, monkeypatch):
+    # `chunk_fwd.GRAM_IMPL = "mosaic"`: the Gram stage as a Mosaic GPU kernel, then the Triton fix-up kernel for
+    # the chunks beyond LIMIT (the cumsum kernel also writes the block spreads).
+    from lineattn.ops.pallas import chunk_fwd
+    monkeypatch.setattr(chunk_fwd, "GRAM_IMPL", "mosaic")
+    text = _lowered(100, jnp.bfloat16, "kernels-saved")
+    assert "lineattn_gram_mosaic" in text and "lineattn_chunk_gram_exact" in text
+    assert "lineattn_chunk_gram\"" not in text and text.count("__gpu$xla.gpu.triton") == 4 + 7

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from lineattn.ops.pallas.common import SUB, compiler_params, dot, interpret_mode, is_pow2
-from lineattn.ops.pallas import solve_mgpu
+from lineattn.ops.pallas import gram_mgpu, solve_mgpu
 
 f32 = jnp.float32
 
@@ -73,9 +73,9 @@ def _gram_block_spread(G_ref, r0, K, bk):
     return spread
 
 
-def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delta, bk):
-    """[16, C] rows of (scale q) and k against all keys, factored through the reference row ref_row (q_ref: the
-    block's 16 queries)."""
+def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delta, bk, q0=0):
+    """[16, C] rows of (scale q) and k against all keys, factored through the reference row ref_row (the block's
+    queries at rows q0.. of q_ref: 0 for a 16-row block, r0 for a whole chunk)."""
     s, C, K = SUB, k_ref.shape[0], k_ref.shape[-1]
     blk = pl.ds(r0, s)
     Mx, Ax = jnp.zeros((s, C), f32), jnp.zeros((s, C), f32)
@@ -84,25 +84,25 @@ def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delt
         Gr = G_ref[pl.ds(ref_row, 1), d]
         xr = jnp.exp(G_ref[blk, d] - Gr)
         kc = k_ref[:, d].astype(f32) * jnp.exp(jnp.minimum(Gr - G_ref[:, d], limit))
-        Mx = Mx + dot(q_ref[:, d].astype(f32) * (scale * xr), kc, prec, trans_b=True)
+        Mx = Mx + dot(q_ref[pl.ds(q0, s), d].astype(f32) * (scale * xr), kc, prec, trans_b=True)
         if delta:
             Ax = Ax + dot(k_ref[blk, d].astype(f32) * xr, kc, prec, trans_b=True)
     return Mx, Ax
 
 
-def _gram_exact(q_ref, k_ref, G_ref, r0, *, scale, prec, delta, bk):
+def _gram_exact(q_ref, k_ref, G_ref, r0, *, scale, prec, delta, bk, q0=0):
     """The exact path: off-diagonal columns through the block's first row, the diagonal block by a 16-step column
     loop on [16, bk] tiles (few registers)."""
     s, C, K = SUB, k_ref.shape[0], k_ref.shape[-1]
     blk = pl.ds(r0, s)
     cols = _iota((s, C), 1)
-    Mx, Ax = _gram_products(q_ref, k_ref, G_ref, r0, r0, 0.0, scale=scale, prec=prec, delta=delta, bk=bk)
+    Mx, Ax = _gram_products(q_ref, k_ref, G_ref, r0, r0, 0.0, scale=scale, prec=prec, delta=delta, bk=bk, q0=q0)
     Mx, Ax = jnp.where(cols < r0, Mx, 0.0), jnp.where(cols < r0, Ax, 0.0)
     rows_s1 = _iota((s, 1), 0)
     for t in range(K // bk):
         d = pl.ds(t * bk, bk)
         Ga = G_ref[blk, d]
-        qa, ka = q_ref[:, d].astype(f32) * scale, k_ref[blk, d].astype(f32)
+        qa, ka = q_ref[pl.ds(q0, s), d].astype(f32) * scale, k_ref[blk, d].astype(f32)
 
         def column(j, acc, Ga=Ga, qa=qa, ka=ka, d=d):
             row = pl.ds(r0 + j, 1)
@@ -116,12 +116,14 @@ def _gram_exact(q_ref, k_ref, G_ref, r0, *, scale, prec, delta, bk):
     return Mx, Ax
 
 
-def _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta):
-    """The block's rows of M (j <= i) and A (j < i, times beta_i), from its products Mx, Ax [16, C]."""
+def _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, o0=0):
+    """The block's rows of M (j <= i) and A (j < i, times beta_i), from its products Mx, Ax [16, C], into rows
+    o0.. of m_ref, a_ref (beta_ref's rows o0..)."""
     rows, cols = _iota(Mx.shape, 0) + r0, _iota(Mx.shape, 1)
-    m_ref[...] = jnp.where(cols <= rows, Mx, 0.0).astype(m_ref.dtype)
+    out = pl.ds(o0, SUB)
+    m_ref[out, :] = jnp.where(cols <= rows, Mx, 0.0).astype(m_ref.dtype)
     if delta:
-        a_ref[...] = jnp.where(cols < rows, beta_ref[...].astype(f32)[:, None] * Ax, 0.0)
+        a_ref[out, :] = jnp.where(cols < rows, beta_ref[out].astype(f32)[:, None] * Ax, 0.0)
 
 
 def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta, bk):
@@ -166,6 +168,45 @@ def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, 
         interpret=interpret,
         name="lineattn_chunk_gram",
     )(q, k, G, beta)
+
+
+def _gram_exact_chunk_kernel(flag_ref, q_ref, k_ref, G_ref, beta_ref, m_in_ref, a_in_ref, m_ref, a_ref, *, C,
+                             scale, prec, bk):
+    """One chunk: when flagged, rewrites all of M's and A's rows by the exact path (in place: m_in, a_in alias m,
+    a); the other programs read their flag only."""
+    del m_in_ref, a_in_ref
+
+    @pl.when(jnp.max(flag_ref[...]) > 0.0)
+    def _():
+        def block(a, carry):
+            r0 = a * SUB
+            Mx, Ax = _gram_exact(q_ref, k_ref, G_ref, r0, scale=scale, prec=prec, delta=True, bk=bk, q0=r0)
+            _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, True, o0=r0)
+            return carry
+
+        jax.lax.fori_loop(0, C // SUB, block, 0)
+
+
+def gram_exact_chunks(spreads, q, k, G, beta, m, A, *, C, scale, interpret, bk=64):
+    """M, A [B, H, Tp, C] with the chunks that hold a 16-row block of spread > LIMIT (from `gate_cumsum`'s
+    spreads [B, H, N, K tiles, C / 16]) recomputed exactly (`_gram_exact`), for a fast path that has no exact
+    path of its own (`gram_mgpu.gram_mosaic`); q, k, G [B, Tp, H, K], beta [B, Tp, H]."""
+    B, Tp, H, K = q.shape
+    nb = C // SUB
+    flags = jnp.broadcast_to((jnp.max(spreads, axis=(3, 4)) > LIMIT).astype(f32)[..., None],
+                             spreads.shape[:3] + (nb,))
+    tok = pl.BlockSpec((None, C, None, K), lambda b, h, n: (b, n, h, 0))
+    mat = pl.BlockSpec((None, None, C, C), lambda b, h, n: (b, h, n, 0))
+    return pl.pallas_call(
+        functools.partial(_gram_exact_chunk_kernel, C=C, scale=scale, prec=GRAM_PREC, bk=min(bk, K)),
+        grid=(B, H, Tp // C),
+        in_specs=[pl.BlockSpec((None, None, None, nb), lambda b, h, n: (b, h, n, 0)), tok, tok, tok,
+                  pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h)), mat, mat],
+        out_specs=[mat, mat],
+        out_shape=[jax.ShapeDtypeStruct(m.shape, m.dtype), jax.ShapeDtypeStruct(A.shape, A.dtype)],
+        input_output_aliases={5: 0, 6: 1}, compiler_params=compiler_params(num_warps=GRAM_WARPS, num_stages=1),
+        interpret=interpret, name="lineattn_chunk_gram_exact",
+    )(flags, q, k, G, beta, m, A)
 
 
 # ---- The Gram matrices for a gate equal across K (GDN, DeltaNet: the `scalar` path) ----
@@ -227,31 +268,43 @@ def gram_scalar(q, k, g, beta, *, C, scale, store, exact, delta, interpret, a_dt
 # ---- Gate cumsum as a kernel (XLA's cumsum over the chunk axis took 0.6 ms at 8 x 4096 x 16 x 128) ----
 
 
-def _cumsum_kernel(g_ref, G_ref, dend_ref):
+def _cumsum_kernel(g_ref, G_ref, dend_ref, *spread_ref):
     g = g_ref[...].astype(f32)
     if g.ndim == 1:  # a gate equal across K: one cumsum, broadcast over the K tile
         G_ref[...] = jnp.broadcast_to(jnp.cumsum(g)[:, None], G_ref.shape)
         dend_ref[...] = jnp.broadcast_to(jnp.exp(jnp.sum(g)), dend_ref.shape)
-    else:
-        G_ref[...] = jnp.cumsum(g, axis=0)
-        dend_ref[...] = jnp.exp(jnp.sum(g, axis=0))
+        return
+    G = jnp.cumsum(g, axis=0)
+    G_ref[...] = G
+    dend_ref[...] = jnp.exp(jnp.sum(g, axis=0))
+    if spread_ref:  # each 16-row block's max |G - G_r| over this K tile (r: the block's middle row)
+        rows, nb = _iota(G.shape, 0), G.shape[0] // SUB
+        spreads = jnp.zeros((nb,), f32)
+        for a in range(nb):
+            mid = jnp.sum(jnp.where(rows == a * SUB + SUB // 2, G, 0.0), axis=0, keepdims=True)
+            spread = jnp.max(jnp.where(rows // SUB == a, jnp.abs(G - mid), 0.0))
+            spreads = jnp.where(_iota((nb,), 0) == a, spread, spreads)
+        spread_ref[0][...] = spreads
 
 
-def gate_cumsum(g, *, C, K, interpret):
+def gate_cumsum(g, *, C, K, interpret, spreads=False):
     """G [B, Tp, H, K] fp32 (cumsum of g within each chunk of C) and e^(G_C) [B, H, K, N], from g [B, Tp, H, K]
-    or [B, Tp, H] (a gate equal across K, broadcast here)."""
+    or [B, Tp, H] (a gate equal across K, broadcast here). spreads (a per-channel g): also every 16-row block's
+    max |G - G_r| (r its middle row) per K tile of 64, [B, H, N, K / 64, C / 16]."""
     B, Tp, H = g.shape[:3]
     N = Tp // C
     bk = min(K, 64)
     g_spec = (pl.BlockSpec((None, C, None, bk), lambda b, h, n, t: (b, n, h, t)) if g.ndim == 4
               else pl.BlockSpec((None, C, None), lambda b, h, n, t: (b, n, h)))
+    spread = ([pl.BlockSpec((None, None, None, None, C // SUB), lambda b, h, n, t: (b, h, n, t, 0))],
+              [jax.ShapeDtypeStruct((B, H, N, K // bk, C // SUB), f32)]) if spreads else ([], [])
     return pl.pallas_call(
         _cumsum_kernel,
         grid=(B, H, N, K // bk),
         in_specs=[g_spec],
         out_specs=[pl.BlockSpec((None, C, None, bk), lambda b, h, n, t: (b, n, h, t)),
-                   pl.BlockSpec((None, None, bk, None), lambda b, h, n, t: (b, h, t, n))],
-        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), f32), jax.ShapeDtypeStruct((B, H, K, N), f32)],
+                   pl.BlockSpec((None, None, bk, None), lambda b, h, n, t: (b, h, t, n))] + spread[0],
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), f32), jax.ShapeDtypeStruct((B, H, K, N), f32)] + spread[1],
         compiler_params=compiler_params(num_warps=4, num_stages=1),
         interpret=interpret,
         name="lineattn_chunk_cumsum",
@@ -271,6 +324,10 @@ GRAM_PREC, UW_PREC = "tf32", "bf16"
 # inputs, chunks other than 64 (wgmma takes 64 rows) and precisions other than SOLVE_PREC "bf16x3" with UW_PREC
 # "bf16" always take "triton".
 SOLVE_IMPL = "triton"
+# The Gram stage's implementation for a per-channel gate and bf16 inputs at chunk 64 with the delta write:
+# "triton" (`gram_rows`) or "mosaic" (`gram_mgpu.gram_mosaic`, wgmma on bf16 operands, reference points per
+# 16-column block, then `gram_exact_chunks` for the chunks beyond LIMIT; prepared on the CPU, not yet timed).
+GRAM_IMPL = "triton"
 # R = (I + A)^-1 for the unit lower triangular I + A of one chunk, in registers, from X_1 = I by
 # X_2b = X_b - X_b A_b X_b, A_b = A restricted to the blocks below the diagonal inside each diagonal block of 2b
 # (X_b is block diagonal with inverted diagonal blocks of size b): the recursive block inverse
@@ -330,10 +387,15 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     Gram rows (or `gram_scalar`) and the whole-chunk solve. save: also the unscaled key Gram KK and
     R = (I + A)^-1 (fp32 [B, H, Tp, C]) for the backward: the Gram kernel then writes KK and the solve scales it
     by beta."""
-    G, dend = gate_cumsum(g, C=C, K=q.shape[-1], interpret=interpret)
-    gram_beta = jnp.ones_like(beta) if save else beta
+    K = q.shape[-1]
     exact = prec == "ieee"
-    if scalar:
+    mosaic_gram = GRAM_IMPL == "mosaic" and not (scalar or exact) and delta and C == 64 and K % 64 == 0
+    G, dend, *spreads = gate_cumsum(g, C=C, K=K, interpret=interpret, spreads=mosaic_gram)
+    gram_beta = jnp.ones_like(beta) if save else beta
+    if mosaic_gram:
+        m, A, qin, kg = gram_mgpu.gram_mosaic(q, k, G, gram_beta, C=C, scale=scale, interpret=interpret)
+        m, A = gram_exact_chunks(spreads[0], q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret)
+    elif scalar:
         m, A, qin, kg = gram_scalar(q, k, g, gram_beta, C=C, scale=scale, store=store, exact=exact,
                                     delta=delta, interpret=interpret)
     else:
@@ -399,7 +461,7 @@ def pick_block_v(programs: int, V: int) -> int:
 def _constants():
     """The values of the module constants the forward reads when traced."""
     return (GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES, GRAM_SCALAR_WARPS, SOLVE_PREC, GRAM_PREC,
-            UW_PREC, PASS_MIN_PROGRAMS, SOLVE_IMPL, solve_mgpu.LHS_REGS)
+            UW_PREC, PASS_MIN_PROGRAMS, SOLVE_IMPL, solve_mgpu.LHS_REGS, GRAM_IMPL)
 
 
 def _retrace_on_constants(jitted):
