@@ -15,7 +15,8 @@
 #   The Mosaic GPU kernels (prepared on the CPU in session 8, not yet run on a GPU): their GPU tests, then a profile
 #     TEST_TIMEOUT=300 TESTS_K="mosaic or (long_bf16 and (IMPL or kda-default))" SKIP_BENCH=1 bash ...; PROFILE=1
 #     SKIP_TESTS=1 PROFILE_ARGS='--impls lineattn --iters 3 --check --configs default;chunk_fwd.SOLVE_IMPL=mosaic;
-#     chunk_fwd.SOLVE_IMPL=mosaic+solve_mgpu.LHS_REGS=1;chunk_fwd.GRAM_IMPL=mosaic' bash benchmarks/h200_issue2.sh
+#     chunk_fwd.SOLVE_IMPL=mosaic+solve_mgpu.LHS_REGS=1;chunk_fwd.GRAM_IMPL=mosaic;chunk_fwd.GRAM_IMPL=triton-fast'
+#     bash benchmarks/h200_issue2.sh   (TESTS_K also "fast_triton" for the triton-fast Gram)
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
 #   --rule gdn for Gated DeltaNet, e.g. PROFILE_ARGS='--rule gdn --check --configs default;api.SCALAR_GATE=1')

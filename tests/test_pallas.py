@@ -199,7 +199,7 @@ def test_mosaic_gram_matches_the_exact_gram(cut):
     want = chunk_fwd.gram_rows(q, k, G, beta, C=C, scale=scale, store=jnp.float32, prec="ieee", delta=True, warps=2,
                                interpret=True)
     m, A, qin, kg = gram_mgpu.gram_mosaic(q, k, G, beta, C=C, scale=scale)  # compiled on a GPU
-    m, A = chunk_fwd.gram_exact_chunks(spreads, q, k, G, beta, m, A, C=C, scale=scale, interpret=True)
+    m, A = chunk_fwd.gram_exact_chunks(spreads, q, k, G, beta, m, A, C=C, scale=scale, interpret=True, prec="ieee")
     assert m.dtype == qin.dtype == kg.dtype == jnp.bfloat16 and A.dtype == jnp.float32
     for name, x, y, tol in zip(("M", "A", "Qin", "Kg"), (m, A, qin, kg), want, (5e-3, 5e-3, 4e-3, 4e-3)):
         assert _rel_rms(x, y) <= tol, name
@@ -226,6 +226,19 @@ def test_pallas_with_the_mosaic_gram_and_solve(cut, monkeypatch):
     assert all(name in jaxpr for name in ("lineattn_gram_mosaic", "lineattn_chunk_gram_exact",
                                           "lineattn_solve_mosaic"))
     _assert_bf16_close("kda", inputs, chunk_size=64)
+
+
+@pytest.mark.parametrize("gate", ["lower_bound", "cut"])
+def test_pallas_with_the_fast_triton_gram(gate, monkeypatch):
+    # `chunk_fwd.GRAM_IMPL = "triton-fast"`: the Gram kernel's fast path alone, then `gram_exact_chunks` for the
+    # chunks that the gate-cumsum kernel flags (fp32, gates at -5 per token or -1000 cuts, against the oracle).
+    from lineattn.ops.pallas import chunk_fwd
+    monkeypatch.setattr(chunk_fwd, "GRAM_IMPL", "triton-fast")
+    test_pallas_gate_extremes(gate, "kernels-saved", monkeypatch)
+    x = make_inputs("kda", B=1, **SMALL, seed=5)
+    jaxpr = str(jax.make_jaxpr(lambda q: ops.linear_attention("kda", q, x["k"], x["v"], x["g"], x["beta"],
+                                                              backend="pallas")[0])(x["q"]))
+    assert "lineattn_chunk_gram_exact" in jaxpr
 
 
 def test_pallas_with_the_mosaic_solve(monkeypatch):

@@ -65,6 +65,7 @@ VARIANTS = [("kda", None), ("gdn", None), ("deltanet", None), ("gla", None), ("k
             ("kda", ("kernels-saved", {"chunk_fwd.SOLVE_IMPL": "mosaic"})),  # not yet run on the H200
             ("kda", ("kernels-saved", {"chunk_fwd.SOLVE_IMPL": "mosaic", "solve_mgpu.LHS_REGS": True})),
             ("kda", ("kernels-saved", {"chunk_fwd.GRAM_IMPL": "mosaic"})),  # not yet run on the H200
+            ("kda", ("kernels-saved", {"chunk_fwd.GRAM_IMPL": "triton-fast"})),  # not yet run on the H200
             ("kda", ("kernels-saved", {"chunk_bwd.SEGMENT_PASSES": False})),  # the defaults: 32 segments of 8 chunks
             ("gdn", ("kernels-saved", {"chunk_bwd.SEGMENT_PASSES": False}))]
 

@@ -104,3 +104,11 @@ def test_mosaic_gram_lowers_for_sm90(fake_h200, monkeypatch):
     text = _lowered(100, jnp.bfloat16, "kernels-saved")
     assert "lineattn_gram_mosaic" in text and "lineattn_chunk_gram_exact" in text
     assert "lineattn_chunk_gram\"" not in text and text.count("__gpu$xla.gpu.triton") == 4 + 7
+
+
+def test_fast_triton_gram_lowers_for_sm90(fake_h200, monkeypatch):
+    # `chunk_fwd.GRAM_IMPL = "triton-fast"`: the Gram kernel without its exact path, then the per-chunk fix-up.
+    from lineattn.ops.pallas import chunk_fwd
+    monkeypatch.setattr(chunk_fwd, "GRAM_IMPL", "triton-fast")
+    text = _lowered(100, jnp.bfloat16, "kernels-saved")
+    assert "lineattn_chunk_gram_exact" in text and text.count("__gpu$xla.gpu.triton") == 5 + 7

@@ -126,8 +126,10 @@ def _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, o0=0):
         a_ref[out, :] = jnp.where(cols < rows, beta_ref[out].astype(f32)[:, None] * Ax, 0.0)
 
 
-def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta, bk):
-    """One 16-row block: Qin, Kg and the rows of M and A, the exact path taken by a block-uniform `lax.cond`."""
+def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta, bk,
+                      fast_only=False):
+    """One 16-row block: Qin, Kg and the rows of M and A, the exact path taken by a block-uniform `lax.cond` (or
+    left to `gram_exact_chunks`: fast_only)."""
     s = SUB
     r0 = (pl.program_id(2) % (C // s)) * s
     K = k_ref.shape[-1]
@@ -138,9 +140,12 @@ def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_r
         qin_ref[:, d] = (q_ref[:, d].astype(f32) * scale * jnp.exp(Ga)).astype(qin_ref.dtype)
         kg_ref[:, d] = (k_ref[blk, d].astype(f32) * jnp.exp(G_ref[pl.ds(C - 1, 1), d] - Ga)).astype(kg_ref.dtype)
     kw = dict(scale=scale, prec=prec, delta=delta, bk=bk)
-    Mx, Ax = jax.lax.cond(_gram_block_spread(G_ref, r0, K, bk) <= LIMIT,
-                          lambda: _gram_products(q_ref, k_ref, G_ref, r0, r0 + s // 2, LIMIT, **kw),
-                          lambda: _gram_exact(q_ref, k_ref, G_ref, r0, **kw))
+    fast = lambda: _gram_products(q_ref, k_ref, G_ref, r0, r0 + s // 2, LIMIT, **kw)
+    if fast_only:
+        Mx, Ax = fast()
+    else:
+        Mx, Ax = jax.lax.cond(_gram_block_spread(G_ref, r0, K, bk) <= LIMIT, fast,
+                              lambda: _gram_exact(q_ref, k_ref, G_ref, r0, **kw))
     _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta)
 
 
@@ -150,16 +155,19 @@ def _gram_outputs(B, H, Tp, C, K, store, a_dtype):
     return [mat(C, store), mat(C, a_dtype), mat(K, store), mat(K, store)]
 
 
-def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, a_dtype=f32, bk=64):
+def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, a_dtype=f32, bk=64,
+              fast_only=False):
     """M, A (= Diag(beta) KK, strictly lower), Qin, Kg as [B, H, Tp, .] from q, k [B, Tp, H, K], the in-chunk
-    cumsum G (fp32) and beta [B, Tp, H] (see `_gram_rows_kernel`)."""
+    cumsum G (fp32) and beta [B, Tp, H] (see `_gram_rows_kernel`; fast_only: without the exact path, for
+    `gram_exact_chunks` to complete)."""
     B, Tp, H, K = q.shape
     N, nb = Tp // C, C // SUB
     sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i, h, 0))
     whole = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
     row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, i, 0))
     return pl.pallas_call(
-        functools.partial(_gram_rows_kernel, C=C, scale=scale, prec=prec, delta=delta, bk=min(bk, K)),
+        functools.partial(_gram_rows_kernel, C=C, scale=scale, prec=prec, delta=delta, bk=min(bk, K),
+                          fast_only=fast_only),
         grid=(B, H, N * nb),
         in_specs=[sub(K), whole(K), whole(K), pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i, h))],
         out_specs=[row_out(C), row_out(C), row_out(K), row_out(K)],
@@ -187,7 +195,7 @@ def _gram_exact_chunk_kernel(flag_ref, q_ref, k_ref, G_ref, beta_ref, m_in_ref, 
         jax.lax.fori_loop(0, C // SUB, block, 0)
 
 
-def gram_exact_chunks(spreads, q, k, G, beta, m, A, *, C, scale, interpret, bk=64):
+def gram_exact_chunks(spreads, q, k, G, beta, m, A, *, C, scale, interpret, prec, bk=64):
     """M, A [B, H, Tp, C] with the chunks that hold a 16-row block of spread > LIMIT (from `gate_cumsum`'s
     spreads [B, H, N, K tiles, C / 16]) recomputed exactly (`_gram_exact`), for a fast path that has no exact
     path of its own (`gram_mgpu.gram_mosaic`); q, k, G [B, Tp, H, K], beta [B, Tp, H]."""
@@ -198,7 +206,7 @@ def gram_exact_chunks(spreads, q, k, G, beta, m, A, *, C, scale, interpret, bk=6
     tok = pl.BlockSpec((None, C, None, K), lambda b, h, n: (b, n, h, 0))
     mat = pl.BlockSpec((None, None, C, C), lambda b, h, n: (b, h, n, 0))
     return pl.pallas_call(
-        functools.partial(_gram_exact_chunk_kernel, C=C, scale=scale, prec=GRAM_PREC, bk=min(bk, K)),
+        functools.partial(_gram_exact_chunk_kernel, C=C, scale=scale, prec=prec, bk=min(bk, K)),
         grid=(B, H, Tp // C),
         in_specs=[pl.BlockSpec((None, None, None, nb), lambda b, h, n: (b, h, n, 0)), tok, tok, tok,
                   pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h)), mat, mat],
@@ -324,9 +332,12 @@ GRAM_PREC, UW_PREC = "tf32", "bf16"
 # inputs, chunks other than 64 (wgmma takes 64 rows) and precisions other than SOLVE_PREC "bf16x3" with UW_PREC
 # "bf16" always take "triton".
 SOLVE_IMPL = "triton"
-# The Gram stage's implementation for a per-channel gate and bf16 inputs at chunk 64 with the delta write:
-# "triton" (`gram_rows`) or "mosaic" (`gram_mgpu.gram_mosaic`, wgmma on bf16 operands, reference points per
-# 16-column block, then `gram_exact_chunks` for the chunks beyond LIMIT; prepared on the CPU, not yet timed).
+# The Gram stage's implementation for a per-channel gate and bf16 inputs with the delta write: "triton"
+# (`gram_rows` with its exact path behind a `lax.cond`), "triton-fast" (`gram_rows` without it, 0.79 ms against
+# 0.94 in run10b/d, then `gram_exact_chunks` for the chunks the gate-cumsum kernel flags beyond LIMIT; its fix-up
+# cost about 0.05 ms in run10d's per-block form) or "mosaic" at chunk 64 (`gram_mgpu.gram_mosaic`, wgmma on bf16
+# operands, reference points per 16-column block, then `gram_exact_chunks`). The last two prepared on the CPU,
+# not yet timed.
 GRAM_IMPL = "triton"
 # R = (I + A)^-1 for the unit lower triangular I + A of one chunk, in registers, from X_1 = I by
 # X_2b = X_b - X_b A_b X_b, A_b = A restricted to the blocks below the diagonal inside each diagonal block of 2b
@@ -390,11 +401,18 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     K = q.shape[-1]
     exact = prec == "ieee"
     mosaic_gram = GRAM_IMPL == "mosaic" and not (scalar or exact) and delta and C == 64 and K % 64 == 0
-    G, dend, *spreads = gate_cumsum(g, C=C, K=K, interpret=interpret, spreads=mosaic_gram)
+    split_gram = GRAM_IMPL == "triton-fast" and not scalar and delta
+    G, dend, *spreads = gate_cumsum(g, C=C, K=K, interpret=interpret, spreads=mosaic_gram or split_gram)
     gram_beta = jnp.ones_like(beta) if save else beta
-    if mosaic_gram:
-        m, A, qin, kg = gram_mgpu.gram_mosaic(q, k, G, gram_beta, C=C, scale=scale, interpret=interpret)
-        m, A = gram_exact_chunks(spreads[0], q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret)
+    if mosaic_gram or split_gram:
+        if mosaic_gram:
+            m, A, qin, kg = gram_mgpu.gram_mosaic(q, k, G, gram_beta, C=C, scale=scale, interpret=interpret)
+        else:
+            m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store,
+                                      prec=prec if exact else GRAM_PREC, delta=True, warps=warps,
+                                      interpret=interpret, bk=GRAM_BK, fast_only=True)
+        m, A = gram_exact_chunks(spreads[0], q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret,
+                                 prec=prec if exact else GRAM_PREC)
     elif scalar:
         m, A, qin, kg = gram_scalar(q, k, g, gram_beta, C=C, scale=scale, store=store, exact=exact,
                                     delta=delta, interpret=interpret)
