@@ -59,8 +59,8 @@ LIMIT = 40.0
 GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES = 2, 4, 4, 64, 3
 # (Run10b-d: the Gram kernel with the fast path alone took 0.79 ms against 0.94-0.97 with the `lax.cond`; moving
 # the exact path to a second kernel that rewrites the blocks holding a cut gave no gain: 0.17 ms for that kernel
-# when it read G, and with the Gram kernel writing per-block flags 0.90 + 0.05 ms. Flags from the gate cumsum
-# kernel were not tried.)
+# when it read G, and with the Gram kernel writing per-block flags 0.90 + 0.05 ms. With the flags from the gate
+# cumsum kernel instead: GRAM_IMPL "triton-fast" below, not yet timed.)
 GRAM_SCALAR_WARPS = 4  # the scalar-gate Gram kernel, one program per chunk (run9a, GDN 8 x 4096: 0.26 ms)
 
 
@@ -197,8 +197,9 @@ def _gram_exact_chunk_kernel(flag_ref, q_ref, k_ref, G_ref, beta_ref, m_in_ref, 
 
 def gram_exact_chunks(spreads, q, k, G, beta, m, A, *, C, scale, interpret, prec, bk=64):
     """M, A [B, H, Tp, C] with the chunks that hold a 16-row block of spread > LIMIT (from `gate_cumsum`'s
-    spreads [B, H, N, K tiles, C / 16]) recomputed exactly (`_gram_exact`), for a fast path that has no exact
-    path of its own (`gram_mgpu.gram_mosaic`); q, k, G [B, Tp, H, K], beta [B, Tp, H]."""
+    spreads [B, H, N, K tiles, C / 16]) recomputed exactly (`_gram_exact`, products at `prec`), after a fast path
+    that has no exact path of its own (`gram_mgpu.gram_mosaic`, `gram_rows(fast_only=True)`); q, k, G [B, Tp, H,
+    K], beta [B, Tp, H]."""
     B, Tp, H, K = q.shape
     nb = C // SUB
     flags = jnp.broadcast_to((jnp.max(spreads, axis=(3, 4)) > LIMIT).astype(f32)[..., None],
