@@ -23,7 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lineattn.ops.pallas.common import SUB
-from lineattn.ops.pallas.solve_mgpu import _ROW, _WG, _smem
+from lineattn.ops.pallas.solve_mgpu import _ROW, _WG, _copy_in, _interpret_params, _load, _smem
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 _COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column of a WGMMA-layout array
@@ -51,10 +51,7 @@ def gram_mosaic(q, k, G, beta, *, C, scale, interpret: bool | None = None):
         rows = pl.ds(n * C, C)
         copies = ((q_g.at[b, rows, h], q_s), (k_g.at[b, rows, h], k_s), (G_g.at[b, rows, h], G_s),
                   (r_g.at[b, h, n], r_s), (b_g.at[b, h, rows], b_s))
-        for src, dst in copies:
-            plgpu.copy_gmem_to_smem(src, dst, bar.at[0])
-        plgpu.barrier_wait(bar.at[0])
-        load = lambda ref: plgpu.load(ref, layout=_WG, optimized=False)
+        _copy_in(copies, bar.at[0])
         cols_of = lambda row, t: jax.lax.broadcast_in_dim(  # G's row `row` of r_s (K tile t) down all C rows
             plgpu.load(r_s.at[row, pl.ds(t * _BK, _BK)], layout=_COL), (C, _BK), [1])
         i = plgpu.broadcasted_iota(jnp.int32, (C, SUB), 0, layout=_WG)
@@ -65,7 +62,7 @@ def gram_mosaic(q, k, G, beta, *, C, scale, interpret: bool | None = None):
             def products(acc_m, acc_a):
                 for t in range(K // _BK):
                     d = pl.ds(t * _BK, _BK)
-                    qt, kt, Gt = load(q_s.at[:, d]).astype(f32), load(k_s.at[:, d]).astype(f32), load(G_s.at[:, d])
+                    qt, kt, Gt = _load(q_s.at[:, d]).astype(f32), _load(k_s.at[:, d]).astype(f32), _load(G_s.at[:, d])
                     Gr = cols_of(c, t)
                     down = jnp.exp(jnp.minimum(Gt - Gr, LIMIT))
                     xq_s[...] = (qt * (scale * down)).astype(bf16)
@@ -94,9 +91,9 @@ def gram_mosaic(q, k, G, beta, *, C, scale, interpret: bool | None = None):
         pl.run_scoped(all_blocks, *[_smem((C, _BK), bf16) for _ in range(3)])
         for t in range(K // _BK):  # Qin = scale q e^G, Kg = k e^(G_C - G), in place of q and k
             d = pl.ds(t * _BK, _BK)
-            Gt = load(G_s.at[:, d])
-            q_s[:, d] = (load(q_s.at[:, d]).astype(f32) * (scale * jnp.exp(Gt))).astype(bf16)
-            k_s[:, d] = (load(k_s.at[:, d]).astype(f32) * jnp.exp(cols_of(nb, t) - Gt)).astype(bf16)
+            Gt = _load(G_s.at[:, d])
+            q_s[:, d] = (_load(q_s.at[:, d]).astype(f32) * (scale * jnp.exp(Gt))).astype(bf16)
+            k_s[:, d] = (_load(k_s.at[:, d]).astype(f32) * jnp.exp(cols_of(nb, t) - Gt)).astype(bf16)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_s, qin_g.at[b, h, rows])
         plgpu.copy_smem_to_gmem(k_s, kg_g.at[b, h, rows])
@@ -108,8 +105,7 @@ def gram_mosaic(q, k, G, beta, *, C, scale, interpret: bool | None = None):
                plgpu.SMEM((C,), f32), _smem((C, SUB), bf16), _smem((C, SUB), f32),
                plgpu.Barrier(num_arrivals=5, num_barriers=1)]
     mat = lambda D, dt: jax.ShapeDtypeStruct((B, H, Tp, D), dt)
-    on_cpu = jax.default_backend() != "gpu" if interpret is None else interpret
     kernel = plgpu.kernel(body, out_type=[mat(C, bf16), mat(C, f32), mat(K, bf16), mat(K, bf16)],
                           scratch_types=scratch, grid=(B, H, N), grid_names=("b", "h", "n"),
-                          interpret=plgpu.InterpretGPUParams() if on_cpu else None, kernel_name="lineattn_gram_mosaic")
+                          interpret=_interpret_params(interpret), kernel_name="lineattn_gram_mosaic")
     return kernel(q, k, G, G_ref, beta_BHT)

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from lineattn.ops.pallas.common import interpret_mode
+
 f32, bf16 = jnp.float32, jnp.bfloat16
 _WG = plgpu.Layout.WGMMA
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout array
@@ -27,6 +29,23 @@ def _smem(shape, dtype):
     swizzle = plgpu.find_swizzle(shape[-1] * itemsize * 8)
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // itemsize)),
                                                 plgpu.SwizzleTransform(swizzle)))
+
+
+def _load(ref):
+    """An SMEM ref into registers in the WGMMA layout."""
+    return plgpu.load(ref, layout=_WG, optimized=False)
+
+
+def _copy_in(copies, barrier):
+    """TMA copies of (GMEM slice, SMEM ref) pairs on one barrier (num_arrivals = len(copies)), then waits."""
+    for src, dst in copies:
+        plgpu.copy_gmem_to_smem(src, dst, barrier)
+    plgpu.barrier_wait(barrier)
+
+
+def _interpret_params(interpret: bool | None):
+    """The Mosaic GPU interpreter's parameters where `common.interpret_mode` says to interpret, else None."""
+    return plgpu.InterpretGPUParams() if interpret_mode(interpret) else None
 
 
 def _split(x):
@@ -80,17 +99,14 @@ def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpre
         b, h, n = jax.lax.axis_index("b"), jax.lax.axis_index("h"), jax.lax.axis_index("n")
         rows = pl.ds(n * C, C)
         row_bcast = lambda D: jax.lax.broadcast_in_dim(plgpu.load(b_s, layout=_ROW), (C, D), [0])
-        load = lambda ref: plgpu.load(ref, layout=_WG, optimized=False)
 
         def inputs(a_s, G_s):  # A into registers; k_s <- Diag(beta) k e^G, v_s <- Diag(beta) v (bf16)
             copies = ((a_g.at[b, h, rows], a_s), (k_g.at[b, rows, h], k_s), (v_g.at[b, rows, h], v_s),
                       (G_g.at[b, rows, h], G_s), (b_g.at[b, h, rows], b_s))
-            for src, dst in copies:
-                plgpu.copy_gmem_to_smem(src, dst, bar.at[0])
-            plgpu.barrier_wait(bar.at[0])
-            A_ = load(a_s)
-            k_s[...] = (row_bcast(K) * load(k_s).astype(f32) * jnp.exp(load(G_s))).astype(bf16)
-            v_s[...] = (row_bcast(V) * load(v_s).astype(f32)).astype(bf16)
+            _copy_in(copies, bar.at[0])
+            A_ = _load(a_s)
+            k_s[...] = (row_bcast(K) * _load(k_s).astype(f32) * jnp.exp(_load(G_s))).astype(bf16)
+            v_s[...] = (row_bcast(V) * _load(v_s).astype(f32)).astype(bf16)
             return A_ * row_bcast(C) if kk else A_
 
         A_ = pl.run_scoped(inputs, _smem((C, C), f32), _smem((C, K), f32))
@@ -145,9 +161,8 @@ def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpre
                plgpu.Barrier(num_arrivals=5, num_barriers=1)]
     out = [jax.ShapeDtypeStruct((B, H, Tp, K), bf16), jax.ShapeDtypeStruct((B, H, Tp, V), bf16)]
     out += [jax.ShapeDtypeStruct((B, H, Tp, C), f32)] if with_r else []
-    on_cpu = jax.default_backend() != "gpu" if interpret is None else interpret
-    regs = LHS_REGS and not on_cpu
+    regs = LHS_REGS and not interpret_mode(interpret)
     kernel = plgpu.kernel(body, out_type=out, scratch_types=scratch, grid=(B, H, N), grid_names=("b", "h", "n"),
-                          interpret=plgpu.InterpretGPUParams() if on_cpu else None,
+                          interpret=_interpret_params(interpret),
                           kernel_name="lineattn_solve_mosaic")
     return kernel(A, k, v, G, beta_BHT)
