@@ -12,11 +12,10 @@
 #     SKIP_TESTS=1 BENCH_TIMEOUT=560 BENCH_ARGS="--iters 10 --shapes 1x32768 --gdn --fla fwd,fwdbwd
 #       --fla-shapes 1x32768 --decode= --skip lineattn-chunk lineattn-pallas-kernels-mml2 --long 262144"
 #       bash benchmarks/h200_issue2.sh
-#   The Mosaic GPU kernels (prepared on the CPU in session 8, not yet run on a GPU): their GPU tests, then a profile
-#     TEST_TIMEOUT=300 TESTS_K="mosaic or (long_bf16 and (IMPL or kda-default))" SKIP_BENCH=1 bash ...; PROFILE=1
-#     SKIP_TESTS=1 PROFILE_ARGS='--impls lineattn --iters 3 --check --configs default;chunk_fwd.SOLVE_IMPL=mosaic;
-#     chunk_fwd.SOLVE_IMPL=mosaic+solve_mgpu.LHS_REGS=1;chunk_fwd.GRAM_IMPL=mosaic;chunk_fwd.GRAM_IMPL=triton-fast'
-#     bash benchmarks/h200_issue2.sh   (TESTS_K also "fast_triton" for the triton-fast Gram)
+#   The long GPU tests take ~30 s each (17 of them): a subset fits a call beside a bench part, e.g.
+#     TEST_TIMEOUT=200 TESTS_K="long_bf16 and default" SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
+#   A/B wall clock of settings, interleaved (not through this script): PYTHONPATH=$PWD python3
+#     benchmarks/ab_pallas_kda.py --out $OUT --configs "default;chunk_fwd.SOLVE_IMPL=triton"
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
 #   --rule gdn for Gated DeltaNet, e.g. PROFILE_ARGS='--rule gdn --check --configs default;api.SCALAR_GATE=1')

@@ -151,11 +151,11 @@ def _assert_bf16_close(rule, inputs, chunk_size):
 @pytest.mark.parametrize("with_r", [False, True])
 def test_mosaic_solve_matches_the_triton_solve(with_r):
     # `solve_mgpu.solve_mosaic` (Mosaic GPU wgmma kernel, run by its interpreter here) against `solve_full` on the
-    # same inputs: two chunks of 64, K = 32, V = 64, bf16; with_r: the backward's form (A the unscaled key Gram,
+    # same inputs: two chunks of 64, K = V = 64, bf16; with_r: the backward's form (A the unscaled key Gram,
     # R written).
     from lineattn.ops.pallas import chunk_fwd, solve_mgpu
     rng = np.random.default_rng(21)
-    B, Tp, H, K, V, C = 1, 128, 2, 32, 64, 64
+    B, Tp, H, K, V, C = 1, 128, 2, 64, 64, 64
     k = rng.standard_normal((B, Tp, H, K))
     k = jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((B, Tp, H, V)), jnp.bfloat16)
@@ -174,79 +174,33 @@ def test_mosaic_solve_matches_the_triton_solve(with_r):
         assert _rel_rms(x, y) <= (1e-5 if name == "R" else 1e-3), name
     with pytest.raises(ValueError, match="bf16 k, v and store"):
         solve_mgpu.solve_mosaic(A, k.astype(jnp.float32), v, G, beta, interpret=True, **kw)
-
-
-@pytest.mark.parametrize("cut", [False, True])
-def test_mosaic_gram_matches_the_exact_gram(cut):
-    # `gram_mgpu.gram_mosaic` (Mosaic GPU interpreter) and then `gram_exact_chunks` against the Triton Gram kernel
-    # in fp32 (exact products): bf16 operands, so M and A within 5e-3; with -1000 cuts in chunk 0 the cumsum
-    # kernel's block spreads flag it and the fix-up recomputes it exactly (A, fp32, to 1e-5; M is stored in bf16).
-    from lineattn.ops.pallas import chunk_fwd, gram_mgpu
-    rng = np.random.default_rng(22)
-    B, Tp, H, K, C = 1, 128, 2, 64, 64
-    q = jnp.asarray(rng.standard_normal((B, Tp, H, K)), jnp.bfloat16)
-    k = rng.standard_normal((B, Tp, H, K))
-    k = jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), jnp.bfloat16)
-    g = -jnp.asarray(rng.uniform(0, 5, (B, Tp, H, K)), jnp.float32)  # blocks at the fast path's limit (40 nats)
-    if cut:
-        g = g.at[:, jnp.array([3, 20])].set(-1000.0)  # blocks 0 and 1 of chunk 0
-    beta = jnp.asarray(rng.uniform(0, 1, (B, Tp, H)), jnp.bfloat16)
-    G, _, spreads = chunk_fwd.gate_cumsum(g, C=C, K=K, interpret=True, spreads=True)
-    Gb = np.asarray(G).reshape(B, Tp // 16, 16, H, K)
-    want_spreads = np.abs(Gb - Gb[:, :, 8:9]).max(axis=(2, 4)).reshape(B, Tp // C, C // 16, H)
-    np.testing.assert_allclose(np.asarray(spreads).max(axis=3), np.moveaxis(want_spreads, 3, 1), rtol=1e-6)
-    scale = K**-0.5
-    want = chunk_fwd.gram_rows(q, k, G, beta, C=C, scale=scale, store=jnp.float32, prec="ieee", delta=True, warps=2,
-                               interpret=True)
-    m, A, qin, kg = gram_mgpu.gram_mosaic(q, k, G, beta, C=C, scale=scale)  # compiled on a GPU
-    m, A = chunk_fwd.gram_exact_chunks(spreads, q, k, G, beta, m, A, C=C, scale=scale, interpret=True, prec="ieee")
-    assert m.dtype == qin.dtype == kg.dtype == jnp.bfloat16 and A.dtype == jnp.float32
-    for name, x, y, tol in zip(("M", "A", "Qin", "Kg"), (m, A, qin, kg), want, (5e-3, 5e-3, 4e-3, 4e-3)):
-        assert _rel_rms(x, y) <= tol, name
-    if cut:  # chunk 0 (flagged) recomputed exactly; chunk 1 kept the fast path
-        assert _rel_rms(A[:, :, :C], want[1][:, :, :C]) <= 1e-5 < _rel_rms(A[:, :, C:], want[1][:, :, C:])
-    with pytest.raises(ValueError, match="bf16 q, k, chunk 64"):
-        gram_mgpu.gram_mosaic(q, k, G, beta, C=32, scale=scale, interpret=True)
-
-
-@pytest.mark.parametrize("cut", [False, True])
-def test_pallas_with_the_mosaic_gram_and_solve(cut, monkeypatch):
-    # `chunk_fwd.GRAM_IMPL = SOLVE_IMPL = "mosaic"`: KDA in bf16 at chunk 64 (T = 80 ragged, K = 64) through both
-    # Mosaic GPU kernels, within FLA's bounds of the fp32 oracle, forward and every gradient; with -1000 cuts the
-    # flagged chunks take the exact Triton fix-up.
-    from lineattn.ops.pallas import chunk_fwd
-    monkeypatch.setattr(chunk_fwd, "GRAM_IMPL", "mosaic")
-    monkeypatch.setattr(chunk_fwd, "SOLVE_IMPL", "mosaic")
-    inputs = make_inputs("kda", B=1, T=80, H=2, K=64, V=32, seed=6)
-    if cut:
-        inputs["g"] = inputs["g"].at[:, jnp.array([3, 20, 61])].set(-1000.0)
-    x = {n: y.astype(jnp.bfloat16) if n in ("q", "k", "v", "beta") else y for n, y in inputs.items()}
-    jaxpr = str(jax.make_jaxpr(lambda q: ops.linear_attention("kda", q, x["k"], x["v"], x["g"], x["beta"],
-                                                              chunk_size=64, backend="pallas")[0])(x["q"]))
-    assert all(name in jaxpr for name in ("lineattn_gram_mosaic", "lineattn_chunk_gram_exact",
-                                          "lineattn_solve_mosaic"))
-    _assert_bf16_close("kda", inputs, chunk_size=64)
+    with pytest.raises(ValueError, match="K, V multiples of 64"):
+        solve_mgpu.solve_mosaic(A, k[..., :32], v, G[..., :32], beta, interpret=True, **kw)
 
 
 @pytest.mark.parametrize("gate", ["lower_bound", "cut"])
-def test_pallas_with_the_fast_triton_gram(gate, monkeypatch):
-    # `chunk_fwd.GRAM_IMPL = "triton-fast"`: the Gram kernel's fast path alone, then `gram_exact_chunks` for the
-    # chunks that the gate-cumsum kernel flags (fp32, gates at -5 per token or -1000 cuts, against the oracle).
+def test_pallas_with_the_gram_cond(gate, monkeypatch):
+    # `chunk_fwd.GRAM_IMPL = "triton"`: the Gram kernel with its exact path behind a `lax.cond` in place of the
+    # default fast path + `gram_exact_chunks` (fp32, gates at -5 per token or -1000 cuts, against the oracle).
     from lineattn.ops.pallas import chunk_fwd
-    monkeypatch.setattr(chunk_fwd, "GRAM_IMPL", "triton-fast")
+    monkeypatch.setattr(chunk_fwd, "GRAM_IMPL", "triton")
     test_pallas_gate_extremes(gate, "kernels-saved", monkeypatch)
     x = make_inputs("kda", B=1, **SMALL, seed=5)
     jaxpr = str(jax.make_jaxpr(lambda q: ops.linear_attention("kda", q, x["k"], x["v"], x["g"], x["beta"],
                                                               backend="pallas")[0])(x["q"]))
-    assert "lineattn_chunk_gram_exact" in jaxpr
+    assert "lineattn_chunk_gram_exact" not in jaxpr and "lineattn_chunk_gram" in jaxpr
 
 
-def test_pallas_with_the_mosaic_solve(monkeypatch):
-    # `chunk_fwd.SOLVE_IMPL = "mosaic"`: KDA in bf16 at chunk 64 (T = 80 ragged) through the Mosaic GPU solve,
-    # within FLA's bounds of the fp32 oracle, forward and every gradient.
+@pytest.mark.parametrize("gate", ["default", "cut"])
+def test_pallas_with_the_mosaic_solve(gate, monkeypatch):
+    # `chunk_fwd.SOLVE_IMPL = "mosaic"` (the default on a Hopper GPU): KDA in bf16 at chunk 64 (T = 80 ragged,
+    # K = V = 64) through the Mosaic GPU solve, within FLA's bounds of the fp32 oracle, forward and every gradient;
+    # with -1000 cuts (the Gram fix-up's chunks) as well.
     from lineattn.ops.pallas import chunk_fwd
     monkeypatch.setattr(chunk_fwd, "SOLVE_IMPL", "mosaic")
-    inputs = make_inputs("kda", B=1, **SMALL, seed=6)
+    inputs = make_inputs("kda", B=1, **dict(SMALL, K=64, V=64), seed=6)
+    if gate == "cut":
+        inputs["g"] = inputs["g"].at[:, jnp.array([3, 20, 61])].set(-1000.0)
     x = {n: y.astype(jnp.bfloat16) if n in ("q", "k", "v", "beta") else y for n, y in inputs.items()}
     jaxpr = str(jax.make_jaxpr(lambda q: ops.linear_attention("kda", q, x["k"], x["v"], x["g"], x["beta"],
                                                               chunk_size=64, backend="pallas")[0])(x["q"]))

@@ -62,10 +62,9 @@ BROADCAST = {"api.SCALAR_GATE": False}  # a head gate through the per-channel ke
 VARIANTS = [("kda", None), ("gdn", None), ("deltanet", None), ("gla", None), ("kda", ("xla", {})),
             ("kda", ("kernels-mml2", {})), ("gdn", ("kernels-mml2", {})), ("gdn", ("kernels-saved", BROADCAST)),
             ("kda", ("kernels-saved", {"chunk_bwd.COT_DTYPE": "float32"})),
-            ("kda", ("kernels-saved", {"chunk_fwd.SOLVE_IMPL": "mosaic"})),  # not yet run on the H200
-            ("kda", ("kernels-saved", {"chunk_fwd.SOLVE_IMPL": "mosaic", "solve_mgpu.LHS_REGS": True})),
-            ("kda", ("kernels-saved", {"chunk_fwd.GRAM_IMPL": "mosaic"})),  # not yet run on the H200
-            ("kda", ("kernels-saved", {"chunk_fwd.GRAM_IMPL": "triton-fast"})),  # not yet run on the H200
+            ("kda", ("kernels-saved", {"chunk_fwd.SOLVE_IMPL": "triton"})),  # the default off Hopper
+            ("kda", ("kernels-saved", {"solve_mgpu.LHS_REGS": False})),
+            ("kda", ("kernels-saved", {"chunk_fwd.GRAM_IMPL": "triton"})),
             ("kda", ("kernels-saved", {"chunk_bwd.SEGMENT_PASSES": False})),  # the defaults: 32 segments of 8 chunks
             ("gdn", ("kernels-saved", {"chunk_bwd.SEGMENT_PASSES": False}))]
 

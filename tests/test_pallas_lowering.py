@@ -48,10 +48,10 @@ def _lowered(T, dtype, backward, head_gate=False):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_chunk_kernels_lower_for_sm90(fake_h200, dtype, backward):
     text = _lowered(100, dtype, backward)
-    # forward: cumsum, gram, solve, state pass; backward "xla": none; "kernels-mml2": cumsum, gram, solve, states,
-    # reverse, chunk grads, WY, Gram gradients with the combine, dg; "kernels-saved": the same without the Gram and
-    # solve (the forward's terms are kept)
-    expected = 4 + {"xla": 0, "kernels-mml2": 9, "kernels-saved": 7}[backward]
+    # forward: cumsum, gram, its exact fix-up, solve, state pass (no Hopper here: the Triton solve); backward
+    # "xla": none; "kernels-mml2": cumsum, gram, solve, states, reverse, chunk grads, WY, Gram gradients with the
+    # combine, dg; "kernels-saved": the same without the Gram and solve (the forward's terms are kept)
+    expected = 5 + {"xla": 0, "kernels-mml2": 9, "kernels-saved": 7}[backward]
     assert text.count("__gpu$xla.gpu.triton") == expected
 
 
@@ -72,7 +72,7 @@ def test_segmented_state_passes_lower_for_sm90(fake_h200, monkeypatch):
     assert chunk_bwd.pick_segments(2, 16, 128) == 2
     text = _lowered(1024, jnp.bfloat16, "kernels-saved")
     assert all(name in text for name in ("lineattn_chunk_bwd_states_local", "lineattn_chunk_bwd_reverse_local"))
-    assert text.count("__gpu$xla.gpu.triton") == 4 + 7 + 2
+    assert text.count("__gpu$xla.gpu.triton") == 5 + 7 + 2
 
 
 @pytest.mark.parametrize("v_fastest", [False, True])
@@ -86,29 +86,21 @@ def test_decode_kernel_lowers_for_sm90(fake_h200, v_fastest):
 
 @pytest.mark.parametrize("lhs_regs", [False, True])
 def test_mosaic_solve_lowers_for_sm90(fake_h200, monkeypatch, lhs_regs):
-    # `chunk_fwd.SOLVE_IMPL = "mosaic"`: the solve as a Mosaic GPU kernel (wgmma) beside the Triton kernels, its
-    # left operands from SMEM or (`solve_mgpu.LHS_REGS`, a path the CPU interpreter cannot run) from registers.
+    # `chunk_fwd.SOLVE_IMPL = "auto"` on a Hopper GPU (faked here): the solve as a Mosaic GPU kernel (wgmma)
+    # beside the Triton kernels, its left operands from SMEM or (`solve_mgpu.LHS_REGS`, the default, a path the
+    # CPU interpreter cannot run) from registers; fp32 inputs keep the Triton solve.
     from lineattn.ops.pallas import chunk_fwd, solve_mgpu
-    monkeypatch.setattr(chunk_fwd, "SOLVE_IMPL", "mosaic")
+    monkeypatch.setattr(chunk_fwd, "hopper", lambda: True)
     monkeypatch.setattr(solve_mgpu, "LHS_REGS", lhs_regs)
     text = _lowered(100, jnp.bfloat16, "kernels-saved")
     assert "lineattn_solve_mosaic" in text and "lineattn_chunk_solve_full" not in text
-    assert text.count("__gpu$xla.gpu.triton") == 3 + 7
+    assert text.count("__gpu$xla.gpu.triton") == 4 + 7
+    assert "lineattn_solve_mosaic" not in _lowered(100, jnp.float32, "kernels-saved")
 
 
-def test_mosaic_gram_lowers_for_sm90(fake_h200, monkeypatch):
-    # `chunk_fwd.GRAM_IMPL = "mosaic"`: the Gram stage as a Mosaic GPU kernel, then the Triton fix-up kernel for
-    # the chunks beyond LIMIT (the cumsum kernel also writes the block spreads).
+def test_gram_cond_lowers_for_sm90(fake_h200, monkeypatch):
+    # `chunk_fwd.GRAM_IMPL = "triton"`: the Gram kernel with its exact path inside, no fix-up kernel.
     from lineattn.ops.pallas import chunk_fwd
-    monkeypatch.setattr(chunk_fwd, "GRAM_IMPL", "mosaic")
+    monkeypatch.setattr(chunk_fwd, "GRAM_IMPL", "triton")
     text = _lowered(100, jnp.bfloat16, "kernels-saved")
-    assert "lineattn_gram_mosaic" in text and "lineattn_chunk_gram_exact" in text
-    assert "lineattn_chunk_gram\"" not in text and text.count("__gpu$xla.gpu.triton") == 4 + 7
-
-
-def test_fast_triton_gram_lowers_for_sm90(fake_h200, monkeypatch):
-    # `chunk_fwd.GRAM_IMPL = "triton-fast"`: the Gram kernel without its exact path, then the per-chunk fix-up.
-    from lineattn.ops.pallas import chunk_fwd
-    monkeypatch.setattr(chunk_fwd, "GRAM_IMPL", "triton-fast")
-    text = _lowered(100, jnp.bfloat16, "kernels-saved")
-    assert "lineattn_chunk_gram_exact" in text and text.count("__gpu$xla.gpu.triton") == 5 + 7
+    assert "lineattn_chunk_gram_exact" not in text and text.count("__gpu$xla.gpu.triton") == 4 + 7

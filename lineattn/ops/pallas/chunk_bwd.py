@@ -423,7 +423,8 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     Tp = qp.shape[1]
     N = Tp // C
     scalar = g.ndim == 3  # (the gate cumsum broadcasts it: the solve and state passes take a per-channel G)
-    G, dend_KN = gate_cumsum(gp, C=C, K=K, interpret=interpret)
+    # the forward's call (with its block spreads), so that XLA merges the two
+    G, dend_KN, *_ = gate_cumsum(gp, C=C, K=K, interpret=interpret, spreads=chunk_fwd.split_gram(scalar, delta))
     ch = lambda x: x.reshape(B, H, N, C, x.shape[-1])
     if saved is not None:
         Qin, Kg, W, U, M, dend_KN, KK, R = saved

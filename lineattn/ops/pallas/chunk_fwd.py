@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lineattn.ops.pallas.common import SUB, compiler_params, dot, interpret_mode, is_pow2
-from lineattn.ops.pallas import gram_mgpu, solve_mgpu
+from lineattn.ops.pallas.common import SUB, compiler_params, dot, hopper, interpret_mode, is_pow2
+from lineattn.ops.pallas import solve_mgpu
 
 f32 = jnp.float32
 
@@ -60,7 +60,7 @@ GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES = 2, 4, 4, 64, 3
 # (Run10b-d: the Gram kernel with the fast path alone took 0.79 ms against 0.94-0.97 with the `lax.cond`; moving
 # the exact path to a second kernel that rewrites the blocks holding a cut gave no gain: 0.17 ms for that kernel
 # when it read G, and with the Gram kernel writing per-block flags 0.90 + 0.05 ms. With the flags from the gate
-# cumsum kernel instead: GRAM_IMPL "triton-fast" below, not yet timed.)
+# cumsum kernel instead: GRAM_IMPL "triton-fast" below, the default since run11a.)
 GRAM_SCALAR_WARPS = 4  # the scalar-gate Gram kernel, one program per chunk (run9a, GDN 8 x 4096: 0.26 ms)
 
 
@@ -198,8 +198,7 @@ def _gram_exact_chunk_kernel(flag_ref, q_ref, k_ref, G_ref, beta_ref, m_in_ref, 
 def gram_exact_chunks(spreads, q, k, G, beta, m, A, *, C, scale, interpret, prec, bk=64):
     """M, A [B, H, Tp, C] with the chunks that hold a 16-row block of spread > LIMIT (from `gate_cumsum`'s
     spreads [B, H, N, K tiles, C / 16]) recomputed exactly (`_gram_exact`, products at `prec`), after a fast path
-    that has no exact path of its own (`gram_mgpu.gram_mosaic`, `gram_rows(fast_only=True)`); q, k, G [B, Tp, H,
-    K], beta [B, Tp, H]."""
+    that has no exact path of its own (`gram_rows(fast_only=True)`); q, k, G [B, Tp, H, K], beta [B, Tp, H]."""
     B, Tp, H, K = q.shape
     nb = C // SUB
     flags = jnp.broadcast_to((jnp.max(spreads, axis=(3, 4)) > LIMIT).astype(f32)[..., None],
@@ -328,18 +327,33 @@ SOLVE_PREC = "bf16x3"  # the doubling products' precision for bf16 inputs (read 
 # 3.3e-3 against 2.9e-3 (FLA's chunk_kda: 3.3e-3 in the same comparison, jla 4.0e-3), the gradients' at most
 # +4e-4; the Gram products in bf16 as well: Gram 0.90 ms against 0.97, o 4.0e-3 (not taken).
 GRAM_PREC, UW_PREC = "tf32", "bf16"
-# The solve's implementation for bf16 inputs: "triton" (`solve_full`) or "mosaic" (`solve_mgpu.solve_mosaic`: the
-# same algebra as Mosaic GPU wgmma kernels, Hopper only; prepared on the CPU, not yet timed on the H200). fp32
-# inputs, chunks other than 64 (wgmma takes 64 rows) and precisions other than SOLVE_PREC "bf16x3" with UW_PREC
-# "bf16" always take "triton".
-SOLVE_IMPL = "triton"
-# The Gram stage's implementation for a per-channel gate and bf16 inputs with the delta write: "triton"
-# (`gram_rows` with its exact path behind a `lax.cond`), "triton-fast" (`gram_rows` without it, 0.79 ms against
-# 0.94 in run10b/d, then `gram_exact_chunks` for the chunks the gate-cumsum kernel flags beyond LIMIT; its fix-up
-# cost about 0.05 ms in run10d's per-block form) or "mosaic" at chunk 64 (`gram_mgpu.gram_mosaic`, wgmma on bf16
-# operands, reference points per 16-column block, then `gram_exact_chunks`). The last two prepared on the CPU,
-# not yet timed.
-GRAM_IMPL = "triton"
+# The solve's implementation: "triton" (`solve_full`), "mosaic" (`solve_mgpu.solve_mosaic`: the same algebra as a
+# Mosaic GPU wgmma kernel, Hopper only; bf16 inputs, chunk 64, K and V multiples of 64, SOLVE_PREC "bf16x3" with
+# UW_PREC "bf16") or "auto": "mosaic" where it applies and the kernels are compiled for a Hopper GPU, else
+# "triton" (the same products at the same precisions, so the same results to rounding). H200, 8 x 4096 x 16 x
+# 128 (run11a): 0.415 ms (left operands from registers, `solve_mgpu.LHS_REGS`) and 0.471 (from SMEM) against
+# 0.540 for the Triton kernel; the Mosaic kernel's layouts do not lower for K = 32 (run11a).
+SOLVE_IMPL = "auto"
+# The Gram stage's implementation for a per-channel gate with the delta write: "triton" (`gram_rows` with its
+# exact path behind a block-uniform `lax.cond`) or "triton-fast" (`gram_rows` without it, then
+# `gram_exact_chunks` recomputes the chunks the gate-cumsum kernel flags beyond LIMIT). H200, 8 x 4096 (run11a):
+# 0.79 + 0.01 ms (+ 0.02 for the cumsum kernel's spreads) against 0.94. (A Mosaic GPU Gram kernel, bf16 wgmma
+# with reference points per 16-column block, took 2.00 ms in run11a: removed.)
+GRAM_IMPL = "triton-fast"
+
+
+def split_gram(scalar: bool, delta: bool) -> bool:
+    """Whether the Gram stage is GRAM_IMPL "triton-fast" (its gate cumsum then also writes the block spreads;
+    the backward's cumsum asks for them too, so that XLA merges the two identical calls)."""
+    return GRAM_IMPL == "triton-fast" and not scalar and delta
+
+
+def mosaic_solve(exact: bool, C: int, K: int, V: int, interpret: bool) -> bool:
+    """Whether the solve runs as `solve_mgpu.solve_mosaic` (see SOLVE_IMPL)."""
+    fits = not exact and C == 64 and K % 64 == 0 and V % 64 == 0 and (SOLVE_PREC, UW_PREC) == ("bf16x3", "bf16")
+    if SOLVE_IMPL == "mosaic":
+        return True  # solve_mosaic raises a ValueError where it does not fit
+    return SOLVE_IMPL == "auto" and fits and not interpret and hopper()
 # R = (I + A)^-1 for the unit lower triangular I + A of one chunk, in registers, from X_1 = I by
 # X_2b = X_b - X_b A_b X_b, A_b = A restricted to the blocks below the diagonal inside each diagonal block of 2b
 # (X_b is block diagonal with inverted diagonal blocks of size b): the recursive block inverse
@@ -401,17 +415,12 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     by beta."""
     K = q.shape[-1]
     exact = prec == "ieee"
-    mosaic_gram = GRAM_IMPL == "mosaic" and not (scalar or exact) and delta and C == 64 and K % 64 == 0
-    split_gram = GRAM_IMPL == "triton-fast" and not scalar and delta
-    G, dend, *spreads = gate_cumsum(g, C=C, K=K, interpret=interpret, spreads=mosaic_gram or split_gram)
+    split = split_gram(scalar, delta)
+    G, dend, *spreads = gate_cumsum(g, C=C, K=K, interpret=interpret, spreads=split)
     gram_beta = jnp.ones_like(beta) if save else beta
-    if mosaic_gram or split_gram:
-        if mosaic_gram:
-            m, A, qin, kg = gram_mgpu.gram_mosaic(q, k, G, gram_beta, C=C, scale=scale, interpret=interpret)
-        else:
-            m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store,
-                                      prec=prec if exact else GRAM_PREC, delta=True, warps=warps,
-                                      interpret=interpret, bk=GRAM_BK, fast_only=True)
+    if split:
+        m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=prec if exact else GRAM_PREC,
+                                  delta=True, warps=warps, interpret=interpret, bk=GRAM_BK, fast_only=True)
         m, A = gram_exact_chunks(spreads[0], q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret,
                                  prec=prec if exact else GRAM_PREC)
     elif scalar:
@@ -424,7 +433,7 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     if not delta:
         return (qin, kg, None, None, m, dend) + ((None, None) if save else ())
     inv_prec = "ieee" if exact else SOLVE_PREC
-    if SOLVE_IMPL == "mosaic" and not exact and C == 64 and (SOLVE_PREC, UW_PREC) == ("bf16x3", "bf16"):
+    if mosaic_solve(exact, C, K, v.shape[-1], interpret):
         out = solve_mgpu.solve_mosaic(A, k, v, G, beta, C=C, store=store, with_r=save, kk=save, interpret=interpret)
     else:
         out = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec if exact else UW_PREC, inv_prec=inv_prec,
@@ -478,9 +487,10 @@ def pick_block_v(programs: int, V: int) -> int:
 
 
 def _constants():
-    """The values of the module constants the forward reads when traced."""
+    """The values of the module constants the forward reads when traced (and whether the device is a Hopper GPU,
+    which `mosaic_solve` asks)."""
     return (GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES, GRAM_SCALAR_WARPS, SOLVE_PREC, GRAM_PREC,
-            UW_PREC, PASS_MIN_PROGRAMS, SOLVE_IMPL, solve_mgpu.LHS_REGS, GRAM_IMPL)
+            UW_PREC, PASS_MIN_PROGRAMS, SOLVE_IMPL, solve_mgpu.LHS_REGS, GRAM_IMPL, hopper())
 
 
 def _retrace_on_constants(jitted):

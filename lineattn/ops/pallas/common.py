@@ -23,6 +23,11 @@ def on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def hopper() -> bool:
+    """Whether the default device is a Hopper GPU (sm_90: the Mosaic GPU kernels' wgmma and TMA)."""
+    return on_gpu() and str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+
+
 def interpret_mode(interpret: bool | None) -> bool:
     """Interpret (CPU) unless a GPU is the default backend, or as forced by the caller."""
     return (not on_gpu()) if interpret is None else bool(interpret)

@@ -1,0 +1,81 @@
+"""A/B wall clock of lineattn's Pallas KDA under several configurations, interleaved in one process.
+
+    python benchmarks/ab_pallas_kda.py --out $OUT --configs "default;chunk_fwd.SOLVE_IMPL=triton" \
+        [--shapes 8x4096,1x32768] [--rounds 3] [--iters 10]
+
+The same timing as bench_pallas_kda.py (median of --iters calls, each followed by `block_until_ready`: dispatch
+and launch overheads included), but every configuration (module constants of `lineattn.ops.pallas`, as
+profile_pallas_kda.py's --configs) is compiled ahead of time and the configurations are timed in turn for
+--rounds rounds, so that a difference between them is not drift of the machine. Writes
+<out>/<date>-h200-kda-ab.json: a list of {"shape", "config", "mode", "ms" (median over rounds), "rounds_ms"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_kda import make_inputs, time_jax, versions  # noqa: E402
+from profile_pallas_kda import apply_config, restore  # noqa: E402
+
+from lineattn import ops  # noqa: E402
+
+H, K, V = 16, 128, 128
+
+
+def compiled_pair(args, do):
+    """AOT-compiled forward and forward+backward of `ops.chunk_kda(backend="pallas")` under the current
+    constants (a compiled executable keeps them after the constants are restored)."""
+    f = lambda *xs: ops.chunk_kda(*xs, backend="pallas")[0]
+    loss = lambda *xs: jnp.sum(f(*xs).astype(jnp.float32) * do)
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+    return {"fwd": jax.jit(f).lower(*args).compile(), "fwdbwd": jax.jit(grad).lower(*args).compile()}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--configs", default="default;chunk_fwd.SOLVE_IMPL=triton")
+    p.add_argument("--shapes", default="8x4096,1x32768")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    a = p.parse_args()
+    print(f"{jax.devices()[0].device_kind}; {versions()}", flush=True)
+    records = []
+    for shape in a.shapes.split(","):
+        B, T = map(int, shape.split("x"))
+        x, _ = make_inputs(B, T, H, K, V, "bfloat16")
+        args = [jnp.asarray(x[n], jnp.bfloat16) for n in "qkv"] + [jnp.asarray(x["g"]),
+                                                                 jnp.asarray(x["beta"], jnp.bfloat16)]
+        do = jnp.asarray(x["do"], jnp.float32)
+        fns = {}
+        for config in a.configs.split(";"):
+            old = apply_config(config)
+            try:
+                fns[config] = compiled_pair(args, do)
+            finally:
+                restore(old)
+        times = {(c, m): [] for c in fns for m in ("fwd", "fwdbwd")}
+        for _ in range(a.rounds):
+            for (config, mode), ts in times.items():
+                ts.append(time_jax(fns[config][mode], args, a.iters))
+        for (config, mode), ts in times.items():
+            rec = dict(shape=shape, config=config, mode=mode, ms=float(np.median(ts)), rounds_ms=ts)
+            records.append(rec)
+            print(f"  {shape:8s} {mode:7s} {float(np.median(ts)):7.3f} ms  {config}  (rounds: "
+                  + ", ".join(f"{t:.3f}" for t in ts) + ")", flush=True)
+    out = a.out / f"{datetime.date.today()}-h200-kda-ab.json"
+    out.write_text(json.dumps({"device": jax.devices()[0].device_kind, "versions": versions(),
+                               "records": records}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
