@@ -226,6 +226,30 @@ def test_pallas_segmented_state_passes(rule, monkeypatch):
     _assert_bf16_close(rule, inputs, chunk_size=16)
 
 
+@pytest.mark.parametrize("rule,segmented", [("kda", False), ("kda", True), ("gdn", True)])
+def test_pallas_saved_states(rule, segmented, monkeypatch):
+    # `chunk.SAVE_STATES`: the forward's state pass keeps every chunk's state and E for the backward, which then
+    # runs no states pass of its own (segmented: 4 segments of 2 chunks at chunk 16, T = 120 ragged). fp32: the
+    # same gradients as the backward's own states pass (the same products in the same order) and the oracle's to
+    # 1e-4; then bf16 within FLA's bounds.
+    from lineattn.ops.pallas import chunk, chunk_bwd
+    monkeypatch.setattr(chunk_bwd, "MIN_SEGMENT_CHUNKS", 2 if segmented else 64)
+    inputs = make_inputs(rule, B=1, T=120, H=2, K=32, V=32, seed=18)
+    C = 16 if segmented else 32
+    o0, ht0, grads0 = loss_and_grads(rule, inputs, backend="pallas", chunk_size=C)
+    monkeypatch.setattr(chunk, "SAVE_STATES", True)
+    o1, ht1, grads1 = loss_and_grads(rule, inputs, backend="pallas", chunk_size=C)
+    assert_close({"o": o1, "ht": ht1, **grads1}, {"o": o0, "ht": ht0, **grads0}, 1e-6, f"{rule}/saved states")
+    _compare(rule, inputs, chunk_size=C)
+    x = inputs
+    loss = lambda q: jnp.sum(ops.linear_attention(rule, q, x["k"], x["v"], x["g"], x["beta"], chunk_size=C,
+                                                  backend="pallas")[0])
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss))(x["q"]))
+    assert "lineattn_chunk_bwd_states" not in jaxpr
+    assert ("lineattn_chunk_bwd_reverse_local" in jaxpr) == segmented
+    _assert_bf16_close(rule, inputs, chunk_size=C)
+
+
 @pytest.mark.parametrize("rule", ["kda", "gdn"])
 def test_pallas_fp32_cotangents(rule, monkeypatch):
     # `chunk_bwd.COT_DTYPE = "float32"` (the default stores the chunk gradients' dQin, dKg, dM in bf16).

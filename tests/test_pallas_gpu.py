@@ -29,9 +29,10 @@ def _rel_rms(actual, expected):
 def _run(rule, x, backend, monkeypatch=None, variant=None):
     if variant is not None:  # None: the defaults; else (`pallas.api.BACKWARD`, {module constants to set}), e.g.
         from lineattn.ops.pallas import api as pallas_api  # ("kernels-saved", {"api.SCALAR_GATE": True})
-        from lineattn.ops.pallas import chunk_bwd, chunk_fwd, solve_mgpu
+        from lineattn.ops.pallas import chunk, chunk_bwd, chunk_fwd, solve_mgpu
         monkeypatch.setattr(pallas_api, "BACKWARD", variant[0])
-        modules = {"chunk_fwd": chunk_fwd, "chunk_bwd": chunk_bwd, "api": pallas_api, "solve_mgpu": solve_mgpu}
+        modules = {"chunk_fwd": chunk_fwd, "chunk_bwd": chunk_bwd, "api": pallas_api, "solve_mgpu": solve_mgpu,
+                   "chunk": chunk}
         for name, value in variant[1].items():
             module, attr = name.split(".")
             monkeypatch.setattr(modules[module], attr, value)
@@ -65,6 +66,8 @@ VARIANTS = [("kda", None), ("gdn", None), ("deltanet", None), ("gla", None), ("k
             ("kda", ("kernels-saved", {"chunk_fwd.SOLVE_IMPL": "triton"})),  # the default off Hopper
             ("kda", ("kernels-saved", {"solve_mgpu.LHS_REGS": False})),
             ("kda", ("kernels-saved", {"chunk_fwd.GRAM_IMPL": "triton"})),
+            ("kda", ("kernels-saved", {"chunk.SAVE_STATES": True})),  # not yet run on the H200
+            ("gdn", ("kernels-saved", {"chunk.SAVE_STATES": True})),  # not yet run on the H200
             ("kda", ("kernels-saved", {"chunk_bwd.SEGMENT_PASSES": False})),  # the defaults: 32 segments of 8 chunks
             ("gdn", ("kernels-saved", {"chunk_bwd.SEGMENT_PASSES": False}))]
 

@@ -104,3 +104,14 @@ def test_gram_cond_lowers_for_sm90(fake_h200, monkeypatch):
     monkeypatch.setattr(chunk_fwd, "GRAM_IMPL", "triton")
     text = _lowered(100, jnp.bfloat16, "kernels-saved")
     assert "lineattn_chunk_gram_exact" not in text and text.count("__gpu$xla.gpu.triton") == 4 + 7
+
+
+@pytest.mark.parametrize("T", [100, 1024])
+def test_saved_states_lower_for_sm90(fake_h200, monkeypatch, T):
+    # `chunk.SAVE_STATES`: the forward's state pass keeps the per-chunk states, so the backward has no states
+    # pass (T = 1024: the segmented backward, which then drops the zero-start states pass as well).
+    from lineattn.ops.pallas import chunk
+    monkeypatch.setattr(chunk, "SAVE_STATES", True)
+    text = _lowered(T, jnp.bfloat16, "kernels-saved")
+    assert "lineattn_chunk_bwd_states" not in text
+    assert text.count("__gpu$xla.gpu.triton") == 5 + 6 + (T == 1024)

@@ -33,6 +33,11 @@ f32 = jnp.float32
 
 
 BACKWARDS = ("kernels-saved", "kernels-mml2", "xla")
+# "kernels-saved" with SAVE_STATES: the forward's state pass also writes every chunk's incoming state and
+# E = U - W S0 (`chunk_bwd.STATES_DTYPE`; K V / C + V values per token and head: 768 B at K = V = 128, chunk 64,
+# bf16), and the backward skips its own states pass (H200, 8 x 4096: 0.27 ms; at 1 x 32768 its two segmented
+# passes 0.43) at the cost of those writes. Read when a call is traced; tested on the CPU, not yet timed.
+SAVE_STATES = False
 
 
 def _check(backward):
@@ -52,7 +57,7 @@ def _fwd(q, k, v, g, beta, h0, scale, chunk_size, interpret, backward):
     _check(backward)
     if backward == "kernels-saved":  # the forward's intra-chunk terms are kept for the backward
         o, ht, saved = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret,
-                               save=True)
+                               save=True, states_dtype=chunk_bwd.STATES_DTYPE if SAVE_STATES else None)
         return (o, ht), (q, k, v, g, beta, h0, saved)
     out = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret)
     return out, (q, k, v, g, beta, h0)

@@ -426,8 +426,10 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     # the forward's call (with its block spreads), so that XLA merges the two
     G, dend_KN, *_ = gate_cumsum(gp, C=C, K=K, interpret=interpret, spreads=chunk_fwd.split_gram(scalar, delta))
     ch = lambda x: x.reshape(B, H, N, C, x.shape[-1])
+    states = None
     if saved is not None:
-        Qin, Kg, W, U, M, dend_KN, KK, R = saved
+        Qin, Kg, W, U, M, dend_KN, KK, R, *states = saved
+        states = tuple(states) or None  # (S0, E) when the forward's state pass kept them
         if not delta:
             U = jnp.moveaxis(vp, 2, 1).astype(f32)
     else:
@@ -446,7 +448,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
             U, W, R = jnp.moveaxis(vp, 2, 1).astype(f32), None, None
     terms = ChunkTerms(ch(Qin), ch(M), ch(Kg), jnp.swapaxes(dend_KN, -1, -2), ch(U), None if W is None else ch(W))
     dop = jnp.pad(do, [(0, 0), (0, Tp - T), (0, 0), (0, 0)])  # the kernels read it in its dtype
-    cot, dh0 = state_passes(terms, h0, dop, dht, exact=exact, interpret=interpret)
+    cot, dh0 = state_passes(terms, h0, dop, dht, exact=exact, interpret=interpret, states=states)
     flat = lambda x: x.reshape(B, H, Tp, x.shape[-1])
     tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
     tok1 = pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
@@ -555,15 +557,17 @@ def _chunk_grads_kernel(e_ref, s0_ref, ds_ref, do_ref, du_ref, dqin_ref, dm_ref,
 
 
 def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None, block_v=None, warps=None,
-                 bk=64, bv=64):
+                 bk=64, bv=64, states=None):
     """The Pallas passes: cotangents of `terms` (a ChunkTerms of [B, H, N, C, .] arrays) and d(h0), by
     `_states_kernel`, `_reverse_ds_kernel` (in segments: see SEGMENT_PASSES) and `_chunk_grads_kernel`. do:
-    [B, Tp, H, V] (Tp = N * C), dht: [B, H, K, V]. Returns (ChunkTerms of cotangents, dh0)."""
+    [B, Tp, H, V] (Tp = N * C), dht: [B, H, K, V]. states: (S0 [B, H, N K, V], E [B, H, Tp, V]) kept by the
+    forward's state pass (`chunk_fwd.forward(states_dtype=...)`), in place of `_states_kernel`'s. Returns
+    (ChunkTerms of cotangents, dh0)."""
     B, H, N, C, K, V, Tp, delta = _pass_dims(terms)
     interpret, prec = interpret_mode(interpret), "ieee" if exact else PASS_PREC
     nseg = pick_segments(B * H, N, V)
-    (qin, kg, m, u, w, dend_KN), BV, grid, (whole, vtile, state, states, kn, do_spec) = _pass_setup(terms, block_v,
-                                                                                                    nseg)
+    (qin, kg, m, u, w, dend_KN), BV, grid, (whole, vtile, state, per_chunk, kn, do_spec) = _pass_setup(terms,
+                                                                                                       block_v, nseg)
     Ns = N // nseg
     kept = f32 if exact else jnp.dtype(STATES_DTYPE)
     cot_dt = f32 if exact else jnp.dtype(COT_DTYPE)
@@ -592,14 +596,18 @@ def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None,
                   grid=grid[:3] + (NQ + K // BQ,), value_tiles=NQ)[0]
         PT = out[..., V:]
         dS_end = _chain(PT, out[..., :V], dht, reverse=True)
-        offsets = run(_states_kernel, "lineattn_chunk_bwd_states_local", STATES_STAGES, states_in, [state],
-                      [seg_states(V)], kg, w, u, dend_KN, jnp.zeros((B, H, nseg, K, V), f32))[0]
-        S_start = _chain(PT, offsets, h0, reverse=False)
-    s0, E = run(_states_kernel, "lineattn_chunk_bwd_states", STATES_STAGES, states_in, [states, vtile],
-                [jax.ShapeDtypeStruct((B, H, N * K, V), kept), jax.ShapeDtypeStruct((B, H, Tp, V), kept)],
-                kg, w, u, dend_KN, S_start)
+        if states is None:
+            offsets = run(_states_kernel, "lineattn_chunk_bwd_states_local", STATES_STAGES, states_in, [state],
+                          [seg_states(V)], kg, w, u, dend_KN, jnp.zeros((B, H, nseg, K, V), f32))[0]
+            S_start = _chain(PT, offsets, h0, reverse=False)
+    if states is None:
+        s0, E = run(_states_kernel, "lineattn_chunk_bwd_states", STATES_STAGES, states_in, [per_chunk, vtile],
+                    [jax.ShapeDtypeStruct((B, H, N * K, V), kept), jax.ShapeDtypeStruct((B, H, Tp, V), kept)],
+                    kg, w, u, dend_KN, S_start)
+    else:
+        s0, E = states
     ds, du, dS_start = run(_reverse_ds_kernel, "lineattn_chunk_bwd_reverse_ds", REVERSE_STAGES, reverse_in,
-                           [states, vtile, state], [jax.ShapeDtypeStruct((B, H, N * K, V), kept),
+                           [per_chunk, vtile, state], [jax.ShapeDtypeStruct((B, H, N * K, V), kept),
                                                     jax.ShapeDtypeStruct((B, H, Tp, V), wy_dt), seg_states(V)],
                            qin, kg, w, m, dend_KN, do, dS_end)
     dh0 = dS_start[:, :, 0]

@@ -445,17 +445,22 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     return qin, kg, w, u, m, dend
 
 
-def _state_pass_kernel(qin_ref, kg_ref, w_ref, u_ref, m_ref, dend_ref, h0_ref, o_ref, ht_ref, *s0_ref, C, N, prec,
-                       delta, export):
+def _state_pass_kernel(qin_ref, kg_ref, w_ref, u_ref, m_ref, dend_ref, h0_ref, o_ref, ht_ref, *extra_refs, C, N, K,
+                       prec, delta, export, keep):
+    """The sequential pass of one (batch, head, V tile). extra_refs: the exported states (export: chunk indices), or
+    with keep every chunk's incoming state [N K, BV] and E [Tp, BV] (what the backward's states pass writes)."""
     def body(n, S):
         for slot, chunk in enumerate(export):  # the incoming state of chosen chunks (serving checkpoints)
             @pl.when(n == chunk)
             def _(slot=slot):
-                s0_ref[0][slot] = S
+                extra_refs[0][slot] = S
 
         t = pl.ds(n * C, C)
         U = u_ref[t, :].astype(f32)
         E = U - dot(w_ref[t, :], S, prec) if delta else U
+        if keep:
+            extra_refs[0][pl.ds(n * K, K), :] = S.astype(extra_refs[0].dtype)
+            extra_refs[1][t, :] = E.astype(extra_refs[1].dtype)
         O = dot(qin_ref[t, :], S, prec) + dot(m_ref[t, :], E, prec)
         o_ref[t, :] = O.astype(o_ref.dtype)
         return S * dend_ref[:, pl.ds(n, 1)] + dot(kg_ref[t, :], E, prec, trans_a=True)
@@ -504,10 +509,11 @@ def _retrace_on_constants(jitted):
 
 @_retrace_on_constants
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "interpret", "block_v", "warps", "only_intra",
-                                             "export_chunks", "save", "constants"))
+                                             "export_chunks", "save", "states_dtype", "constants"))
 def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpret: bool | None = None,
             block_v: int | None = None, warps: tuple[int, int] | None = None, only_intra: bool = False,
-            export_chunks: tuple[int, ...] = (), save: bool = False, constants: tuple = ()):
+            export_chunks: tuple[int, ...] = (), save: bool = False, states_dtype: str | None = None,
+            constants: tuple = ()):
     """o [B, T, H, V] (q's dtype) and final state [B, H, K, V] fp32 of the delta rule with a per-channel gate.
 
     q, k [B, T, H, K] and v [B, T, H, V] (bf16 or fp32, one dtype), g [B, T, H, K] log decay per channel or
@@ -525,8 +531,10 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     inside the chunk.
     save: return (o, final state, saved) with saved = (qin, kg, w, u, m [B, H, Tp, .] in
     the store dtype, e^(G_C) [B, H, K, N], KK, R [B, H, Tp, C] fp32; the last four None for the additive write),
-    what `chunk_bwd.backward_fast` would otherwise recompute. constants: set by the wrapper (the module
-    constants' values, a cache key only).
+    what `chunk_bwd.backward_fast` would otherwise recompute; with states_dtype (a dtype name, for bf16 inputs;
+    fp32 inputs keep fp32) the state pass also writes every chunk's incoming state S0 [B, H, N K, V] and
+    E = U - W S0 [B, H, Tp, V], appended to saved (the backward then skips its own states pass). constants: set by
+    the wrapper (the module constants' values, a cache key only).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -565,9 +573,14 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     n_slots = 1 << max(len(export_chunks) - 1, 0).bit_length()  # Triton blocks: powers of two
     exported = ([pl.BlockSpec((None, None, n_slots, K, BV), lambda b, h, j: (b, h, 0, 0, j))],
                 [jax.ShapeDtypeStruct((B, H, n_slots, K, V), f32)]) if export_chunks else ([], [])
+    keep = save and states_dtype is not None and not export_chunks
+    if keep:
+        kept = f32 if exact else jnp.dtype(states_dtype)
+        exported = ([pl.BlockSpec((None, None, N * K, BV), lambda b, h, j: (b, h, 0, j)), vtile],
+                    [jax.ShapeDtypeStruct((B, H, N * K, V), kept), jax.ShapeDtypeStruct((B, H, Tp, V), kept)])
     o, ht, *s0 = pl.pallas_call(
-        functools.partial(_state_pass_kernel, C=C, N=N, prec="ieee" if exact else "bf16", delta=delta,
-                          export=export_chunks),
+        functools.partial(_state_pass_kernel, C=C, N=N, K=K, prec="ieee" if exact else "bf16", delta=delta,
+                          export=export_chunks, keep=keep),
         grid=(B, H, V // BV),
         in_specs=[whole(K), whole(K), whole(K), vtile, whole(C),
                   pl.BlockSpec((None, None, K, N), lambda b, h, j: (b, h, 0, 0)), state],
@@ -580,5 +593,5 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     if export_chunks:
         return o[:, :T], ht, s0[0][:, :, :len(export_chunks)], (w if delta else None), (u if delta else None)
     if save:
-        return o[:, :T], ht, (qin, kg, w if delta else None, u if delta else None, m, dend, *extra)
+        return o[:, :T], ht, (qin, kg, w if delta else None, u if delta else None, m, dend, *extra, *s0)
     return o[:, :T], ht
