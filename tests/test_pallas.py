@@ -191,6 +191,19 @@ def test_pallas_with_the_gram_cond(gate, monkeypatch):
     assert "lineattn_chunk_gram_exact" not in jaxpr and "lineattn_chunk_gram" in jaxpr
 
 
+@pytest.mark.parametrize("gate", ["lower_bound", "cut"])
+def test_pallas_with_split_gram_gradients(gate, monkeypatch):
+    # `chunk_bwd.GRADS_SPLIT`: the Gram-gradient kernel's fast path in every block, then the exact path rewrites
+    # the chunks that the gate-cumsum kernel flags (fp32, gates at -5 per token: no chunk flagged; -1000 cuts:
+    # flagged chunks, whose fast-path values would be wrong), against the oracle.
+    from lineattn.ops.pallas import chunk_bwd
+    monkeypatch.setattr(chunk_bwd, "GRADS_SPLIT", True)
+    test_pallas_gate_extremes(gate, "kernels-saved", monkeypatch)
+    x = make_inputs("kda", B=1, **SMALL, seed=5)
+    loss = lambda q: jnp.sum(ops.linear_attention("kda", q, x["k"], x["v"], x["g"], x["beta"], backend="pallas")[0])
+    assert "lineattn_gram_bwd_exact" in str(jax.make_jaxpr(jax.grad(loss))(x["q"]))
+
+
 @pytest.mark.parametrize("gate", ["default", "cut"])
 def test_pallas_with_the_mosaic_solve(gate, monkeypatch):
     # `chunk_fwd.SOLVE_IMPL = "mosaic"` (the default on a Hopper GPU): KDA in bf16 at chunk 64 (T = 80 ragged,

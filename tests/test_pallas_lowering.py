@@ -115,3 +115,11 @@ def test_saved_states_lower_for_sm90(fake_h200, monkeypatch, T):
     text = _lowered(T, jnp.bfloat16, "kernels-saved")
     assert "lineattn_chunk_bwd_states" not in text
     assert text.count("__gpu$xla.gpu.triton") == 5 + 6 + (T == 1024)
+
+
+def test_split_gram_gradients_lower_for_sm90(fake_h200, monkeypatch):
+    # `chunk_bwd.GRADS_SPLIT`: the Gram-gradient kernel on the fast path, then its exact rewrite of flagged chunks.
+    from lineattn.ops.pallas import chunk_bwd
+    monkeypatch.setattr(chunk_bwd, "GRADS_SPLIT", True)
+    text = _lowered(100, jnp.bfloat16, "kernels-saved")
+    assert "lineattn_gram_bwd_exact" in text and text.count("__gpu$xla.gpu.triton") == 5 + 7 + 1

@@ -51,6 +51,11 @@ STATES_DTYPE = "bfloat16"
 GRADS_WARPS, WY_WARPS, CHUNK_GRADS_WARPS, DG_BK = 4, 8, 4, 64
 # The Gram gradients' K tile (run10b, 8 x 4096: 1.87 ms with 128 against 2.05 with 64 and 3.18 with 32).
 GRADS_BK = 128
+# GRADS_SPLIT: the Gram-gradient kernel without its exact path (every block on the fast path), then a second
+# kernel that rewrites by the exact path the chunks the gate-cumsum kernel flags beyond LIMIT (as the forward's
+# GRAM_IMPL "triton-fast": there 0.79 + 0.01 ms against 0.94 with both paths in one kernel). Read when a call is
+# traced; applies where the forward's Gram stage is split too (its spreads); tested on the CPU, not yet timed.
+GRADS_SPLIT = False
 GRADS_SCALAR_WARPS = 4  # the scalar-gate Gram gradients (`gram_grads_scalar`; run9a, GDN 8 x 4096: 1.58 ms)
 # dq, dk and dG are formed inside the Gram-gradient kernel, row by row, and `_dg_kernel` takes dg's reverse
 # cumsum. (A separate combine kernel reading four fp32 Gram gradients back was slower on the H200, run8a: 1.62 +
@@ -232,11 +237,16 @@ def _gram_grad_exact_loop(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, *, scale,
     return jax.lax.fori_loop(0, s, step, (xq, xk, kq, kk))
 
 
-def _gram_bwd_kernel(q_ref, k_ref, G_ref, dm_ref, dkk_ref, dqin_ref, dkg_ref, dkin_ref, dq_ref, dk_ref, dG_ref,
-                     r_ref, *, C, scale, prec, bk, delta=True):
+def _gram_bwd_kernel(*refs, C, scale, prec, bk, delta=True, paths="both"):
     """The Gram gradients of one 16-row block with the row-local combine: from the block's rows of dQin, dKg,
     dKin [16, K], the outputs dq, dk (the inputs' layout), dG [16, K] and the block's column sum of Kg * dKg
-    [1, K] (`_combine_rows`; `_dg_kernel` then takes the in-chunk reverse cumsum)."""
+    [1, K] (`_combine_rows`; `_dg_kernel` then takes the in-chunk reverse cumsum). paths: "both" (the fast path
+    where the block's spread allows it, else the exact one), "fast" (the fast path only), or "exact" (the exact
+    path, only in the chunks flagged by a leading flag ref, the outputs aliased to four trailing inputs)."""
+    if paths == "exact":
+        flag_ref, *refs = refs
+        refs = refs[:8] + refs[12:]  # (the aliased outputs' input copies are not read)
+    q_ref, k_ref, G_ref, dm_ref, dkk_ref, dqin_ref, dkg_ref, dkin_ref, dq_ref, dk_ref, dG_ref, r_ref = refs
     s = SUB
     a = pl.program_id(2) % (C // s)
     r0 = a * s
@@ -262,15 +272,22 @@ def _gram_bwd_kernel(q_ref, k_ref, G_ref, dm_ref, dkk_ref, dqin_ref, dkg_ref, dk
                 emit(d, *path(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, scale=scale, prec=prec))
         return run
 
-    pl.when(spread <= LIMIT)(per_tile(_gram_grad_fast))
-    pl.when(spread > LIMIT)(per_tile(_gram_grad_exact_loop))
+    if paths == "exact":
+        pl.when(jnp.max(flag_ref[...]) > 0.0)(per_tile(_gram_grad_exact_loop))
+    elif paths == "fast":
+        per_tile(_gram_grad_fast)()
+    else:
+        pl.when(spread <= LIMIT)(per_tile(_gram_grad_fast))
+        pl.when(spread > LIMIT)(per_tile(_gram_grad_exact_loop))
 
 
-def gram_grads_fused(q, k, G, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, interpret, warps=4, bk=64, delta=True):
+def gram_grads_fused(q, k, G, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, interpret, warps=4, bk=64, delta=True,
+                     spreads=None):
     """The Gram gradients with the row-local combine, by `_gram_bwd_kernel`: from q, k, G [B, Tp, H, K], dM, dKK
     [B, H, Tp, C] (lower triangular) and dQin, dKg, dKin [B, H, Tp, K] fp32, dq, dk [B, Tp, H, K] (q's and k's
     dtypes), dG [B, H, Tp, K] fp32 and the 16-row blocks' column sums of Kg * dKg [B, H, Tp / 16, K] (see
-    `_combine_rows`)."""
+    `_combine_rows`). spreads: `gate_cumsum`'s block spreads (GRADS_SPLIT): the kernel takes the fast path in
+    every block, then a second one rewrites the chunks flagged beyond LIMIT by the exact path."""
     B, Tp, H, K = q.shape
     N, nb = Tp // C, C // SUB
     chunk_tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
@@ -278,16 +295,26 @@ def gram_grads_fused(q, k, G, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, inte
     rows = pl.BlockSpec((None, None, SUB, K), lambda b, h, i: (b, h, i, 0))
     tok_rows = pl.BlockSpec((None, SUB, None, K), lambda b, h, i: (b, i, h, 0))
     prec = "ieee" if exact else "tf32"  # (bf16 products: dg's error 1.3e-2 against 1.8e-3, CPU, T = 512)
-    return pl.pallas_call(
-        functools.partial(_gram_bwd_kernel, C=C, scale=scale, prec=prec, bk=min(bk, K), delta=delta),
-        grid=(B, H, N * nb),
-        in_specs=[chunk_tok(K), chunk_tok(K), chunk_tok(K), chunk_mat, chunk_mat, rows, rows, rows],
-        out_specs=[tok_rows, tok_rows, rows, pl.BlockSpec((None, None, 1, K), lambda b, h, i: (b, h, i, 0))],
-        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
-                   jax.ShapeDtypeStruct((B, H, Tp, K), f32), jax.ShapeDtypeStruct((B, H, N * nb, K), f32)],
-        compiler_params=compiler_params(num_warps=warps, num_stages=1), interpret=interpret,
-        name="lineattn_gram_bwd_combine",
-    )(q, k, G, dM, dKK, dQin, dKg, dKin)
+    out_specs = [tok_rows, tok_rows, rows, pl.BlockSpec((None, None, 1, K), lambda b, h, i: (b, h, i, 0))]
+    out_shape = [jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
+                 jax.ShapeDtypeStruct((B, H, Tp, K), f32), jax.ShapeDtypeStruct((B, H, N * nb, K), f32)]
+    in_specs = [chunk_tok(K), chunk_tok(K), chunk_tok(K), chunk_mat, chunk_mat, rows, rows, rows]
+    args = (q, k, G, dM, dKK, dQin, dKg, dKin)
+
+    def call(paths, name, flags=None, fast=()):
+        """The kernel with `paths`; for "exact": the chunk flags first and the fast outputs last (aliased)."""
+        lead = [] if flags is None else [pl.BlockSpec((None, None, None, nb), lambda b, h, i: (b, h, i // nb, 0))]
+        return pl.pallas_call(
+            functools.partial(_gram_bwd_kernel, C=C, scale=scale, prec=prec, bk=min(bk, K), delta=delta, paths=paths),
+            grid=(B, H, N * nb), in_specs=lead + in_specs + (out_specs if fast else []), out_specs=out_specs,
+            out_shape=out_shape, input_output_aliases={9 + i: i for i in range(len(fast))}, interpret=interpret,
+            name=name, compiler_params=compiler_params(num_warps=warps, num_stages=1),
+        )(*([] if flags is None else [flags]), *args, *fast)
+
+    if spreads is None:
+        return call("both", "lineattn_gram_bwd_combine")
+    fast = call("fast", "lineattn_gram_bwd_combine")
+    return call("exact", "lineattn_gram_bwd_exact", chunk_fwd.chunk_flags(spreads, nb), fast)
 
 
 def _gram_scalar_bwd_kernel(q_ref, k_ref, g_ref, dm_ref, dkk_ref, dqin_ref, dkg_ref, dkin_ref, dq_ref, dk_ref, dG_ref,
@@ -423,8 +450,9 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     Tp = qp.shape[1]
     N = Tp // C
     scalar = g.ndim == 3  # (the gate cumsum broadcasts it: the solve and state passes take a per-channel G)
-    # the forward's call (with its block spreads), so that XLA merges the two
-    G, dend_KN, *_ = gate_cumsum(gp, C=C, K=K, interpret=interpret, spreads=chunk_fwd.split_gram(scalar, delta))
+    # the forward's call (with its block spreads where its Gram stage is split), so that XLA merges the two
+    grads_split = GRADS_SPLIT and chunk_fwd.split_gram(scalar, delta)
+    G, dend_KN, *spreads = gate_cumsum(gp, C=C, K=K, interpret=interpret, spreads=chunk_fwd.split_gram(scalar, delta))
     ch = lambda x: x.reshape(B, H, N, C, x.shape[-1])
     states = None
     if saved is not None:
@@ -480,7 +508,8 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
                                                delta=delta)
     else:
         dq, dk, dG, kg_dkg = gram_grads_fused(*grads, C=C, scale=scale, exact=exact, interpret=interpret,
-                                              warps=grads_warps or GRADS_WARPS, delta=delta, bk=GRADS_BK)
+                                              warps=grads_warps or GRADS_WARPS, delta=delta, bk=GRADS_BK,
+                                              spreads=spreads[0] if grads_split else None)
     nr = kg_dkg.shape[2] // N  # rows of Kg * dKg column sums per chunk (16-row blocks, or 1 per chunk)
     dg = pl.pallas_call(
         _dg_kernel, grid=(B, H, N, K // bk),

@@ -195,14 +195,19 @@ def _gram_exact_chunk_kernel(flag_ref, q_ref, k_ref, G_ref, beta_ref, m_in_ref, 
         jax.lax.fori_loop(0, C // SUB, block, 0)
 
 
+def chunk_flags(spreads, nb: int):
+    """1.0 for the chunks that hold a 16-row block of spread > LIMIT, else 0.0, as [B, H, N, nb] (a row of nb for a
+    Triton block) from `gate_cumsum`'s spreads [B, H, N, K tiles, C / 16]."""
+    return jnp.broadcast_to((jnp.max(spreads, axis=(3, 4)) > LIMIT).astype(f32)[..., None], spreads.shape[:3] + (nb,))
+
+
 def gram_exact_chunks(spreads, q, k, G, beta, m, A, *, C, scale, interpret, prec, bk=64):
     """M, A [B, H, Tp, C] with the chunks that hold a 16-row block of spread > LIMIT (from `gate_cumsum`'s
     spreads [B, H, N, K tiles, C / 16]) recomputed exactly (`_gram_exact`, products at `prec`), after a fast path
     that has no exact path of its own (`gram_rows(fast_only=True)`); q, k, G [B, Tp, H, K], beta [B, Tp, H]."""
     B, Tp, H, K = q.shape
     nb = C // SUB
-    flags = jnp.broadcast_to((jnp.max(spreads, axis=(3, 4)) > LIMIT).astype(f32)[..., None],
-                             spreads.shape[:3] + (nb,))
+    flags = chunk_flags(spreads, nb)
     tok = pl.BlockSpec((None, C, None, K), lambda b, h, n: (b, n, h, 0))
     mat = pl.BlockSpec((None, None, C, C), lambda b, h, n: (b, h, n, 0))
     return pl.pallas_call(
