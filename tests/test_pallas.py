@@ -178,17 +178,21 @@ def test_mosaic_solve_matches_the_triton_solve(with_r):
         solve_mgpu.solve_mosaic(A, k[..., :32], v, G[..., :32], beta, interpret=True, **kw)
 
 
+@pytest.mark.parametrize("impl", ["triton", "triton-triangle"])
 @pytest.mark.parametrize("gate", ["lower_bound", "cut"])
-def test_pallas_with_the_gram_cond(gate, monkeypatch):
-    # `chunk_fwd.GRAM_IMPL = "triton"`: the Gram kernel with its exact path behind a `lax.cond` in place of the
-    # default fast path + `gram_exact_chunks` (fp32, gates at -5 per token or -1000 cuts, against the oracle).
+def test_pallas_gram_variants(impl, gate, monkeypatch):
+    # `chunk_fwd.GRAM_IMPL` other than the default "triton-fast": "triton" (the exact path behind a `lax.cond`, no
+    # fix-up kernel) and "triton-triangle" (the fast path by column blocks up to the diagonal, then the fix-up):
+    # fp32 with gates at -5 per token or -1000 cuts against the oracle, then bf16 (chunk 64, K = V = 64).
     from lineattn.ops.pallas import chunk_fwd
-    monkeypatch.setattr(chunk_fwd, "GRAM_IMPL", "triton")
+    monkeypatch.setattr(chunk_fwd, "GRAM_IMPL", impl)
     test_pallas_gate_extremes(gate, "kernels-saved", monkeypatch)
     x = make_inputs("kda", B=1, **SMALL, seed=5)
     jaxpr = str(jax.make_jaxpr(lambda q: ops.linear_attention("kda", q, x["k"], x["v"], x["g"], x["beta"],
                                                               backend="pallas")[0])(x["q"]))
-    assert "lineattn_chunk_gram_exact" not in jaxpr and "lineattn_chunk_gram" in jaxpr
+    assert ("lineattn_chunk_gram_exact" in jaxpr) == (impl != "triton") and "lineattn_chunk_gram" in jaxpr
+    if gate == "lower_bound":
+        _assert_bf16_close("kda", make_inputs("kda", B=1, **dict(SMALL, K=64, V=64), seed=6), chunk_size=64)
 
 
 @pytest.mark.parametrize("gate", ["lower_bound", "cut"])

@@ -66,6 +66,7 @@ VARIANTS = [("kda", None), ("gdn", None), ("deltanet", None), ("gla", None), ("k
             ("kda", ("kernels-saved", {"chunk_fwd.SOLVE_IMPL": "triton"})),  # the default off Hopper
             ("kda", ("kernels-saved", {"solve_mgpu.LHS_REGS": False})),
             ("kda", ("kernels-saved", {"chunk_fwd.GRAM_IMPL": "triton"})),
+            ("kda", ("kernels-saved", {"chunk_fwd.GRAM_IMPL": "triton-triangle"})),  # not yet run on the H200
             ("kda", ("kernels-saved", {"chunk.SAVE_STATES": True})),  # not yet run on the H200
             ("gdn", ("kernels-saved", {"chunk.SAVE_STATES": True})),  # not yet run on the H200
             ("kda", ("kernels-saved", {"chunk_bwd.GRADS_SPLIT": True})),  # not yet run on the H200

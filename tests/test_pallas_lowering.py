@@ -98,12 +98,17 @@ def test_mosaic_solve_lowers_for_sm90(fake_h200, monkeypatch, lhs_regs):
     assert "lineattn_solve_mosaic" not in _lowered(100, jnp.float32, "kernels-saved")
 
 
-def test_gram_cond_lowers_for_sm90(fake_h200, monkeypatch):
-    # `chunk_fwd.GRAM_IMPL = "triton"`: the Gram kernel with its exact path inside, no fix-up kernel.
+@pytest.mark.parametrize("impl", ["triton", "triton-triangle"])
+def test_gram_variants_lower_for_sm90(fake_h200, monkeypatch, impl):
+    # `chunk_fwd.GRAM_IMPL = "triton"`: the Gram kernel with its exact path inside, no fix-up kernel;
+    # "triton-triangle": the fast path by column blocks (a `pl.when` per block), then the fix-up kernel.
     from lineattn.ops.pallas import chunk_fwd
-    monkeypatch.setattr(chunk_fwd, "GRAM_IMPL", "triton")
-    text = _lowered(100, jnp.bfloat16, "kernels-saved")
-    assert "lineattn_chunk_gram_exact" not in text and text.count("__gpu$xla.gpu.triton") == 4 + 7
+    monkeypatch.setattr(chunk_fwd, "GRAM_IMPL", impl)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        text = _lowered(100, dtype, "kernels-saved")
+        fixup = impl == "triton-triangle"
+        assert ("lineattn_chunk_gram_exact" in text) == fixup
+        assert text.count("__gpu$xla.gpu.triton") == 4 + fixup + 7
 
 
 @pytest.mark.parametrize("T", [100, 1024])

@@ -126,10 +126,48 @@ def _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, o0=0):
         a_ref[out, :] = jnp.where(cols < rows, beta_ref[out].astype(f32)[:, None] * Ax, 0.0)
 
 
+def _gram_triangle(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, a, *, scale, prec, delta, bk):
+    """The fast path of block a by 16-column blocks b <= a only (the columns after the block are zeros: no exps,
+    loads or products for them; `GRAM_IMPL` "triton-triangle"), written straight into m_ref, a_ref [16, C]."""
+    s, C, K = SUB, k_ref.shape[0], k_ref.shape[-1]
+    r0 = a * s
+    blk = pl.ds(r0, s)
+    rows, cols = _iota((s, s), 0), _iota((s, s), 1)
+    beta = beta_ref[...].astype(f32)[:, None]
+    xs = []  # per K tile: the block's (scale q, k) times e^(G_a - G_r), r its middle row, and G_r
+    for t in range(K // bk):
+        d = pl.ds(t * bk, bk)
+        Gr = G_ref[pl.ds(r0 + s // 2, 1), d]
+        xr = jnp.exp(G_ref[blk, d] - Gr)
+        xs.append((q_ref[:, d].astype(f32) * (scale * xr), k_ref[blk, d].astype(f32) * xr if delta else None, Gr))
+    for b in range(C // s):
+        cb = pl.ds(b * s, s)
+
+        @pl.when(b <= a)
+        def _(b=b, cb=cb):
+            Mx, Ax = jnp.zeros((s, s), f32), jnp.zeros((s, s), f32)
+            for t, (xq, xk, Gr) in enumerate(xs):
+                d = pl.ds(t * bk, bk)
+                kc = k_ref[cb, d].astype(f32) * jnp.exp(jnp.minimum(Gr - G_ref[cb, d], LIMIT))
+                Mx = Mx + dot(xq, kc, prec, trans_b=True)
+                if delta:
+                    Ax = Ax + dot(xk, kc, prec, trans_b=True)
+            off = b < a  # below the diagonal block: every entry; on it: j <= i (M), j < i (A)
+            m_ref[:, cb] = jnp.where(off | (cols <= rows), Mx, 0.0).astype(m_ref.dtype)
+            if delta:
+                a_ref[:, cb] = jnp.where(off | (cols < rows), beta * Ax, 0.0)
+
+        @pl.when(b > a)
+        def _(cb=cb):
+            m_ref[:, cb] = jnp.zeros((s, s), m_ref.dtype)
+            if delta:
+                a_ref[:, cb] = jnp.zeros((s, s), a_ref.dtype)
+
+
 def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta, bk,
-                      fast_only=False):
+                      fast_only=False, triangle=False):
     """One 16-row block: Qin, Kg and the rows of M and A, the exact path taken by a block-uniform `lax.cond` (or
-    left to `gram_exact_chunks`: fast_only)."""
+    left to `gram_exact_chunks`: fast_only; triangle: the fast path by `_gram_triangle`)."""
     s = SUB
     r0 = (pl.program_id(2) % (C // s)) * s
     K = k_ref.shape[-1]
@@ -140,6 +178,9 @@ def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_r
         qin_ref[:, d] = (q_ref[:, d].astype(f32) * scale * jnp.exp(Ga)).astype(qin_ref.dtype)
         kg_ref[:, d] = (k_ref[blk, d].astype(f32) * jnp.exp(G_ref[pl.ds(C - 1, 1), d] - Ga)).astype(kg_ref.dtype)
     kw = dict(scale=scale, prec=prec, delta=delta, bk=bk)
+    if triangle:
+        _gram_triangle(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, r0 // s, **kw)
+        return
     fast = lambda: _gram_products(q_ref, k_ref, G_ref, r0, r0 + s // 2, LIMIT, **kw)
     if fast_only:
         Mx, Ax = fast()
@@ -156,10 +197,10 @@ def _gram_outputs(B, H, Tp, C, K, store, a_dtype):
 
 
 def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, a_dtype=f32, bk=64,
-              fast_only=False):
+              fast_only=False, triangle=False):
     """M, A (= Diag(beta) KK, strictly lower), Qin, Kg as [B, H, Tp, .] from q, k [B, Tp, H, K], the in-chunk
     cumsum G (fp32) and beta [B, Tp, H] (see `_gram_rows_kernel`; fast_only: without the exact path, for
-    `gram_exact_chunks` to complete)."""
+    `gram_exact_chunks` to complete; triangle: the same by column blocks up to the diagonal)."""
     B, Tp, H, K = q.shape
     N, nb = Tp // C, C // SUB
     sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i, h, 0))
@@ -167,7 +208,7 @@ def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, 
     row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, i, 0))
     return pl.pallas_call(
         functools.partial(_gram_rows_kernel, C=C, scale=scale, prec=prec, delta=delta, bk=min(bk, K),
-                          fast_only=fast_only),
+                          fast_only=fast_only, triangle=triangle),
         grid=(B, H, N * nb),
         in_specs=[sub(K), whole(K), whole(K), pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i, h))],
         out_specs=[row_out(C), row_out(C), row_out(K), row_out(K)],
@@ -343,14 +384,17 @@ SOLVE_IMPL = "auto"
 # exact path behind a block-uniform `lax.cond`) or "triton-fast" (`gram_rows` without it, then
 # `gram_exact_chunks` recomputes the chunks the gate-cumsum kernel flags beyond LIMIT). H200, 8 x 4096 (run11a):
 # 0.79 + 0.01 ms (+ 0.02 for the cumsum kernel's spreads) against 0.94. (A Mosaic GPU Gram kernel, bf16 wgmma
-# with reference points per 16-column block, took 2.00 ms in run11a: removed.)
+# with reference points per 16-column block, took 2.00 ms in run11a: removed.) "triton-triangle": as
+# "triton-fast", the fast path by 16-column blocks up to the diagonal only (`_gram_triangle`: 5/8 of the exps,
+# loads and products on average; tested on the CPU, not yet timed).
 GRAM_IMPL = "triton-fast"
 
 
 def split_gram(scalar: bool, delta: bool) -> bool:
-    """Whether the Gram stage is GRAM_IMPL "triton-fast" (its gate cumsum then also writes the block spreads;
+    """Whether the Gram stage is split, GRAM_IMPL "triton-fast" or "triton-triangle" (its gate cumsum then also
+    writes the block spreads;
     the backward's cumsum asks for them too, so that XLA merges the two identical calls)."""
-    return GRAM_IMPL == "triton-fast" and not scalar and delta
+    return GRAM_IMPL in ("triton-fast", "triton-triangle") and not scalar and delta
 
 
 def mosaic_solve(exact: bool, C: int, K: int, V: int, interpret: bool) -> bool:
@@ -425,7 +469,8 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     gram_beta = jnp.ones_like(beta) if save else beta
     if split:
         m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=prec if exact else GRAM_PREC,
-                                  delta=True, warps=warps, interpret=interpret, bk=GRAM_BK, fast_only=True)
+                                  delta=True, warps=warps, interpret=interpret, bk=GRAM_BK, fast_only=True,
+                                  triangle=GRAM_IMPL == "triton-triangle")
         m, A = gram_exact_chunks(spreads[0], q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret,
                                  prec=prec if exact else GRAM_PREC)
     elif scalar:
