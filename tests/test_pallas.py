@@ -195,17 +195,22 @@ def test_pallas_gram_variants(impl, gate, monkeypatch):
         _assert_bf16_close("kda", make_inputs("kda", B=1, **dict(SMALL, K=64, V=64), seed=6), chunk_size=64)
 
 
+@pytest.mark.parametrize("split,triangle", [(True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("gate", ["lower_bound", "cut"])
-def test_pallas_with_split_gram_gradients(gate, monkeypatch):
+def test_pallas_gram_gradient_variants(gate, split, triangle, monkeypatch):
     # `chunk_bwd.GRADS_SPLIT`: the Gram-gradient kernel's fast path in every block, then the exact path rewrites
-    # the chunks that the gate-cumsum kernel flags (fp32, gates at -5 per token: no chunk flagged; -1000 cuts:
-    # flagged chunks, whose fast-path values would be wrong), against the oracle.
+    # the chunks that the gate-cumsum kernel flags (gates at -5 per token: no chunk flagged; -1000 cuts: flagged
+    # chunks, whose fast-path values would be wrong); `GRADS_TRIANGLE`: the fast path by column blocks. fp32
+    # against the oracle, then bf16 at chunk 64 (K = V = 64).
     from lineattn.ops.pallas import chunk_bwd
-    monkeypatch.setattr(chunk_bwd, "GRADS_SPLIT", True)
+    monkeypatch.setattr(chunk_bwd, "GRADS_SPLIT", split)
+    monkeypatch.setattr(chunk_bwd, "GRADS_TRIANGLE", triangle)
     test_pallas_gate_extremes(gate, "kernels-saved", monkeypatch)
     x = make_inputs("kda", B=1, **SMALL, seed=5)
     loss = lambda q: jnp.sum(ops.linear_attention("kda", q, x["k"], x["v"], x["g"], x["beta"], backend="pallas")[0])
-    assert "lineattn_gram_bwd_exact" in str(jax.make_jaxpr(jax.grad(loss))(x["q"]))
+    assert ("lineattn_gram_bwd_exact" in str(jax.make_jaxpr(jax.grad(loss))(x["q"]))) == split
+    if gate == "lower_bound":
+        _assert_bf16_close("kda", make_inputs("kda", B=1, **dict(SMALL, K=64, V=64), seed=6), chunk_size=64)
 
 
 @pytest.mark.parametrize("gate", ["default", "cut"])

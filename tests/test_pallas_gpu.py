@@ -70,6 +70,7 @@ VARIANTS = [("kda", None), ("gdn", None), ("deltanet", None), ("gla", None), ("k
             ("kda", ("kernels-saved", {"chunk.SAVE_STATES": True})),  # not yet run on the H200
             ("gdn", ("kernels-saved", {"chunk.SAVE_STATES": True})),  # not yet run on the H200
             ("kda", ("kernels-saved", {"chunk_bwd.GRADS_SPLIT": True})),  # not yet run on the H200
+            ("kda", ("kernels-saved", {"chunk_bwd.GRADS_TRIANGLE": True})),  # not yet run on the H200
             ("kda", ("kernels-saved", {"chunk_bwd.SEGMENT_PASSES": False})),  # the defaults: 32 segments of 8 chunks
             ("gdn", ("kernels-saved", {"chunk_bwd.SEGMENT_PASSES": False}))]
 

@@ -122,9 +122,14 @@ def test_saved_states_lower_for_sm90(fake_h200, monkeypatch, T):
     assert text.count("__gpu$xla.gpu.triton") == 5 + 6 + (T == 1024)
 
 
-def test_split_gram_gradients_lower_for_sm90(fake_h200, monkeypatch):
-    # `chunk_bwd.GRADS_SPLIT`: the Gram-gradient kernel on the fast path, then its exact rewrite of flagged chunks.
+@pytest.mark.parametrize("split,triangle", [(True, False), (False, True), (True, True)])
+def test_gram_gradient_variants_lower_for_sm90(fake_h200, monkeypatch, split, triangle):
+    # `chunk_bwd.GRADS_SPLIT`: the Gram-gradient kernel on the fast path, then its exact rewrite of flagged chunks;
+    # `GRADS_TRIANGLE`: the fast path by column blocks (a `lax.cond` per block and side).
     from lineattn.ops.pallas import chunk_bwd
-    monkeypatch.setattr(chunk_bwd, "GRADS_SPLIT", True)
-    text = _lowered(100, jnp.bfloat16, "kernels-saved")
-    assert "lineattn_gram_bwd_exact" in text and text.count("__gpu$xla.gpu.triton") == 5 + 7 + 1
+    monkeypatch.setattr(chunk_bwd, "GRADS_SPLIT", split)
+    monkeypatch.setattr(chunk_bwd, "GRADS_TRIANGLE", triangle)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        text = _lowered(100, dtype, "kernels-saved")
+        assert ("lineattn_gram_bwd_exact" in text) == split
+        assert text.count("__gpu$xla.gpu.triton") == 5 + 7 + split

@@ -56,6 +56,10 @@ GRADS_BK = 128
 # GRAM_IMPL "triton-fast": there 0.79 + 0.01 ms against 0.94 with both paths in one kernel). Read when a call is
 # traced; applies where the forward's Gram stage is split too (its spreads); tested on the CPU, not yet timed.
 GRADS_SPLIT = False
+# GRADS_TRIANGLE: the Gram gradients' fast path by 16-column blocks, each side over the blocks where dP is nonzero
+# only (`_gram_grad_triangle`: 5/8 of the exps, loads and products on average; as GRAM_IMPL "triton-triangle" in
+# the forward). Read when a call is traced; tested on the CPU, not yet timed.
+GRADS_TRIANGLE = False
 GRADS_SCALAR_WARPS = 4  # the scalar-gate Gram gradients (`gram_grads_scalar`; run9a, GDN 8 x 4096: 1.58 ms)
 # dq, dk and dG are formed inside the Gram-gradient kernel, row by row, and `_dg_kernel` takes dg's reverse
 # cumsum. (A separate combine kernel reading four fp32 Gram gradients back was slower on the H200, run8a: 1.62 +
@@ -193,6 +197,36 @@ def _gram_grad_fast(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, *, scale, prec)
             col * dot(dkk_ref[:, blk], k_ref[:, d].astype(f32) * up, prec, trans_a=True))
 
 
+def _gram_grad_triangle(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, *, scale, prec):
+    """`_gram_grad_fast` by 16-column blocks b: the row side over the blocks b <= a only, the column side over
+    b >= a (dP is zero elsewhere): 5 block-products of the 8 on average, each behind a block-uniform
+    `lax.cond` (GRADS_TRIANGLE)."""
+    s, C = SUB, k_ref.shape[0]
+    a = r0 // s
+    blk = pl.ds(r0, s)
+    Gr, Ga = G_ref[pl.ds(r0 + s // 2, 1), d], G_ref[blk, d]
+
+    def row_side(b, acc):  # dP[a, b] @ (k_b e^(G_r - G_b))
+        cb = pl.ds(b * s, s)
+        kc = k_ref[cb, d].astype(f32) * jnp.exp(jnp.minimum(Gr - G_ref[cb, d], LIMIT))
+        return acc[0] + dot(dm_ref[blk, cb], kc, prec), acc[1] + dot(dkk_ref[blk, cb], kc, prec)
+
+    def column_side(b, acc):  # dP[b, a]^T @ (x_b e^(G_b - G_r))
+        cb = pl.ds(b * s, s)
+        up = jnp.exp(jnp.minimum(G_ref[cb, d] - Gr, LIMIT))
+        return (acc[0] + dot(dm_ref[cb, blk], q_ref[cb, d].astype(f32) * (scale * up), prec, trans_a=True),
+                acc[1] + dot(dkk_ref[cb, blk], k_ref[cb, d].astype(f32) * up, prec, trans_a=True))
+
+    zero = jnp.zeros(Ga.shape, f32)
+    xs, ks = (zero, zero), (zero, zero)
+    keep = lambda acc: acc
+    for b in range(C // s):
+        xs = jax.lax.cond(b <= a, functools.partial(row_side, b), keep, xs)
+        ks = jax.lax.cond(b >= a, functools.partial(column_side, b), keep, ks)
+    row, col = jnp.exp(Ga - Gr), jnp.exp(Gr - Ga)
+    return row * xs[0], row * xs[1], col * ks[0], col * ks[1]
+
+
 def _exact_operands(dm_ref, dkk_ref, r0):
     """The exact paths' cotangent blocks for the 16-row block at r0: the row side left of the diagonal block
     (dM, dKK [16, C]), the column side below it ([C, 16]) and the diagonal blocks [16 (i), 16 (j)]."""
@@ -237,12 +271,13 @@ def _gram_grad_exact_loop(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, *, scale,
     return jax.lax.fori_loop(0, s, step, (xq, xk, kq, kk))
 
 
-def _gram_bwd_kernel(*refs, C, scale, prec, bk, delta=True, paths="both"):
+def _gram_bwd_kernel(*refs, C, scale, prec, bk, delta=True, paths="both", triangle=False):
     """The Gram gradients of one 16-row block with the row-local combine: from the block's rows of dQin, dKg,
     dKin [16, K], the outputs dq, dk (the inputs' layout), dG [16, K] and the block's column sum of Kg * dKg
     [1, K] (`_combine_rows`; `_dg_kernel` then takes the in-chunk reverse cumsum). paths: "both" (the fast path
     where the block's spread allows it, else the exact one), "fast" (the fast path only), or "exact" (the exact
-    path, only in the chunks flagged by a leading flag ref, the outputs aliased to four trailing inputs)."""
+    path, only in the chunks flagged by a leading flag ref, the outputs aliased to four trailing inputs).
+    triangle: the fast path by `_gram_grad_triangle`."""
     if paths == "exact":
         flag_ref, *refs = refs
         refs = refs[:8] + refs[12:]  # (the aliased outputs' input copies are not read)
@@ -263,7 +298,6 @@ def _gram_bwd_kernel(*refs, C, scale, prec, bk, delta=True, paths="both"):
         dG_ref[:, d] = dG
         r_ref[:, d] = jnp.sum(kg_dkg, axis=0, keepdims=True)
 
-    spread = _gram_block_spread(G_ref, r0, K, bk)
 
     def per_tile(path):
         def run():
@@ -272,12 +306,14 @@ def _gram_bwd_kernel(*refs, C, scale, prec, bk, delta=True, paths="both"):
                 emit(d, *path(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, scale=scale, prec=prec))
         return run
 
+    fast = _gram_grad_triangle if triangle else _gram_grad_fast
     if paths == "exact":
         pl.when(jnp.max(flag_ref[...]) > 0.0)(per_tile(_gram_grad_exact_loop))
     elif paths == "fast":
-        per_tile(_gram_grad_fast)()
+        per_tile(fast)()
     else:
-        pl.when(spread <= LIMIT)(per_tile(_gram_grad_fast))
+        spread = _gram_block_spread(G_ref, r0, K, bk)
+        pl.when(spread <= LIMIT)(per_tile(fast))
         pl.when(spread > LIMIT)(per_tile(_gram_grad_exact_loop))
 
 
@@ -305,7 +341,8 @@ def gram_grads_fused(q, k, G, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, inte
         """The kernel with `paths`; for "exact": the chunk flags first and the fast outputs last (aliased)."""
         lead = [] if flags is None else [pl.BlockSpec((None, None, None, nb), lambda b, h, i: (b, h, i // nb, 0))]
         return pl.pallas_call(
-            functools.partial(_gram_bwd_kernel, C=C, scale=scale, prec=prec, bk=min(bk, K), delta=delta, paths=paths),
+            functools.partial(_gram_bwd_kernel, C=C, scale=scale, prec=prec, bk=min(bk, K), delta=delta, paths=paths,
+                              triangle=GRADS_TRIANGLE),
             grid=(B, H, N * nb), in_specs=lead + in_specs + (out_specs if fast else []), out_specs=out_specs,
             out_shape=out_shape, input_output_aliases={9 + i: i for i in range(len(fast))}, interpret=interpret,
             name=name, compiler_params=compiler_params(num_warps=warps, num_stages=1),
