@@ -3,7 +3,7 @@
 Forward: the kernels of `chunk_fwd.forward` (intra-chunk stage, then the state pass). Backwards, chosen by the
 static `backward` argument (H200 times: fwd+bwd at B = 8, T = 4096, H = 16, K = V = 128, bf16; runs in
 benchmarks/results/README.md):
-  - "kernels-saved" (the default; 7.25 ms, run9c; 15.5 ms in run5 before the chunk-gradient and WY kernels were
+  - "kernels-saved" (the default; 6.23 ms, run11c; 15.5 ms in run5 before the chunk-gradient and WY kernels were
     tiled): the forward also keeps its intra-chunk terms Qin, Kg, W, U, M (input dtype), e^(G_C), KK and
     R = (I + A)^-1 (fp32): about 1.7 KB per token and head at K = V = 128, C = 64 in bf16, on top of the inputs.
     `chunk_bwd.backward_fast` then runs only kernels: gate cumsum, the three state-pass kernels, the WY backward,

@@ -7,9 +7,11 @@ The intra-chunk stage, parallel over (batch, head, chunk) (`_intra`):
     (a > b) factor the decay through a reference row of block a, `(x_a e^(G_a - G_r)) (k_b e^(G_r - G_b))^T`, so
     no exponent overflows; a diagonal block takes the same factoring through its middle row when all its rows
     lie within LIMIT (40) nats of it, and is computed exactly otherwise (pair by pair, masked before the exp):
-    exact for any g <= 0 (also -1000);
+    exact for any g <= 0 (also -1000). By default (GRAM_IMPL "triton-fast") the kernel takes the fast path
+    everywhere and `gram_exact_chunks` rewrites the chunks that `gate_cumsum` flags beyond LIMIT;
   - `solve_full`: R = (I + A)^-1 for the whole chunk by block doubling (the same numbers as block forward
-    substitution, 16 -> 32 -> 64), then U = R Diag(b) V and W = R Diag(b) Kin.
+    substitution, 16 -> 32 -> 64), then U = R Diag(b) V and W = R Diag(b) Kin (on a Hopper GPU, for bf16 at
+    chunk 64, the same algebra as a Mosaic GPU kernel: `solve_mgpu.solve_mosaic`, see SOLVE_IMPL).
 `state_pass`, one program per (batch, head, V tile): the sequential pass over chunks with the fp32 state in
 registers, E = U - W S, O = Qin S + M E, S <- Diag(e^(G_C)) S + Kg^T E; writes O and the final state.
 
