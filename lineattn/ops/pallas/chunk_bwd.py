@@ -298,7 +298,6 @@ def _gram_bwd_kernel(*refs, C, scale, prec, bk, delta=True, paths="both", triang
         dG_ref[:, d] = dG
         r_ref[:, d] = jnp.sum(kg_dkg, axis=0, keepdims=True)
 
-
     def per_tile(path):
         def run():
             for t in range(K // bk):
