@@ -19,6 +19,8 @@
 #     lineattn --iters 3 --check --configs default;chunk.SAVE_STATES=1;chunk_bwd.GRADS_SPLIT=1;
 #     chunk_bwd.GRADS_TRIANGLE=1;chunk_fwd.GRAM_IMPL=triton-triangle;chunk.SAVE_STATES=1+chunk_bwd.GRADS_SPLIT=1+
 #     chunk_bwd.GRADS_TRIANGLE=1+chunk_fwd.GRAM_IMPL=triton-triangle' bash benchmarks/h200_issue2.sh
+#   Tile sweeps not yet run: chunk_bwd.WY_BT / CHUNK_GRADS_BK / CHUNK_GRADS_BV = 32 or 128, chunk_fwd.GRAM_WARPS=4
+#   and GRAM_BK=128 with the fast-only Gram (the defaults were tuned with the exact path inside the kernel).
 #   The long GPU tests take ~30 s each (19 of them): a subset fits a call beside a bench part, e.g.
 #     TEST_TIMEOUT=200 TESTS_K="long_bf16 and default" SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
 #   A/B wall clock of settings, interleaved (not through this script): PYTHONPATH=$PWD python3

@@ -272,6 +272,15 @@ def test_pallas_saved_states(rule, segmented, monkeypatch):
     _assert_bf16_close(rule, inputs, chunk_size=C)
 
 
+def test_pallas_backward_tiles(monkeypatch):
+    # The backward's column tiles as module constants (`chunk_bwd.WY_BT`, `CHUNK_GRADS_BK`, `CHUNK_GRADS_BV`, for
+    # sweeps): 16-wide tiles loop over K = 32 and V = 64 in pieces, and the gradients still match the oracle.
+    from lineattn.ops.pallas import chunk_bwd
+    for name in ("WY_BT", "CHUNK_GRADS_BK", "CHUNK_GRADS_BV"):
+        monkeypatch.setattr(chunk_bwd, name, 16)
+    _compare("kda", make_inputs("kda", B=1, T=80, H=2, K=32, V=64, seed=19))
+
+
 @pytest.mark.parametrize("rule", ["kda", "gdn"])
 def test_pallas_fp32_cotangents(rule, monkeypatch):
     # `chunk_bwd.COT_DTYPE = "float32"` (the default stores the chunk gradients' dQin, dKg, dM in bf16).

@@ -49,6 +49,8 @@ STATES_DTYPE = "bfloat16"
 # run7e: 2 or 8 warps for the Gram gradients 3.62 / 2.63 ms against 1.62 with 4; WY 4 / 16 warps 1.28 / 2.42
 # against 1.24 with 8; chunk gradients 0.95 with 4 warps against 1.11 with 8).
 GRADS_WARPS, WY_WARPS, CHUNK_GRADS_WARPS, DG_BK = 4, 8, 4, 64
+# Column tiles (not yet swept on the H200): the WY backward's V and K tiles, the chunk gradients' K and V tiles.
+WY_BT, CHUNK_GRADS_BK, CHUNK_GRADS_BV = 64, 64, 64
 # The Gram gradients' K tile (run10b, 8 x 4096: 1.87 ms with 128 against 2.05 with 64 and 3.18 with 32).
 GRADS_BK = 128
 # GRADS_SPLIT: the Gram-gradient kernel without its exact path (every block on the fast path), then a second
@@ -520,7 +522,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     params = compiler_params(num_warps=4, num_stages=1)
     if delta:
         dv, dbeta, dKK, dKin = pl.pallas_call(
-            functools.partial(_wy_bwd_kernel, C=C, prec="ieee" if exact else WY_PREC, bt=min(64, K, V)),
+            functools.partial(_wy_bwd_kernel, C=C, prec="ieee" if exact else WY_PREC, bt=min(WY_BT, K, V)),
             grid=(B, H, N),
             in_specs=[chunk(C), chunk(C), chunk(V), chunk(K), tok(V), tok(K), tok(K), tok1],
             out_specs=[tok(V), tok1, chunk(C), chunk(K)],
@@ -622,12 +624,13 @@ def _chunk_grads_kernel(e_ref, s0_ref, ds_ref, do_ref, du_ref, dqin_ref, dm_ref,
 
 
 def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None, block_v=None, warps=None,
-                 bk=64, bv=64, states=None):
+                 bk=None, bv=None, states=None):
     """The Pallas passes: cotangents of `terms` (a ChunkTerms of [B, H, N, C, .] arrays) and d(h0), by
     `_states_kernel`, `_reverse_ds_kernel` (in segments: see SEGMENT_PASSES) and `_chunk_grads_kernel`. do:
     [B, Tp, H, V] (Tp = N * C), dht: [B, H, K, V]. states: (S0 [B, H, N K, V], E [B, H, Tp, V]) kept by the
-    forward's state pass (`chunk_fwd.forward(states_dtype=...)`), in place of `_states_kernel`'s. Returns
-    (ChunkTerms of cotangents, dh0)."""
+    forward's state pass (`chunk_fwd.forward(states_dtype=...)`), in place of `_states_kernel`'s. bk, bv: the
+    chunk gradients' tiles (default CHUNK_GRADS_BK, CHUNK_GRADS_BV). Returns (ChunkTerms of cotangents, dh0)."""
+    bk, bv = bk or CHUNK_GRADS_BK, bv or CHUNK_GRADS_BV
     B, H, N, C, K, V, Tp, delta = _pass_dims(terms)
     interpret, prec = interpret_mode(interpret), "ieee" if exact else PASS_PREC
     nseg = pick_segments(B * H, N, V)
