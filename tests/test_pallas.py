@@ -272,6 +272,26 @@ def test_pallas_saved_states(rule, segmented, monkeypatch):
     _assert_bf16_close(rule, inputs, chunk_size=C)
 
 
+OPTIONS = {"chunk.SAVE_STATES": True, "chunk_bwd.GRADS_SPLIT": True, "chunk_bwd.GRADS_TRIANGLE": True,
+           "chunk_fwd.GRAM_IMPL": "triton-triangle", "chunk_bwd.WY_COT_DTYPE": "bfloat16"}
+
+
+def _set_options(monkeypatch, options):
+    """Set `lineattn.ops.pallas.<module>.<NAME>` for each 'module.NAME' in options."""
+    import importlib
+    for name, value in options.items():
+        module, attr = name.split(".")
+        monkeypatch.setattr(importlib.import_module(f"lineattn.ops.pallas.{module}"), attr, value)
+
+
+def test_pallas_opt_in_kernels_together(monkeypatch):
+    # The opt-in kernel variants all at once (what a GPU run may adopt together): fp32 with -1000 cuts against the
+    # oracle (every gradient), then bf16 at chunk 64 within FLA's bounds.
+    _set_options(monkeypatch, OPTIONS)
+    test_pallas_gate_extremes("cut", "kernels-saved", monkeypatch)
+    _assert_bf16_close("kda", make_inputs("kda", B=1, **dict(SMALL, K=64, V=64), seed=6), chunk_size=64)
+
+
 def test_pallas_backward_tiles(monkeypatch):
     # The backward's column tiles as module constants (`chunk_bwd.WY_BT`, `CHUNK_GRADS_BK`, `CHUNK_GRADS_BV`, for
     # sweeps): 16-wide tiles loop over K = 32 and V = 64 in pieces, and the gradients still match the oracle.
@@ -287,6 +307,16 @@ def test_pallas_fp32_cotangents(rule, monkeypatch):
     from lineattn.ops.pallas import chunk_bwd
     monkeypatch.setattr(chunk_bwd, "COT_DTYPE", "float32")
     test_pallas_bf16_against_fp32_oracle(rule, None, monkeypatch)
+
+
+def test_pallas_bf16_wy_cotangents(monkeypatch):
+    # `chunk_bwd.WY_COT_DTYPE = "bfloat16"`: the WY backward's dKK and dKin stored in bf16 for bf16 inputs (KDA
+    # within FLA's bounds of the oracle at chunk 64, K = V = 64); fp32 inputs keep fp32 (1e-4 of the oracle).
+    from lineattn.ops.pallas import chunk_bwd
+    monkeypatch.setattr(chunk_bwd, "WY_COT_DTYPE", "bfloat16")
+    inputs = make_inputs("kda", B=1, **dict(SMALL, K=64, V=64), seed=6)
+    _assert_bf16_close("kda", inputs, chunk_size=64)
+    _compare("kda", inputs, chunk_size=64)
 
 
 @pytest.mark.parametrize("rule", ["kda", "gdn", "deltanet"])

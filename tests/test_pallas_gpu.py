@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import make_inputs
+from test_pallas import OPTIONS, _set_options
 from lineattn import ops
 from lineattn.ops.pallas.common import on_gpu
 from lineattn.ops.pallas.decode import decode_step
@@ -29,13 +30,8 @@ def _rel_rms(actual, expected):
 def _run(rule, x, backend, monkeypatch=None, variant=None):
     if variant is not None:  # None: the defaults; else (`pallas.api.BACKWARD`, {module constants to set}), e.g.
         from lineattn.ops.pallas import api as pallas_api  # ("kernels-saved", {"api.SCALAR_GATE": True})
-        from lineattn.ops.pallas import chunk, chunk_bwd, chunk_fwd, solve_mgpu
         monkeypatch.setattr(pallas_api, "BACKWARD", variant[0])
-        modules = {"chunk_fwd": chunk_fwd, "chunk_bwd": chunk_bwd, "api": pallas_api, "solve_mgpu": solve_mgpu,
-                   "chunk": chunk}
-        for name, value in variant[1].items():
-            module, attr = name.split(".")
-            monkeypatch.setattr(modules[module], attr, value)
+        _set_options(monkeypatch, variant[1])
     names = [n for n in ("q", "k", "v", "g", "beta", "h0") if x[n] is not None]  # DeltaNet: no g; GLA: no beta
     rng = np.random.default_rng(1)
     B, T, H, _ = x["q"].shape
@@ -71,6 +67,8 @@ VARIANTS = [("kda", None), ("gdn", None), ("deltanet", None), ("gla", None), ("k
             ("gdn", ("kernels-saved", {"chunk.SAVE_STATES": True})),  # not yet run on the H200
             ("kda", ("kernels-saved", {"chunk_bwd.GRADS_SPLIT": True})),  # not yet run on the H200
             ("kda", ("kernels-saved", {"chunk_bwd.GRADS_TRIANGLE": True})),  # not yet run on the H200
+            ("kda", ("kernels-saved", {"chunk_bwd.WY_COT_DTYPE": "bfloat16"})),  # not yet run on the H200
+            ("kda", ("kernels-saved", OPTIONS)),  # all the opt-ins above together; not yet run on the H200
             ("kda", ("kernels-saved", {"chunk_bwd.SEGMENT_PASSES": False})),  # the defaults: 32 segments of 8 chunks
             ("gdn", ("kernels-saved", {"chunk_bwd.SEGMENT_PASSES": False}))]
 

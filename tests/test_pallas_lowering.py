@@ -133,3 +133,13 @@ def test_gram_gradient_variants_lower_for_sm90(fake_h200, monkeypatch, split, tr
         text = _lowered(100, dtype, "kernels-saved")
         assert ("lineattn_gram_bwd_exact" in text) == split
         assert text.count("__gpu$xla.gpu.triton") == 5 + 7 + split
+
+
+def test_opt_in_kernels_together_lower_for_sm90(fake_h200, monkeypatch):
+    # `tests/test_pallas.py`'s OPTIONS all set: the forward's Gram by column blocks with its fix-up, the state pass
+    # keeping the states (no backward states pass), the split Gram gradients (+1 kernel), bf16 WY cotangents.
+    from test_pallas import OPTIONS, _set_options
+    _set_options(monkeypatch, OPTIONS)
+    text = _lowered(100, jnp.bfloat16, "kernels-saved")
+    assert "lineattn_chunk_bwd_states" not in text and "lineattn_gram_bwd_exact" in text
+    assert text.count("__gpu$xla.gpu.triton") == 5 + 6 + 1

@@ -78,6 +78,11 @@ STATES_STAGES, REVERSE_STAGES = 2, 1
 # 3.3e-3 / 3.3e-3 / 5.7e-3 against 2.8e-3 / 2.9e-3 / 5.5e-3 (the fp32 XLA chunk form, same inputs); GPU tests at
 # T = 16381 (run10a): KDA dq 3.7e-3, dg 5.3e-3; GDN dq 3.6e-3, dg 4.7e-3 (FLA's bounds 8e-3 / 2e-2).
 COT_DTYPE = "bfloat16"
+# WY_COT_DTYPE: the same for the WY backward's dKK [C, C] and dKin [C, K] (fp32 by default; "bfloat16" halves
+# their 48 KB per chunk written and read back by the Gram gradients; CPU, KDA T = 512, K = V = 64: every
+# gradient's relative RMS error against the oracle unchanged to 3 digits, dk 3.75e-3). Read when a call is
+# traced; not yet timed.
+WY_COT_DTYPE = "float32"
 PASSES_WARPS = 4  # both state passes (run9b, 1 x 32768, V tile 16: 2 warps 1.05 / 2.59 ms against 0.84 / 1.82)
 
 
@@ -427,12 +432,12 @@ def _wy_bwd_kernel(r_ref, kk_ref, du_ref, dw_ref, v_ref, k_ref, G_ref, beta_ref,
         d = pl.ds(t * bt, bt)
         dW, kin = dw_ref[:, d], k_ref[:, d].astype(f32) * jnp.exp(G_ref[:, d])
         dBk = dot(R, dW, prec, trans_a=True)
-        dkin_ref[:, d] = beta * dBk
+        dkin_ref[:, d] = (beta * dBk).astype(dkin_ref.dtype)
         dbeta = dbeta + jnp.sum(dBk * kin, axis=1)
         dR = dR + dot(dW, beta * kin, prec, trans_b=True)
     dA = -jnp.where(j < i, dot(dot(R, dR, prec, trans_a=True), R, prec, trans_b=True), 0.0)
     dbeta_ref[...] = (dbeta + jnp.sum(dA * kk_ref[...], axis=1)).astype(dbeta_ref.dtype)
-    dkk_ref[...] = beta * dA
+    dkk_ref[...] = (beta * dA).astype(dkk_ref.dtype)
 
 
 def _combine_rows(q, k, G, G_end, dQin, dKg, dKin, xq, xk, kq, kk, scale):
@@ -520,6 +525,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     tok1 = pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
     chunk = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
     params = compiler_params(num_warps=4, num_stages=1)
+    wy_cot = f32 if exact else jnp.dtype(WY_COT_DTYPE)
     if delta:
         dv, dbeta, dKK, dKin = pl.pallas_call(
             functools.partial(_wy_bwd_kernel, C=C, prec="ieee" if exact else WY_PREC, bt=min(WY_BT, K, V)),
@@ -527,7 +533,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
             in_specs=[chunk(C), chunk(C), chunk(V), chunk(K), tok(V), tok(K), tok(K), tok1],
             out_specs=[tok(V), tok1, chunk(C), chunk(K)],
             out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), jax.ShapeDtypeStruct((B, Tp, H), beta.dtype),
-                       jax.ShapeDtypeStruct((B, H, Tp, C), f32), jax.ShapeDtypeStruct((B, H, Tp, K), f32)],
+                       jax.ShapeDtypeStruct((B, H, Tp, C), wy_cot), jax.ShapeDtypeStruct((B, H, Tp, K), wy_cot)],
             compiler_params=compiler_params(num_warps=WY_WARPS, num_stages=1), interpret=interpret,
             name="lineattn_chunk_wy_bwd",
         )(R, KK, flat(cot.U_BHNCV), flat(cot.W_BHNCK), vp, kp, G, bp)
