@@ -14,12 +14,13 @@
 #       bash benchmarks/h200_issue2.sh
 #   The opt-in kernels prepared on the CPU in session 9 (chunk.SAVE_STATES, chunk_bwd.GRADS_SPLIT / GRADS_TRIANGLE /
 #   WY_COT_DTYPE, chunk_fwd.GRAM_IMPL=triton-triangle): their GPU tests, then a profile of each and of all together
-#     TEST_TIMEOUT=280 TESTS_K="saved_states or gram_variants or gram_gradient_variants or (long_bf16 and (SAVE or
-#     GRADS_ or triangle))" SKIP_BENCH=1 bash ...; PROFILE=1 SKIP_TESTS=1 BENCH_TIMEOUT=280 PROFILE_ARGS='--impls
+#     TEST_TIMEOUT=300 TESTS_K="saved_states or gram_variants or gram_gradient_variants or together or wy_cot or
+#     (long_bf16 and (SAVE or GRADS_ or triangle or WY_COT))" SKIP_BENCH=1 bash ...; PROFILE=1 SKIP_TESTS=1
+#     BENCH_TIMEOUT=280 PROFILE_ARGS='--impls
 #     lineattn --iters 3 --check --configs default;chunk.SAVE_STATES=1;chunk_bwd.GRADS_SPLIT=1;
 #     chunk_bwd.GRADS_TRIANGLE=1;chunk_fwd.GRAM_IMPL=triton-triangle;chunk_bwd.WY_COT_DTYPE=bfloat16;
 #     chunk.SAVE_STATES=1+chunk_bwd.GRADS_SPLIT=1+chunk_bwd.GRADS_TRIANGLE=1+chunk_fwd.GRAM_IMPL=triton-triangle+
-#     chunk_bwd.WY_COT_DTYPE=bfloat16' bash benchmarks/h200_issue2.sh   (TESTS_K also "together or wy_cot")
+#     chunk_bwd.WY_COT_DTYPE=bfloat16' bash benchmarks/h200_issue2.sh   (~17 tests; 7 of them long, ~30 s each)
 #   Tile sweeps not yet run: chunk_bwd.WY_BT / CHUNK_GRADS_BK / CHUNK_GRADS_BV = 32 or 128, chunk_fwd.GRAM_WARPS=4
 #   and GRAM_BK=128 with the fast-only Gram (the defaults were tuned with the exact path inside the kernel).
 #   The long GPU tests take ~30 s each (19 of them): a subset fits a call beside a bench part, e.g.
