@@ -20,7 +20,8 @@
 #     lineattn --iters 3 --check --configs default;chunk.SAVE_STATES=1;chunk_bwd.GRADS_SPLIT=1;
 #     chunk_bwd.GRADS_TRIANGLE=1;chunk_fwd.GRAM_IMPL=triton-triangle;chunk_bwd.WY_COT_DTYPE=bfloat16;
 #     chunk.SAVE_STATES=1+chunk_bwd.GRADS_SPLIT=1+chunk_bwd.GRADS_TRIANGLE=1+chunk_fwd.GRAM_IMPL=triton-triangle+
-#     chunk_bwd.WY_COT_DTYPE=bfloat16' bash benchmarks/h200_issue2.sh   (25 tests, 7 of them long: ~320 s, so the profile in a second call)
+#     chunk_bwd.WY_COT_DTYPE=bfloat16' bash benchmarks/h200_issue2.sh
+#     (the selection is 25 tests, 7 of them long: ~320 s, so the profile goes in a second call)
 #   Tile sweeps not yet run: chunk_bwd.WY_BT / CHUNK_GRADS_BK / CHUNK_GRADS_BV = 32 or 128, chunk_fwd.GRAM_WARPS=4
 #   and GRAM_BK=128 with the fast-only Gram (the defaults were tuned with the exact path inside the kernel).
 #   The long GPU tests take ~30 s each (19 of them): a subset fits a call beside a bench part, e.g.
