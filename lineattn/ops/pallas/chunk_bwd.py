@@ -25,8 +25,8 @@ from jax.experimental import pallas as pl
 
 from lineattn.ops.chunk import ChunkTerms, pad_to_chunks
 from lineattn.ops.pallas import chunk_fwd
-from lineattn.ops.pallas.chunk_fwd import (LIMIT, _gram_block_spread, _iota, gate_cumsum, gram_rows, pick_block_v,
-                                           solve_full)
+from lineattn.ops.pallas.chunk_fwd import (LIMIT, _gram_block_spread, _iota, gate_cumsum, gram_rows, keys_toward,
+                                           pick_block_v, solve_full)
 from lineattn.ops.pallas.common import SUB, compiler_params, dot, interpret_mode, is_pow2
 
 f32 = jnp.float32
@@ -196,7 +196,7 @@ def _gram_grad_fast(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, *, scale, prec)
     with respect to scale * q)."""
     blk = pl.ds(r0, SUB)
     Gr, Ga, G = G_ref[pl.ds(r0 + SUB // 2, 1), d], G_ref[blk, d], G_ref[:, d]
-    kc = k_ref[:, d].astype(f32) * jnp.exp(jnp.minimum(Gr - G, LIMIT))
+    kc = keys_toward(k_ref[:, d], G, Gr)
     up = jnp.exp(jnp.minimum(G - Gr, LIMIT))
     row, col = jnp.exp(Ga - Gr), jnp.exp(Gr - Ga)
     return (row * dot(dm_ref[blk, :], kc, prec), row * dot(dkk_ref[blk, :], kc, prec),
@@ -215,7 +215,7 @@ def _gram_grad_triangle(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, *, scale, p
 
     def row_side(b, acc):  # dP[a, b] @ (k_b e^(G_r - G_b))
         cb = pl.ds(b * s, s)
-        kc = k_ref[cb, d].astype(f32) * jnp.exp(jnp.minimum(Gr - G_ref[cb, d], LIMIT))
+        kc = keys_toward(k_ref[cb, d], G_ref[cb, d], Gr)
         return acc[0] + dot(dm_ref[blk, cb], kc, prec), acc[1] + dot(dkk_ref[blk, cb], kc, prec)
 
     def column_side(b, acc):  # dP[b, a]^T @ (x_b e^(G_b - G_r))

@@ -75,6 +75,13 @@ def _gram_block_spread(G_ref, r0, K, bk):
     return spread
 
 
+def keys_toward(k, G, Gr, limit=LIMIT):
+    """Keys k [n, |d|] (rows with in-chunk cumsum G) scaled by e^(min(G_r - G, limit)) toward a reference row's
+    G_r [1, |d|]: the clamp keeps every factor <= e^limit (rows after the reference block only meet masked
+    entries)."""
+    return k.astype(f32) * jnp.exp(jnp.minimum(Gr - G, limit))
+
+
 def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delta, bk, q0=0):
     """[16, C] rows of (scale q) and k against all keys, factored through the reference row ref_row (the block's
     queries at rows q0.. of q_ref: 0 for a 16-row block, r0 for a whole chunk)."""
@@ -85,7 +92,7 @@ def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delt
         d = pl.ds(t * bk, bk)
         Gr = G_ref[pl.ds(ref_row, 1), d]
         xr = jnp.exp(G_ref[blk, d] - Gr)
-        kc = k_ref[:, d].astype(f32) * jnp.exp(jnp.minimum(Gr - G_ref[:, d], limit))
+        kc = keys_toward(k_ref[:, d], G_ref[:, d], Gr, limit)
         Mx = Mx + dot(q_ref[pl.ds(q0, s), d].astype(f32) * (scale * xr), kc, prec, trans_b=True)
         if delta:
             Ax = Ax + dot(k_ref[blk, d].astype(f32) * xr, kc, prec, trans_b=True)
@@ -150,7 +157,7 @@ def _gram_triangle(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, a, *, scale, pre
             Mx, Ax = jnp.zeros((s, s), f32), jnp.zeros((s, s), f32)
             for t, (xq, xk, Gr) in enumerate(xs):
                 d = pl.ds(t * bk, bk)
-                kc = k_ref[cb, d].astype(f32) * jnp.exp(jnp.minimum(Gr - G_ref[cb, d], LIMIT))
+                kc = keys_toward(k_ref[cb, d], G_ref[cb, d], Gr)
                 Mx = Mx + dot(xq, kc, prec, trans_b=True)
                 if delta:
                     Ax = Ax + dot(xk, kc, prec, trans_b=True)
@@ -394,8 +401,8 @@ GRAM_IMPL = "triton-fast"
 
 def split_gram(scalar: bool, delta: bool) -> bool:
     """Whether the Gram stage is split, GRAM_IMPL "triton-fast" or "triton-triangle" (its gate cumsum then also
-    writes the block spreads;
-    the backward's cumsum asks for them too, so that XLA merges the two identical calls)."""
+    writes the block spreads; the backward's cumsum asks for them too, so that XLA merges the two identical
+    calls)."""
     return GRAM_IMPL in ("triton-fast", "triton-triangle") and not scalar and delta
 
 
