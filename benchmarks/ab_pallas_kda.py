@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_kda import make_inputs, time_jax, versions  # noqa: E402
+from bench_kda import forward_backward, make_inputs, time_jax, versions  # noqa: E402
 from profile_pallas_kda import apply_config, restore  # noqa: E402
 
 from lineattn import ops  # noqa: E402
@@ -35,9 +35,8 @@ def compiled_pair(args, do):
     """AOT-compiled forward and forward+backward of `ops.chunk_kda(backend="pallas")` under the current
     constants (a compiled executable keeps them after the constants are restored)."""
     f = lambda *xs: ops.chunk_kda(*xs, backend="pallas")[0]
-    loss = lambda *xs: jnp.sum(f(*xs).astype(jnp.float32) * do)
-    grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
-    return {"fwd": jax.jit(f).lower(*args).compile(), "fwdbwd": jax.jit(grad).lower(*args).compile()}
+    step = forward_backward(f, do)
+    return {"fwd": jax.jit(f).lower(*args).compile(), "fwdbwd": jax.jit(step).lower(*args).compile()}
 
 
 def main():

@@ -104,7 +104,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from bench_kda import versions, write_results
+from bench_kda import forward_backward, versions, write_results
 from lineattn import ops
 from lineattn.train.metrics import device_memory
 
@@ -586,7 +586,7 @@ def main_scaling(a) -> int:
             o = np.asarray(jax.jit(f)(q, k, v, g, beta))
             reference = o if reference is None else reference
             err = float(np.max(np.abs(o - reference)) / np.max(np.abs(reference)))
-            step = jax.jit(jax.grad(lambda *x: jnp.sum(f(*x) * do), argnums=(0, 1, 2, 3, 4)))
+            step = jax.jit(forward_backward(f, do))
             start = time.perf_counter()
             compiled = step.lower(q, k, v, g, beta).compile()
             compile_s = time.perf_counter() - start

@@ -4,7 +4,9 @@
 
 For each shape: bf16 q, k (L2-normalised), v, beta; fp32 g in (-5, 0); H = 16, K = V = 128. First every
 implementation's forward output is compared with lineattn's XLA chunk form in fp32 on the same rounded inputs
-(max relative error and relative RMS error); then forward and forward+backward are timed (JAX: jit, warm-up,
+(max relative error and relative RMS error); then forward and forward+backward (o and the five gradients of
+sum(o * do), `bench_kda.forward_backward`; before run 12 only the gradients, which let XLA drop lineattn's forward
+state pass) are timed (JAX: jit, warm-up,
 median of --iters calls ended by block_until_ready; FLA: triton do_bench median). Then GDN, the decode step
 (B = 256 requests, one token, fp32 state [B, 16, 128, 128] updated in place: TB/s of state read + write, from the
 wall clock of 50 steps in one jitted loop, and from the kernel's device time in a profiler trace of that loop), and
@@ -27,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_kda import kernel_times, make_inputs, rel_err, time_jax, versions  # noqa: E402
+from bench_kda import forward_backward, kernel_times, make_inputs, rel_err, time_jax, versions  # noqa: E402
 
 from lineattn import ops  # noqa: E402
 from lineattn.ops.pallas.decode import decode_step  # noqa: E402
@@ -122,8 +124,7 @@ def bench_shape(op, B, T, a, skip, fla_modes):
             print(f"{name} {op} B={B} T={T}: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             continue
         errs = dict(max_rel_err=rel_err(o, reference), rel_rms_err=rel_rms(o, reference))
-        loss = lambda *xs, f=f: jnp.sum(f(*xs).astype(jnp.float32) * do.astype(jnp.float32))
-        fwdbwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+        fwdbwd = jax.jit(forward_backward(f, do))
         modes = [("fwd", fwd)] + ([] if name == "lineattn-chunk" and op == "gdn"
                                   else [("fwdbwd", fwdbwd)])
         for mode, fn in modes:
@@ -240,8 +241,7 @@ def bench_long(a, T):
     args = [bf("q"), bf("k"), bf("v"), jnp.asarray(x["g"]), bf("beta")]
     do = jnp.asarray(x["do"], jnp.bfloat16)
     f = lambda *xs: ops.chunk_kda(*xs, backend="pallas")[0]
-    loss = lambda *xs: jnp.sum(f(*xs).astype(jnp.float32) * do.astype(jnp.float32))
-    for mode, fn in (("fwd", jax.jit(f)), ("fwdbwd", jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))))):
+    for mode, fn in (("fwd", jax.jit(f)), ("fwdbwd", jax.jit(forward_backward(f, do)))):
         try:
             ms = time_jax(fn, args, 3)
             mem = device_memory(jax.devices()[:1])[0] or {}   # the peak so far: this process's largest step
