@@ -12,18 +12,15 @@
 #     SKIP_TESTS=1 BENCH_TIMEOUT=560 BENCH_ARGS="--iters 10 --shapes 1x32768 --gdn --fla fwd,fwdbwd
 #       --fla-shapes 1x32768 --decode= --skip lineattn-chunk lineattn-pallas-kernels-mml2 --long 262144"
 #       bash benchmarks/h200_issue2.sh
-#   The opt-in kernels prepared on the CPU in session 9 (chunk.SAVE_STATES, chunk_bwd.GRADS_SPLIT / GRADS_TRIANGLE /
-#   WY_COT_DTYPE, chunk_fwd.GRAM_IMPL=triton-triangle): their GPU tests, then a profile of each and of all together
-#     TEST_TIMEOUT=300 TESTS_K="saved_states or gram_variants or gram_gradient_variants or together or wy_cot or
-#     (long_bf16 and (SAVE or GRADS_ or triangle or WY_COT))" SKIP_BENCH=1 bash ...; PROFILE=1 SKIP_TESTS=1
-#     BENCH_TIMEOUT=280 PROFILE_ARGS='--impls
-#     lineattn --iters 3 --check --configs default;chunk.SAVE_STATES=1;chunk_bwd.GRADS_SPLIT=1;
-#     chunk_bwd.GRADS_TRIANGLE=1;chunk_fwd.GRAM_IMPL=triton-triangle;chunk_bwd.WY_COT_DTYPE=bfloat16;
-#     chunk.SAVE_STATES=1+chunk_bwd.GRADS_SPLIT=1+chunk_bwd.GRADS_TRIANGLE=1+chunk_fwd.GRAM_IMPL=triton-triangle+
-#     chunk_bwd.WY_COT_DTYPE=bfloat16' bash benchmarks/h200_issue2.sh
-#     (the selection is 25 tests, 7 of them long: ~320 s, so the profile goes in a second call)
-#   Tile sweeps not yet run: chunk_bwd.WY_BT / CHUNK_GRADS_BK / CHUNK_GRADS_BV = 32 or 128, chunk_fwd.GRAM_WARPS=4
-#   and GRAM_BK=128 with the fast-only Gram (the defaults were tuned with the exact path inside the kernel).
+#   Since run12 (session 10): tests in 4 processes side by side, all of them (~75, ~4-5 minutes):
+#     SHARDS=4 TEST_TIMEOUT=330 SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
+#   Not yet run on the GPU: the long tests with run12d's V tiles of 128 (the defaults' `kda-default` etc.), the 4
+#   long variants and 3 decode tests that run12b's 240 s limit cut, the table with FLA and the decode sweep, and
+#   T = 262144 forward+backward since run9c. Tile sweep left: chunk_bwd.WY_BT=32, GRADS_WARPS with the split.
+#   The forward state pass now always has a 4-D grid (one segment by default; session 10, CPU only), and the
+#   opt-in chunk_fwd.PASS_SEGMENTS (segments for a few long sequences) was never timed: first the tests above,
+#   then PYTHONPATH=$PWD/.site:$PWD python3 benchmarks/ab_pallas_kda.py --out $OUT --shapes 1x32768
+#     --configs "default;chunk_fwd.PASS_SEGMENTS=1"   and its profile (PROFILE_ARGS="--shape 1x32768 ...").
 #   The long GPU tests take ~30 s each (19 of them): a subset fits a call beside a bench part, e.g.
 #     TEST_TIMEOUT=200 TESTS_K="long_bf16 and default" SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
 #   A/B wall clock of settings, interleaved (not through this script): PYTHONPATH=$PWD python3
@@ -31,15 +28,24 @@
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
 #   --rule gdn for Gated DeltaNet, e.g. PROFILE_ARGS='--rule gdn --check --configs default;api.SCALAR_GATE=1')
-# Tests take 1-3 minutes, the bench 6-9 (FLA autotunes on first use): one device call for each part. Environment
+# Tests take 1-3 minutes (4-5 for the 45 short ones in one process: SHARDS=4 runs 4 side by side), the bench 6-9
+# (FLA autotunes on first use): one device call for each part. Environment
 # variables go before `bash` (`SKIP_BENCH=1 bash ...`; an argument after the script name is ignored).
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target .site .whl/*.whl || exit 1
 export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-if [ -z "${SKIP_TESTS:-}" ]; then
-  timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -s -p no:cacheprovider tests/test_pallas.py tests/test_pallas_gpu.py \
-    ${TESTS_K:+-k "$TESTS_K"} 2>&1 | tee $OUT/gpu_tests.log | grep -v "^$" | tail -12
+if [ -z "${SKIP_TESTS:-}" ]; then  # SHARDS=n: n pytest processes side by side on the GPU (compiling is CPU-bound)
+  tests="tests/test_pallas.py tests/test_pallas_gpu.py"
+  python3 -m pytest -q --collect-only -p no:cacheprovider $tests ${TESTS_K:+-k "$TESTS_K"} | grep "::" > $OUT/ids
+  echo "$(wc -l < $OUT/ids) tests in ${SHARDS:-1} shard(s)"
+  for i in $(seq 0 $(( ${SHARDS:-1} - 1 ))); do
+    ids=$(awk -v n=${SHARDS:-1} -v i=$i '(NR - 1) % n == i' $OUT/ids)
+    timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -s -p no:cacheprovider $ids > $OUT/gpu_tests_$i.log 2>&1 &
+  done
+  wait
+  cat $OUT/gpu_tests_*.log > $OUT/gpu_tests.log && rm $OUT/gpu_tests_*.log $OUT/ids
+  grep -E "^(kda|gdn|deltanet|gla) |passed|failed|^FAILED|^E  " $OUT/gpu_tests.log | cut -c1-300 | tail -40
 fi
 [ -n "${SKIP_BENCH:-}" ] && exit 0
 if [ -n "${PROFILE:-}" ]; then  # per-kernel device times from a profiler trace (PROFILE_ARGS: its flags)

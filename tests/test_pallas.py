@@ -98,7 +98,8 @@ def test_pallas_scalar_gate_bf16_and_varlen(monkeypatch):
 def test_pallas_head_gate_broadcast_and_retrace(monkeypatch):
     # A head gate through the per-channel kernels (`api.SCALAR_GATE = False`: the gate broadcast over K), and the
     # jitted forward retracing when a module constant changes after a first call with the same shapes: with
-    # PASS_MIN_PROGRAMS lowered to B * H = 4, the state pass's V tile is the whole V = 32 (grid 2 x 2 x 2 -> 2 x 2 x 1).
+    # PASS_MIN_PROGRAMS lowered to B * H = 4, the state pass's V tile is the whole V = 32 (grid (B, H, segments, V
+    # tiles) 2 x 2 x 1 x 2 -> 2 x 2 x 1 x 1).
     from lineattn.ops.pallas import chunk_fwd
     monkeypatch.setattr(pallas_api, "SCALAR_GATE", False)
     inputs = make_inputs("gdn", B=2, **SMALL, seed=16)
@@ -111,9 +112,9 @@ def test_pallas_head_gate_broadcast_and_retrace(monkeypatch):
     assert "lineattn_chunk_gram\n" in jaxpr or "lineattn_chunk_gram " in jaxpr
     assert "lineattn_chunk_gram_scalar" not in jaxpr
     grid = lambda text: text.split("lineattn_chunk_state_pass")[0].rsplit("grid=", 1)[-1].split(")")[0] + ")"
-    assert grid(jaxpr).replace(" ", "").startswith("(2,2,2)")
+    assert grid(jaxpr).replace(" ", "").startswith("(2,2,1,2)")
     monkeypatch.setattr(chunk_fwd, "PASS_MIN_PROGRAMS", 4)
-    assert grid(trace()).replace(" ", "").startswith("(2,2,1)")
+    assert grid(trace()).replace(" ", "").startswith("(2,2,1,1)")
 
 
 def test_pallas_varlen():
@@ -178,38 +179,35 @@ def test_mosaic_solve_matches_the_triton_solve(with_r):
         solve_mgpu.solve_mosaic(A, k[..., :32], v, G[..., :32], beta, interpret=True, **kw)
 
 
-@pytest.mark.parametrize("impl,gate", [("triton", "cut"), ("triton-triangle", "lower_bound"),
-                                       ("triton-triangle", "cut")])
-def test_pallas_gram_variants(impl, gate, monkeypatch):
-    # `chunk_fwd.GRAM_IMPL` other than the default "triton-fast": "triton" (the exact path behind a `lax.cond`, no
-    # fix-up kernel) and "triton-triangle" (the fast path by column blocks up to the diagonal, then the fix-up):
-    # fp32 with gates at -5 per token or -1000 cuts against the oracle, then bf16 (chunk 64, K = V = 64).
+@pytest.mark.parametrize("gate", ["lower_bound", "cut"])
+def test_pallas_gram_with_exact_path_inside(gate, monkeypatch):
+    # `chunk_fwd.GRAM_IMPL = "triton"` (not the default "triton-fast"): the exact path behind a `lax.cond` in the
+    # Gram kernel, no fix-up kernel: fp32 with gates at -5 per token or -1000 cuts against the oracle, then bf16
+    # (chunk 64, K = V = 64).
     from lineattn.ops.pallas import chunk_fwd
-    monkeypatch.setattr(chunk_fwd, "GRAM_IMPL", impl)
+    monkeypatch.setattr(chunk_fwd, "GRAM_IMPL", "triton")
     test_pallas_gate_extremes(gate, "kernels-saved", monkeypatch)
     x = make_inputs("kda", B=1, **SMALL, seed=5)
     jaxpr = str(jax.make_jaxpr(lambda q: ops.linear_attention("kda", q, x["k"], x["v"], x["g"], x["beta"],
                                                               backend="pallas")[0])(x["q"]))
-    assert ("lineattn_chunk_gram_exact" in jaxpr) == (impl != "triton") and "lineattn_chunk_gram" in jaxpr
+    assert "lineattn_chunk_gram_exact" not in jaxpr and "lineattn_chunk_gram" in jaxpr
     if gate == "lower_bound":
         _assert_bf16_close("kda", make_inputs("kda", B=1, **dict(SMALL, K=64, V=64), seed=6), chunk_size=64)
 
 
-@pytest.mark.parametrize("gate,split,triangle", [("cut", True, False), ("lower_bound", False, True),
-                                                 ("lower_bound", True, True), ("cut", True, True)])
-def test_pallas_gram_gradient_variants(gate, split, triangle, monkeypatch):
-    # `chunk_bwd.GRADS_SPLIT`: the Gram-gradient kernel's fast path in every block, then the exact path rewrites
-    # the chunks that the gate-cumsum kernel flags (gates at -5 per token: no chunk flagged; -1000 cuts: flagged
-    # chunks, whose fast-path values would be wrong); `GRADS_TRIANGLE`: the fast path by column blocks. fp32
-    # against the oracle, then bf16 at chunk 64 (K = V = 64).
+@pytest.mark.parametrize("split", [True, False])
+def test_pallas_gram_gradients_split_or_not(split, monkeypatch):
+    # `chunk_bwd.GRADS_SPLIT` (the default): the Gram-gradient kernel's fast path in every block, then the exact
+    # path rewrites the chunks that the gate-cumsum kernel flags (-1000 cuts: flagged chunks, whose fast-path
+    # values would be wrong); False: both paths in one kernel. fp32 against the oracle, then bf16 at chunk 64
+    # (K = V = 64) for False (the default's bf16 case is `test_pallas_bf16_against_fp32_oracle`).
     from lineattn.ops.pallas import chunk_bwd
     monkeypatch.setattr(chunk_bwd, "GRADS_SPLIT", split)
-    monkeypatch.setattr(chunk_bwd, "GRADS_TRIANGLE", triangle)
-    test_pallas_gate_extremes(gate, "kernels-saved", monkeypatch)
+    test_pallas_gate_extremes("cut", "kernels-saved", monkeypatch)
     x = make_inputs("kda", B=1, **SMALL, seed=5)
     loss = lambda q: jnp.sum(ops.linear_attention("kda", q, x["k"], x["v"], x["g"], x["beta"], backend="pallas")[0])
     assert ("lineattn_gram_bwd_exact" in str(jax.make_jaxpr(jax.grad(loss))(x["q"]))) == split
-    if gate == "lower_bound":
+    if not split:
         _assert_bf16_close("kda", make_inputs("kda", B=1, **dict(SMALL, K=64, V=64), seed=6), chunk_size=64)
 
 
@@ -232,7 +230,7 @@ def test_pallas_with_the_mosaic_solve(gate, monkeypatch):
 
 @pytest.mark.parametrize("rule", ["kda", "gdn", "gla"])
 def test_pallas_segmented_state_passes(rule, monkeypatch):
-    # `chunk_bwd.SEGMENT_PASSES`: the backward's state passes in 4 segments of 2 chunks (T = 120 ragged, chunk 16),
+    # `chunk_bwd.SEGMENT_PASSES`: the backward's reverse pass in 4 segments of 2 chunks (T = 120 ragged, chunk 16),
     # fp32 to 1e-4 of the oracle (every gradient, initial state and final-state cotangent), then bf16.
     from lineattn.ops.pallas import chunk_bwd
     monkeypatch.setattr(chunk_bwd, "SEGMENT_PASSES", True)
@@ -244,52 +242,59 @@ def test_pallas_segmented_state_passes(rule, monkeypatch):
     loss = lambda q: jnp.sum(ops.linear_attention(rule, q, x["k"], x["v"], x["g"], x["beta"], chunk_size=16,
                                                   backend="pallas")[0])
     jaxpr = str(jax.make_jaxpr(jax.grad(loss))(x["q"]))
-    assert all(name in jaxpr for name in ("lineattn_chunk_bwd_states_local", "lineattn_chunk_bwd_reverse_local"))
+    # (the states pass is the forward's, `chunk.SAVE_STATES`; segmented without it: `test_pallas_saved_states`)
+    assert "lineattn_chunk_bwd_reverse_local" in jaxpr and "lineattn_chunk_bwd_states_local" not in jaxpr
     _assert_bf16_close(rule, inputs, chunk_size=16)
 
 
 @pytest.mark.parametrize("rule,segmented", [("kda", True), ("gdn", False)])
 def test_pallas_saved_states(rule, segmented, monkeypatch):
-    # `chunk.SAVE_STATES`: the forward's state pass keeps every chunk's state and E for the backward, which then
-    # runs no states pass of its own (segmented: 4 segments of 2 chunks at chunk 16, T = 120 ragged). fp32: the
-    # same gradients as the backward's own states pass (the same products in the same order) and the oracle's to
-    # 1e-4; then bf16 within FLA's bounds.
+    # `chunk.SAVE_STATES` (the default): the forward's state pass keeps every chunk's state and E for the
+    # backward, which then runs no states pass of its own; False: the backward's own states pass (segmented: 4
+    # segments of 2 chunks at chunk 16, T = 120 ragged). fp32: the same gradients both ways (the same products in
+    # the same order) and the oracle's to 1e-4; then bf16 within FLA's bounds without saved states.
     from lineattn.ops.pallas import chunk, chunk_bwd
     monkeypatch.setattr(chunk_bwd, "MIN_SEGMENT_CHUNKS", 2 if segmented else 64)
     inputs = make_inputs(rule, B=1, T=120, H=2, K=32, V=32, seed=18)
     C = 16 if segmented else 32
-    o0, ht0, grads0 = loss_and_grads(rule, inputs, backend="pallas", chunk_size=C)
-    monkeypatch.setattr(chunk, "SAVE_STATES", True)
-    o1, ht1, grads1 = loss_and_grads(rule, inputs, backend="pallas", chunk_size=C)
-    assert_close({"o": o1, "ht": ht1, **grads1}, {"o": o0, "ht": ht0, **grads0}, 1e-6, f"{rule}/saved states")
-    _compare(rule, inputs, chunk_size=C)
     x = inputs
     loss = lambda q: jnp.sum(ops.linear_attention(rule, q, x["k"], x["v"], x["g"], x["beta"], chunk_size=C,
                                                   backend="pallas")[0])
-    jaxpr = str(jax.make_jaxpr(jax.grad(loss))(x["q"]))
-    assert "lineattn_chunk_bwd_states" not in jaxpr
-    assert ("lineattn_chunk_bwd_reverse_local" in jaxpr) == segmented
+    results = {}
+    for save in (True, False):
+        monkeypatch.setattr(chunk, "SAVE_STATES", save)
+        results[save] = loss_and_grads(rule, inputs, backend="pallas", chunk_size=C)
+        jaxpr = str(jax.make_jaxpr(jax.grad(loss))(x["q"]))
+        assert ("lineattn_chunk_bwd_states" in jaxpr) == (not save)
+        assert ("lineattn_chunk_bwd_reverse_local" in jaxpr) == segmented
+    (o1, ht1, grads1), (o0, ht0, grads0) = results[True], results[False]
+    assert_close({"o": o1, "ht": ht1, **grads1}, {"o": o0, "ht": ht0, **grads0}, 1e-6, f"{rule}/saved states")
+    _compare(rule, inputs, chunk_size=C)
     _assert_bf16_close(rule, inputs, chunk_size=C)
 
 
-OPTIONS = {"chunk.SAVE_STATES": True, "chunk_bwd.GRADS_SPLIT": True, "chunk_bwd.GRADS_TRIANGLE": True,
-           "chunk_fwd.GRAM_IMPL": "triton-triangle", "chunk_bwd.WY_COT_DTYPE": "bfloat16"}
-
-
-def _set_options(monkeypatch, options):
-    """Set `lineattn.ops.pallas.<module>.<NAME>` for each 'module.NAME' in options."""
-    import importlib
-    for name, value in options.items():
-        module, attr = name.split(".")
-        monkeypatch.setattr(importlib.import_module(f"lineattn.ops.pallas.{module}"), attr, value)
-
-
-def test_pallas_opt_in_kernels_together(monkeypatch):
-    # The opt-in kernel variants all at once (what a GPU run may adopt together): fp32 with -1000 cuts against the
-    # oracle (every gradient), then bf16 at chunk 64 within FLA's bounds.
-    _set_options(monkeypatch, OPTIONS)
-    test_pallas_gate_extremes("cut", "kernels-saved", monkeypatch)
-    _assert_bf16_close("kda", make_inputs("kda", B=1, **dict(SMALL, K=64, V=64), seed=6), chunk_size=64)
+@pytest.mark.parametrize("rule,save", [("kda", True), ("gdn", False), ("gla", True)])
+def test_pallas_segmented_forward_state_pass(rule, save, monkeypatch):
+    # `chunk_fwd.PASS_SEGMENTS`: the forward's state pass in 4 segments of 2 chunks (T = 120 ragged, chunk 16),
+    # joined through each segment's map and offset (`_segment_end_kernel`, then a chain in XLA), with and without
+    # the states kept for the backward. Gates in (-0.05, 0) so that the state carries across segments (at -5 per
+    # token the starts would hardly matter). fp32: o, the final state and every gradient as with one segment to
+    # 1e-5, and the oracle's to 1e-4; then bf16 within FLA's bounds.
+    from lineattn.ops.pallas import chunk, chunk_bwd, chunk_fwd
+    monkeypatch.setattr(chunk_bwd, "MIN_SEGMENT_CHUNKS", 2)
+    monkeypatch.setattr(chunk, "SAVE_STATES", save)
+    inputs = make_inputs(rule, B=1, T=120, H=2, K=32, V=32, seed=21, g_low=-0.05)
+    o0, ht0, grads0 = loss_and_grads(rule, inputs, backend="pallas", chunk_size=16)
+    monkeypatch.setattr(chunk_fwd, "PASS_SEGMENTS", True)
+    assert chunk_fwd.pass_segments(2, 8, 32, export=False) == 4 and chunk_fwd.pass_segments(2, 8, 32, export=True) == 1
+    o1, ht1, grads1 = loss_and_grads(rule, inputs, backend="pallas", chunk_size=16)
+    assert_close({"o": o1, "ht": ht1, **grads1}, {"o": o0, "ht": ht0, **grads0}, 1e-5, f"{rule}/segmented forward")
+    x = inputs
+    jaxpr = str(jax.make_jaxpr(lambda q: ops.linear_attention(rule, q, x["k"], x["v"], x["g"], x["beta"],
+                                                              chunk_size=16, backend="pallas")[0])(x["q"]))
+    assert "lineattn_chunk_state_pass_local" in jaxpr
+    _compare(rule, inputs, chunk_size=16)
+    _assert_bf16_close(rule, inputs, chunk_size=16)
 
 
 def test_pallas_backward_tiles(monkeypatch):
@@ -309,11 +314,11 @@ def test_pallas_fp32_cotangents(rule, monkeypatch):
     test_pallas_bf16_against_fp32_oracle(rule, None, monkeypatch)
 
 
-def test_pallas_bf16_wy_cotangents(monkeypatch):
-    # `chunk_bwd.WY_COT_DTYPE = "bfloat16"`: the WY backward's dKK and dKin stored in bf16 for bf16 inputs (KDA
-    # within FLA's bounds of the oracle at chunk 64, K = V = 64); fp32 inputs keep fp32 (1e-4 of the oracle).
+def test_pallas_fp32_wy_cotangents(monkeypatch):
+    # `chunk_bwd.WY_COT_DTYPE = "float32"` (the default stores the WY backward's dKK and dKin in bf16 for bf16
+    # inputs): KDA within FLA's bounds of the oracle at chunk 64, K = V = 64, and fp32 inputs to 1e-4.
     from lineattn.ops.pallas import chunk_bwd
-    monkeypatch.setattr(chunk_bwd, "WY_COT_DTYPE", "bfloat16")
+    monkeypatch.setattr(chunk_bwd, "WY_COT_DTYPE", "float32")
     inputs = make_inputs("kda", B=1, **dict(SMALL, K=64, V=64), seed=6)
     _assert_bf16_close("kda", inputs, chunk_size=64)
     _compare("kda", inputs, chunk_size=64)

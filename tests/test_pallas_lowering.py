@@ -50,8 +50,9 @@ def test_chunk_kernels_lower_for_sm90(fake_h200, dtype, backward):
     text = _lowered(100, dtype, backward)
     # forward: cumsum, gram, its exact fix-up, solve, state pass (no Hopper here: the Triton solve); backward
     # "xla": none; "kernels-mml2": cumsum, gram, solve, states, reverse, chunk grads, WY, Gram gradients with the
-    # combine, dg; "kernels-saved": the same without the Gram and solve (the forward's terms are kept)
-    expected = 5 + {"xla": 0, "kernels-mml2": 9, "kernels-saved": 7}[backward]
+    # combine, their exact rewrite, dg; "kernels-saved": the same without the Gram, solve and states (the
+    # forward's terms and states are kept)
+    expected = 5 + {"xla": 0, "kernels-mml2": 10, "kernels-saved": 7}[backward]
     assert text.count("__gpu$xla.gpu.triton") == expected
 
 
@@ -61,18 +62,19 @@ def test_scalar_gate_kernels_lower_for_sm90(fake_h200, backward):
     text = _lowered(100, jnp.bfloat16, backward, head_gate=True)
     assert "lineattn_chunk_gram_scalar" in text and "lineattn_gram_bwd_scalar" in text
     assert "lineattn_chunk_gram\"" not in text and "lineattn_gram_bwd_combine" not in text
-    assert text.count("__gpu$xla.gpu.triton") == 4 + {"kernels-saved": 7, "kernels-mml2": 9}[backward]
+    assert text.count("__gpu$xla.gpu.triton") == 4 + {"kernels-saved": 6, "kernels-mml2": 9}[backward]
 
 
 def test_segmented_state_passes_lower_for_sm90(fake_h200, monkeypatch):
     # `chunk_bwd.SEGMENT_PASSES`: T = 1024 is 16 chunks of 64, 2 segments of 8 (B * H = 2); the backward adds the
-    # two zero-start passes (4-D grids, per-segment [K, V] state blocks; the reverse one also forms the maps).
+    # zero-start reverse pass (a 4-D grid, per-segment [K, V] state blocks, also forming the maps; the zero-start
+    # states pass only without `chunk.SAVE_STATES`: `test_backward_states_pass_lowers_for_sm90`).
     from lineattn.ops.pallas import chunk_bwd
     monkeypatch.setattr(chunk_bwd, "SEGMENT_PASSES", True)
     assert chunk_bwd.pick_segments(2, 16, 128) == 2
     text = _lowered(1024, jnp.bfloat16, "kernels-saved")
-    assert all(name in text for name in ("lineattn_chunk_bwd_states_local", "lineattn_chunk_bwd_reverse_local"))
-    assert text.count("__gpu$xla.gpu.triton") == 5 + 7 + 2
+    assert "lineattn_chunk_bwd_reverse_local" in text and "lineattn_chunk_bwd_states_local" not in text
+    assert text.count("__gpu$xla.gpu.triton") == 5 + 7 + 1
 
 
 @pytest.mark.parametrize("v_fastest", [False, True])
@@ -98,48 +100,43 @@ def test_mosaic_solve_lowers_for_sm90(fake_h200, monkeypatch, lhs_regs):
     assert "lineattn_solve_mosaic" not in _lowered(100, jnp.float32, "kernels-saved")
 
 
-@pytest.mark.parametrize("impl", ["triton", "triton-triangle"])
-def test_gram_variants_lower_for_sm90(fake_h200, monkeypatch, impl):
-    # `chunk_fwd.GRAM_IMPL = "triton"`: the Gram kernel with its exact path inside, no fix-up kernel;
-    # "triton-triangle": the fast path by column blocks (a `pl.when` per block), then the fix-up kernel.
+def test_gram_with_exact_path_inside_lowers_for_sm90(fake_h200, monkeypatch):
+    # `chunk_fwd.GRAM_IMPL = "triton"`: the Gram kernel with its exact path inside, no fix-up kernel.
     from lineattn.ops.pallas import chunk_fwd
-    monkeypatch.setattr(chunk_fwd, "GRAM_IMPL", impl)
+    monkeypatch.setattr(chunk_fwd, "GRAM_IMPL", "triton")
     for dtype in (jnp.bfloat16, jnp.float32):
         text = _lowered(100, dtype, "kernels-saved")
-        fixup = impl == "triton-triangle"
-        assert ("lineattn_chunk_gram_exact" in text) == fixup
-        assert text.count("__gpu$xla.gpu.triton") == 4 + fixup + 7
+        assert "lineattn_chunk_gram_exact" not in text  # and no split backward: GRADS_SPLIT needs its spreads
+        assert "lineattn_gram_bwd_exact" not in text and text.count("__gpu$xla.gpu.triton") == 4 + 6
 
 
 @pytest.mark.parametrize("T", [100, 1024])
-def test_saved_states_lower_for_sm90(fake_h200, monkeypatch, T):
-    # `chunk.SAVE_STATES`: the forward's state pass keeps the per-chunk states, so the backward has no states
-    # pass (T = 1024: the segmented backward, which then drops the zero-start states pass as well).
+def test_backward_states_pass_lowers_for_sm90(fake_h200, monkeypatch, T):
+    # `chunk.SAVE_STATES = False`: the backward runs its own states pass (T = 1024: the segmented backward, with
+    # the zero-start states pass as well); the default keeps the forward's per-chunk states instead.
     from lineattn.ops.pallas import chunk
-    monkeypatch.setattr(chunk, "SAVE_STATES", True)
+    assert "lineattn_chunk_bwd_states" not in _lowered(T, jnp.bfloat16, "kernels-saved")
+    monkeypatch.setattr(chunk, "SAVE_STATES", False)
     text = _lowered(T, jnp.bfloat16, "kernels-saved")
-    assert "lineattn_chunk_bwd_states" not in text
-    assert text.count("__gpu$xla.gpu.triton") == 5 + 6 + (T == 1024)
+    assert "lineattn_chunk_bwd_states" in text
+    assert text.count("__gpu$xla.gpu.triton") == 5 + 8 + 2 * (T == 1024)
 
 
-@pytest.mark.parametrize("split,triangle", [(True, False), (False, True), (True, True)])
-def test_gram_gradient_variants_lower_for_sm90(fake_h200, monkeypatch, split, triangle):
-    # `chunk_bwd.GRADS_SPLIT`: the Gram-gradient kernel on the fast path, then its exact rewrite of flagged chunks;
-    # `GRADS_TRIANGLE`: the fast path by column blocks (a `lax.cond` per block and side).
+def test_gram_gradients_unsplit_lower_for_sm90(fake_h200, monkeypatch):
+    # `chunk_bwd.GRADS_SPLIT = False`: both paths in one Gram-gradient kernel, no exact rewrite kernel.
     from lineattn.ops.pallas import chunk_bwd
-    monkeypatch.setattr(chunk_bwd, "GRADS_SPLIT", split)
-    monkeypatch.setattr(chunk_bwd, "GRADS_TRIANGLE", triangle)
+    monkeypatch.setattr(chunk_bwd, "GRADS_SPLIT", False)
     for dtype in (jnp.bfloat16, jnp.float32):
         text = _lowered(100, dtype, "kernels-saved")
-        assert ("lineattn_gram_bwd_exact" in text) == split
-        assert text.count("__gpu$xla.gpu.triton") == 5 + 7 + split
+        assert "lineattn_gram_bwd_exact" not in text
+        assert text.count("__gpu$xla.gpu.triton") == 5 + 6
 
 
-def test_opt_in_kernels_together_lower_for_sm90(fake_h200, monkeypatch):
-    # `tests/test_pallas.py`'s OPTIONS all set: the forward's Gram by column blocks with its fix-up, the state pass
-    # keeping the states (no backward states pass), the split Gram gradients (+1 kernel), bf16 WY cotangents.
-    from test_pallas import OPTIONS, _set_options
-    _set_options(monkeypatch, OPTIONS)
-    text = _lowered(100, jnp.bfloat16, "kernels-saved")
-    assert "lineattn_chunk_bwd_states" not in text and "lineattn_gram_bwd_exact" in text
-    assert text.count("__gpu$xla.gpu.triton") == 5 + 6 + 1
+def test_segmented_forward_state_pass_lowers_for_sm90(fake_h200, monkeypatch):
+    # `chunk_fwd.PASS_SEGMENTS`: T = 1024 (16 chunks of 64, 2 segments of 8): the forward adds the zero-start
+    # segment-end kernel (V + K columns), the backward its zero-start reverse pass.
+    from lineattn.ops.pallas import chunk_fwd
+    monkeypatch.setattr(chunk_fwd, "PASS_SEGMENTS", True)
+    text = _lowered(1024, jnp.bfloat16, "kernels-saved")
+    assert "lineattn_chunk_state_pass_local" in text and "lineattn_chunk_bwd_reverse_local" in text
+    assert text.count("__gpu$xla.gpu.triton") == 5 + 1 + 7 + 1

@@ -3,11 +3,12 @@
 Forward: the kernels of `chunk_fwd.forward` (intra-chunk stage, then the state pass). Backwards, chosen by the
 static `backward` argument (H200 times: fwd+bwd at B = 8, T = 4096, H = 16, K = V = 128, bf16; runs in
 benchmarks/results/README.md):
-  - "kernels-saved" (the default; 6.23 ms, run11c; 15.5 ms in run5 before the chunk-gradient and WY kernels were
-    tiled): the forward also keeps its intra-chunk terms Qin, Kg, W, U, M (input dtype), e^(G_C), KK and
-    R = (I + A)^-1 (fp32): about 1.7 KB per token and head at K = V = 128, C = 64 in bf16, on top of the inputs.
-    `chunk_bwd.backward_fast` then runs only kernels: gate cumsum, the three state-pass kernels, the WY backward,
-    the Gram gradients with the row-local combine, dg's reverse cumsum.
+  - "kernels-saved" (the default; 6.08 ms with o returned, run12b; 15.5 ms in run5 before the chunk-gradient and
+    WY kernels were tiled): the forward also keeps its intra-chunk terms Qin, Kg, W, U, M (input dtype), e^(G_C),
+    KK and R = (I + A)^-1 (fp32), and (SAVE_STATES, below) every chunk's incoming state and E: about 2.5 KB per
+    token and head at K = V = 128, C = 64 in bf16, on top of the inputs. `chunk_bwd.backward_fast` then runs only
+    kernels: gate cumsum, the reverse state pass, the chunk gradients, the WY backward, the Gram gradients with
+    the row-local combine (and its exact rewrite of flagged chunks), dg's reverse cumsum.
   - "kernels-mml2": `chunk_bwd.backward_fast` recomputing the terms (Gram kernel, whole-chunk solve writing R):
     the forward saves only its inputs. (The "kernels-mm2" form with the 3-D exact Gram path was removed as
     redundant.)
@@ -35,9 +36,11 @@ f32 = jnp.float32
 BACKWARDS = ("kernels-saved", "kernels-mml2", "xla")
 # "kernels-saved" with SAVE_STATES: the forward's state pass also writes every chunk's incoming state and
 # E = U - W S0 (`chunk_bwd.STATES_DTYPE`; K V / C + V values per token and head: 768 B at K = V = 128, chunk 64,
-# bf16), and the backward skips its own states pass (H200, 8 x 4096: 0.27 ms; at 1 x 32768 its two segmented
-# passes 0.43) at the cost of those writes. Read when a call is traced; tested on the CPU, not yet timed.
-SAVE_STATES = False
+# bf16), and the backward skips its own states pass, at the cost of those writes. Read when a call is traced.
+# H200, 8 x 4096 (run12a): the state pass 0.47 ms against 0.35, the backward's states pass (0.27 ms) gone. (Where
+# the caller needs o, as a model does, that is 0.15 ms less; with the gradients of a loss linear in o alone, XLA
+# drops the forward's state pass without SAVE_STATES, which then looks 0.2 ms faster.)
+SAVE_STATES = True
 
 
 def _check(backward):

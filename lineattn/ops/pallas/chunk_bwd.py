@@ -49,19 +49,20 @@ STATES_DTYPE = "bfloat16"
 # run7e: 2 or 8 warps for the Gram gradients 3.62 / 2.63 ms against 1.62 with 4; WY 4 / 16 warps 1.28 / 2.42
 # against 1.24 with 8; chunk gradients 0.95 with 4 warps against 1.11 with 8).
 GRADS_WARPS, WY_WARPS, CHUNK_GRADS_WARPS, DG_BK = 4, 8, 4, 64
-# Column tiles (not yet swept on the H200): the WY backward's V and K tiles, the chunk gradients' K and V tiles.
-WY_BT, CHUNK_GRADS_BK, CHUNK_GRADS_BV = 64, 64, 64
+# Column tiles: the WY backward's V and K tiles, the chunk gradients' K and V tiles (capped at K and V). H200,
+# 8 x 4096, K = V = 128 (run12d): WY backward 0.64 ms with 128 against 0.75 with 64; chunk gradients 0.56 with a
+# V tile of 128 against 0.64 with 64 and 0.99 with 32, 0.98 with a K tile of 128; o and the five gradients'
+# errors against the fp32 XLA chunk form unchanged to two digits in each.
+WY_BT, CHUNK_GRADS_BK, CHUNK_GRADS_BV = 128, 64, 128
 # The Gram gradients' K tile (run10b, 8 x 4096: 1.87 ms with 128 against 2.05 with 64 and 3.18 with 32).
 GRADS_BK = 128
 # GRADS_SPLIT: the Gram-gradient kernel without its exact path (every block on the fast path), then a second
 # kernel that rewrites by the exact path the chunks the gate-cumsum kernel flags beyond LIMIT (as the forward's
-# GRAM_IMPL "triton-fast": there 0.79 + 0.01 ms against 0.94 with both paths in one kernel). Read when a call is
-# traced; applies where the forward's Gram stage is split too (its spreads); tested on the CPU, not yet timed.
-GRADS_SPLIT = False
-# GRADS_TRIANGLE: the Gram gradients' fast path by 16-column blocks, each side over the blocks where dP is nonzero
-# only (`_gram_grad_triangle`: 5/8 of the exps, loads and products on average; as GRAM_IMPL "triton-triangle" in
-# the forward). Read when a call is traced; tested on the CPU, not yet timed.
-GRADS_TRIANGLE = False
+# GRAM_IMPL "triton-fast"). Read when a call is traced; applies where the forward's Gram stage is split too (its
+# spreads). H200, 8 x 4096 (run12a): 1.72 + 0.06 ms against 1.87 with both paths in one kernel. (The fast path
+# by 16-column blocks, each side over the blocks where dP is nonzero only, 5/8 of the exps, loads and products,
+# each block behind a `lax.cond`: 1.92 ms in run12a; removed.)
+GRADS_SPLIT = True
 GRADS_SCALAR_WARPS = 4  # the scalar-gate Gram gradients (`gram_grads_scalar`; run9a, GDN 8 x 4096: 1.58 ms)
 # dq, dk and dG are formed inside the Gram-gradient kernel, row by row, and `_dg_kernel` takes dg's reverse
 # cumsum. (A separate combine kernel reading four fp32 Gram gradients back was slower on the H200, run8a: 1.62 +
@@ -78,11 +79,12 @@ STATES_STAGES, REVERSE_STAGES = 2, 1
 # 3.3e-3 / 3.3e-3 / 5.7e-3 against 2.8e-3 / 2.9e-3 / 5.5e-3 (the fp32 XLA chunk form, same inputs); GPU tests at
 # T = 16381 (run10a): KDA dq 3.7e-3, dg 5.3e-3; GDN dq 3.6e-3, dg 4.7e-3 (FLA's bounds 8e-3 / 2e-2).
 COT_DTYPE = "bfloat16"
-# WY_COT_DTYPE: the same for the WY backward's dKK [C, C] and dKin [C, K] (fp32 by default; "bfloat16" halves
-# their 48 KB per chunk written and read back by the Gram gradients; CPU, KDA T = 512, K = V = 64: every
-# gradient's relative RMS error against the oracle unchanged to 3 digits, dk 3.75e-3). Read when a call is
-# traced; not yet timed.
-WY_COT_DTYPE = "float32"
+# WY_COT_DTYPE: the same for the WY backward's dKK [C, C] and dKin [C, K]: "bfloat16" halves their 48 KB per
+# chunk written and read back by the Gram gradients. CPU, KDA T = 512, K = V = 64: every gradient's relative RMS
+# error against the oracle unchanged to 3 digits (dk 3.75e-3). H200, 8 x 4096 (run12a): WY backward 0.75 ms and
+# Gram gradients 1.79 against 0.81 and 1.87 with "float32"; o and the five gradients' errors against the fp32 XLA
+# chunk form unchanged to two digits.
+WY_COT_DTYPE = "bfloat16"
 PASSES_WARPS = 4  # both state passes (run9b, 1 x 32768, V tile 16: 2 warps 1.05 / 2.59 ms against 0.84 / 1.82)
 
 
@@ -204,36 +206,6 @@ def _gram_grad_fast(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, *, scale, prec)
             col * dot(dkk_ref[:, blk], k_ref[:, d].astype(f32) * up, prec, trans_a=True))
 
 
-def _gram_grad_triangle(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, *, scale, prec):
-    """`_gram_grad_fast` by 16-column blocks b: the row side over the blocks b <= a only, the column side over
-    b >= a (dP is zero elsewhere): 5 block-products of the 8 on average, each behind a block-uniform
-    `lax.cond` (GRADS_TRIANGLE)."""
-    s, C = SUB, k_ref.shape[0]
-    a = r0 // s
-    blk = pl.ds(r0, s)
-    Gr, Ga = G_ref[pl.ds(r0 + s // 2, 1), d], G_ref[blk, d]
-
-    def row_side(b, acc):  # dP[a, b] @ (k_b e^(G_r - G_b))
-        cb = pl.ds(b * s, s)
-        kc = keys_toward(k_ref[cb, d], G_ref[cb, d], Gr)
-        return acc[0] + dot(dm_ref[blk, cb], kc, prec), acc[1] + dot(dkk_ref[blk, cb], kc, prec)
-
-    def column_side(b, acc):  # dP[b, a]^T @ (x_b e^(G_b - G_r))
-        cb = pl.ds(b * s, s)
-        up = jnp.exp(jnp.minimum(G_ref[cb, d] - Gr, LIMIT))
-        return (acc[0] + dot(dm_ref[cb, blk], q_ref[cb, d].astype(f32) * (scale * up), prec, trans_a=True),
-                acc[1] + dot(dkk_ref[cb, blk], k_ref[cb, d].astype(f32) * up, prec, trans_a=True))
-
-    zero = jnp.zeros(Ga.shape, f32)
-    xs, ks = (zero, zero), (zero, zero)
-    keep = lambda acc: acc
-    for b in range(C // s):
-        xs = jax.lax.cond(b <= a, functools.partial(row_side, b), keep, xs)
-        ks = jax.lax.cond(b >= a, functools.partial(column_side, b), keep, ks)
-    row, col = jnp.exp(Ga - Gr), jnp.exp(Gr - Ga)
-    return row * xs[0], row * xs[1], col * ks[0], col * ks[1]
-
-
 def _exact_operands(dm_ref, dkk_ref, r0):
     """The exact paths' cotangent blocks for the 16-row block at r0: the row side left of the diagonal block
     (dM, dKK [16, C]), the column side below it ([C, 16]) and the diagonal blocks [16 (i), 16 (j)]."""
@@ -278,13 +250,12 @@ def _gram_grad_exact_loop(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, *, scale,
     return jax.lax.fori_loop(0, s, step, (xq, xk, kq, kk))
 
 
-def _gram_bwd_kernel(*refs, C, scale, prec, bk, delta=True, paths="both", triangle=False):
+def _gram_bwd_kernel(*refs, C, scale, prec, bk, delta=True, paths="both"):
     """The Gram gradients of one 16-row block with the row-local combine: from the block's rows of dQin, dKg,
     dKin [16, K], the outputs dq, dk (the inputs' layout), dG [16, K] and the block's column sum of Kg * dKg
     [1, K] (`_combine_rows`; `_dg_kernel` then takes the in-chunk reverse cumsum). paths: "both" (the fast path
     where the block's spread allows it, else the exact one), "fast" (the fast path only), or "exact" (the exact
-    path, only in the chunks flagged by a leading flag ref, the outputs aliased to four trailing inputs).
-    triangle: the fast path by `_gram_grad_triangle`."""
+    path, only in the chunks flagged by a leading flag ref, the outputs aliased to four trailing inputs)."""
     if paths == "exact":
         flag_ref, *refs = refs
         refs = refs[:8] + refs[12:]  # (the aliased outputs' input copies are not read)
@@ -312,14 +283,13 @@ def _gram_bwd_kernel(*refs, C, scale, prec, bk, delta=True, paths="both", triang
                 emit(d, *path(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, scale=scale, prec=prec))
         return run
 
-    fast = _gram_grad_triangle if triangle else _gram_grad_fast
     if paths == "exact":
         pl.when(jnp.max(flag_ref[...]) > 0.0)(per_tile(_gram_grad_exact_loop))
     elif paths == "fast":
-        per_tile(fast)()
+        per_tile(_gram_grad_fast)()
     else:
         spread = _gram_block_spread(G_ref, r0, K, bk)
-        pl.when(spread <= LIMIT)(per_tile(fast))
+        pl.when(spread <= LIMIT)(per_tile(_gram_grad_fast))
         pl.when(spread > LIMIT)(per_tile(_gram_grad_exact_loop))
 
 
@@ -347,8 +317,7 @@ def gram_grads_fused(q, k, G, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, inte
         """The kernel with `paths`; for "exact": the chunk flags first and the fast outputs last (aliased)."""
         lead = [] if flags is None else [pl.BlockSpec((None, None, None, nb), lambda b, h, i: (b, h, i // nb, 0))]
         return pl.pallas_call(
-            functools.partial(_gram_bwd_kernel, C=C, scale=scale, prec=prec, bk=min(bk, K), delta=delta, paths=paths,
-                              triangle=GRADS_TRIANGLE),
+            functools.partial(_gram_bwd_kernel, C=C, scale=scale, prec=prec, bk=min(bk, K), delta=delta, paths=paths),
             grid=(B, H, N * nb), in_specs=lead + in_specs + (out_specs if fast else []), out_specs=out_specs,
             out_shape=out_shape, input_output_aliases={9 + i: i for i in range(len(fast))}, interpret=interpret,
             name=name, compiler_params=compiler_params(num_warps=warps, num_stages=1),

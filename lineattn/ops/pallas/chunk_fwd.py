@@ -13,7 +13,8 @@ The intra-chunk stage, parallel over (batch, head, chunk) (`_intra`):
     substitution, 16 -> 32 -> 64), then U = R Diag(b) V and W = R Diag(b) Kin (on a Hopper GPU, for bf16 at
     chunk 64, the same algebra as a Mosaic GPU kernel: `solve_mgpu.solve_mosaic`, see SOLVE_IMPL).
 `state_pass`, one program per (batch, head, V tile): the sequential pass over chunks with the fp32 state in
-registers, E = U - W S, O = Qin S + M E, S <- Diag(e^(G_C)) S + Kg^T E; writes O and the final state.
+registers, E = U - W S, O = Qin S + M E, S <- Diag(e^(G_C)) S + Kg^T E; writes O and the final state (and, for
+the backward, every chunk's S and E; with PASS_SEGMENTS, per segment of chunks from `_segment_starts`).
 
 Precision: bf16 inputs keep bf16 intermediates (Qin, Kg, W, U, M) and run the state pass's products on bf16
 tensor cores with fp32 accumulation; the Gram products take TF32, the solve's doubling bf16x3 and its U, W
@@ -135,48 +136,10 @@ def _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, o0=0):
         a_ref[out, :] = jnp.where(cols < rows, beta_ref[out].astype(f32)[:, None] * Ax, 0.0)
 
 
-def _gram_triangle(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, a, *, scale, prec, delta, bk):
-    """The fast path of block a by 16-column blocks b <= a only (the columns after the block are zeros: no exps,
-    loads or products for them; `GRAM_IMPL` "triton-triangle"), written straight into m_ref, a_ref [16, C]."""
-    s, C, K = SUB, k_ref.shape[0], k_ref.shape[-1]
-    r0 = a * s
-    blk = pl.ds(r0, s)
-    rows, cols = _iota((s, s), 0), _iota((s, s), 1)
-    beta = beta_ref[...].astype(f32)[:, None]
-    xs = []  # per K tile: the block's (scale q, k) times e^(G_a - G_r), r its middle row, and G_r
-    for t in range(K // bk):
-        d = pl.ds(t * bk, bk)
-        Gr = G_ref[pl.ds(r0 + s // 2, 1), d]
-        xr = jnp.exp(G_ref[blk, d] - Gr)
-        xs.append((q_ref[:, d].astype(f32) * (scale * xr), k_ref[blk, d].astype(f32) * xr if delta else None, Gr))
-    for b in range(C // s):
-        cb = pl.ds(b * s, s)
-
-        @pl.when(b <= a)
-        def _(b=b, cb=cb):
-            Mx, Ax = jnp.zeros((s, s), f32), jnp.zeros((s, s), f32)
-            for t, (xq, xk, Gr) in enumerate(xs):
-                d = pl.ds(t * bk, bk)
-                kc = keys_toward(k_ref[cb, d], G_ref[cb, d], Gr)
-                Mx = Mx + dot(xq, kc, prec, trans_b=True)
-                if delta:
-                    Ax = Ax + dot(xk, kc, prec, trans_b=True)
-            off = b < a  # below the diagonal block: every entry; on it: j <= i (M), j < i (A)
-            m_ref[:, cb] = jnp.where(off | (cols <= rows), Mx, 0.0).astype(m_ref.dtype)
-            if delta:
-                a_ref[:, cb] = jnp.where(off | (cols < rows), beta * Ax, 0.0)
-
-        @pl.when(b > a)
-        def _(cb=cb):
-            m_ref[:, cb] = jnp.zeros((s, s), m_ref.dtype)
-            if delta:
-                a_ref[:, cb] = jnp.zeros((s, s), a_ref.dtype)
-
-
 def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta, bk,
-                      fast_only=False, triangle=False):
+                      fast_only=False):
     """One 16-row block: Qin, Kg and the rows of M and A, the exact path taken by a block-uniform `lax.cond` (or
-    left to `gram_exact_chunks`: fast_only; triangle: the fast path by `_gram_triangle`)."""
+    left to `gram_exact_chunks`: fast_only)."""
     s = SUB
     r0 = (pl.program_id(2) % (C // s)) * s
     K = k_ref.shape[-1]
@@ -187,9 +150,6 @@ def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_r
         qin_ref[:, d] = (q_ref[:, d].astype(f32) * scale * jnp.exp(Ga)).astype(qin_ref.dtype)
         kg_ref[:, d] = (k_ref[blk, d].astype(f32) * jnp.exp(G_ref[pl.ds(C - 1, 1), d] - Ga)).astype(kg_ref.dtype)
     kw = dict(scale=scale, prec=prec, delta=delta, bk=bk)
-    if triangle:
-        _gram_triangle(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, r0 // s, **kw)
-        return
     fast = lambda: _gram_products(q_ref, k_ref, G_ref, r0, r0 + s // 2, LIMIT, **kw)
     if fast_only:
         Mx, Ax = fast()
@@ -206,10 +166,10 @@ def _gram_outputs(B, H, Tp, C, K, store, a_dtype):
 
 
 def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, a_dtype=f32, bk=64,
-              fast_only=False, triangle=False):
+              fast_only=False):
     """M, A (= Diag(beta) KK, strictly lower), Qin, Kg as [B, H, Tp, .] from q, k [B, Tp, H, K], the in-chunk
     cumsum G (fp32) and beta [B, Tp, H] (see `_gram_rows_kernel`; fast_only: without the exact path, for
-    `gram_exact_chunks` to complete; triangle: the same by column blocks up to the diagonal)."""
+    `gram_exact_chunks` to complete)."""
     B, Tp, H, K = q.shape
     N, nb = Tp // C, C // SUB
     sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i, h, 0))
@@ -217,7 +177,7 @@ def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, 
     row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, i, 0))
     return pl.pallas_call(
         functools.partial(_gram_rows_kernel, C=C, scale=scale, prec=prec, delta=delta, bk=min(bk, K),
-                          fast_only=fast_only, triangle=triangle),
+                          fast_only=fast_only),
         grid=(B, H, N * nb),
         in_specs=[sub(K), whole(K), whole(K), pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i, h))],
         out_specs=[row_out(C), row_out(C), row_out(K), row_out(K)],
@@ -393,17 +353,17 @@ SOLVE_IMPL = "auto"
 # exact path behind a block-uniform `lax.cond`) or "triton-fast" (`gram_rows` without it, then
 # `gram_exact_chunks` recomputes the chunks the gate-cumsum kernel flags beyond LIMIT). H200, 8 x 4096 (run11a):
 # 0.79 + 0.01 ms (+ 0.02 for the cumsum kernel's spreads) against 0.94. (A Mosaic GPU Gram kernel, bf16 wgmma
-# with reference points per 16-column block, took 2.00 ms in run11a: removed.) "triton-triangle": as
-# "triton-fast", the fast path by 16-column blocks up to the diagonal only (`_gram_triangle`: 5/8 of the exps,
-# loads and products on average; tested on the CPU, not yet timed).
+# with reference points per 16-column block, took 2.00 ms in run11a: removed; so was "triton-triangle", the fast
+# path by 16-column blocks up to the diagonal only, under a `pl.when` per block: 1.18 ms in run12a, for 5/8 of
+# the exps, loads and products.)
 GRAM_IMPL = "triton-fast"
 
 
 def split_gram(scalar: bool, delta: bool) -> bool:
-    """Whether the Gram stage is split, GRAM_IMPL "triton-fast" or "triton-triangle" (its gate cumsum then also
+    """Whether the Gram stage is split, GRAM_IMPL "triton-fast" (its gate cumsum then also
     writes the block spreads; the backward's cumsum asks for them too, so that XLA merges the two identical
     calls)."""
-    return GRAM_IMPL in ("triton-fast", "triton-triangle") and not scalar and delta
+    return GRAM_IMPL == "triton-fast" and not scalar and delta
 
 
 def mosaic_solve(exact: bool, C: int, K: int, V: int, interpret: bool) -> bool:
@@ -478,8 +438,7 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     gram_beta = jnp.ones_like(beta) if save else beta
     if split:
         m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=prec if exact else GRAM_PREC,
-                                  delta=True, warps=warps, interpret=interpret, bk=GRAM_BK, fast_only=True,
-                                  triangle=GRAM_IMPL == "triton-triangle")
+                                  delta=True, warps=warps, interpret=interpret, bk=GRAM_BK, fast_only=True)
         m, A = gram_exact_chunks(spreads[0], q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret,
                                  prec=prec if exact else GRAM_PREC)
     elif scalar:
@@ -527,6 +486,49 @@ def _state_pass_kernel(qin_ref, kg_ref, w_ref, u_ref, m_ref, dend_ref, h0_ref, o
     ht_ref[...] = jax.lax.fori_loop(0, N, body, h0_ref[...].astype(f32))
 
 
+def _segment_end_kernel(kg_ref, w_ref, u_ref, dend_ref, end_ref, *, C, N, prec, delta, value_tiles):
+    """One segment's recurrence from a zero start, for PASS_SEGMENTS: tiles j < value_tiles of V give its offset
+    c (U's columns), the tiles after give its map P's columns (started at the identity's columns with U = 0), so
+    that S_end = P S_start + c."""
+    j = pl.program_id(3)
+    K, BQ = end_ref.shape
+    S = (_iota((K, BQ), 0) == _iota((K, BQ), 1) + (j - value_tiles) * BQ).astype(f32)  # zeros in a value tile
+    keep = (j < value_tiles).astype(f32)
+
+    def body(n, S):
+        t = pl.ds(n * C, C)
+        E = u_ref[t, :].astype(f32) * keep
+        if delta:
+            E = E - dot(w_ref[t, :], S, prec)
+        return S * dend_ref[:, pl.ds(n, 1)] + dot(kg_ref[t, :], E, prec, trans_a=True)
+
+    end_ref[...] = jax.lax.fori_loop(0, N, body, S)
+
+
+def _segment_starts(kg, w, u, dend, h0, *, C, nseg, BV, prec, delta, interpret):
+    """Every segment's true start [B, H, nseg, K, V] (PASS_SEGMENTS): `_segment_end_kernel` on each segment at
+    once (V tiles for the offsets, then K tiles for the maps, BQ wide), then a short fp32 chain in XLA."""
+    from lineattn.ops.pallas.chunk_bwd import _chain  # (chunk_bwd imports this module)
+    B, H, K, V = h0.shape
+    Tp, N = kg.shape[2], dend.shape[-1]
+    Ts, Ns = Tp // nseg, N // nseg
+    BQ = min(BV, K)
+    NQ = V // BQ
+    whole = pl.BlockSpec((None, None, Ts, K), lambda b, h, s, j: (b, h, s, 0))
+    u_tile = pl.BlockSpec((None, None, Ts, BQ), lambda b, h, s, j: (b, h, s, jnp.minimum(j, NQ - 1)))  # (unread: map)
+    ends = pl.pallas_call(
+        functools.partial(_segment_end_kernel, C=C, N=Ns, prec=prec, delta=delta, value_tiles=NQ),
+        grid=(B, H, nseg, NQ + K // BQ),
+        in_specs=[whole, whole, u_tile, pl.BlockSpec((None, None, K, Ns), lambda b, h, s, j: (b, h, 0, s))],
+        out_specs=pl.BlockSpec((None, None, None, K, BQ), lambda b, h, s, j: (b, h, s, 0, j)),
+        out_shape=jax.ShapeDtypeStruct((B, H, nseg, K, V + K), f32),
+        compiler_params=compiler_params(num_warps=PASS_WARPS, num_stages=PASS_STAGES),
+        interpret=interpret,
+        name="lineattn_chunk_state_pass_local",
+    )(kg, w, u, dend)
+    return _chain(jnp.swapaxes(ends[..., V:], -1, -2), ends[..., :V], h0, reverse=False)
+
+
 def check_shapes(K: int, V: int, chunk_size: int):
     if not (is_pow2(K) and 16 <= K <= 256 and is_pow2(V) and 16 <= V <= 256):
         raise ValueError(f"the Pallas kernels need K and V powers of two in [16, 256], got K={K}, V={V}")
@@ -542,6 +544,22 @@ def check_shapes(K: int, V: int, chunk_size: int):
 PASS_MIN_PROGRAMS = 128
 
 
+# PASS_SEGMENTS: for a few long sequences, the state pass runs each sequence as segments of chunks side by side,
+# as the backward's reverse pass does (`chunk_bwd.pick_segments` picks the count): `_segment_starts` gives every
+# segment's true start, then the state pass runs all segments at once. Two passes instead of one, the first over
+# V + K columns, each over 1/nseg of the chunks. Read when a call is traced (not with export_chunks); tested on
+# the CPU, not yet timed (at 1 x 32768 the unsegmented pass took 0.79 ms of the forward's 2.14 in run11b).
+PASS_SEGMENTS = False
+
+
+def pass_segments(programs: int, N: int, V: int, export: bool) -> int:
+    """Segments per sequence of the forward's state pass (1 unless PASS_SEGMENTS; see `chunk_bwd.pick_segments`)."""
+    if not PASS_SEGMENTS or export:
+        return 1
+    from lineattn.ops.pallas.chunk_bwd import pick_segments  # (chunk_bwd imports this module)
+    return pick_segments(programs, N, V)
+
+
 def pick_block_v(programs: int, V: int) -> int:
     """V tile of the state passes for a grid of `programs` (batch, head) pairs (see PASS_MIN_PROGRAMS)."""
     bv = min(V, 64)
@@ -553,8 +571,10 @@ def pick_block_v(programs: int, V: int) -> int:
 def _constants():
     """The values of the module constants the forward reads when traced (and whether the device is a Hopper GPU,
     which `mosaic_solve` asks)."""
+    from lineattn.ops.pallas import chunk_bwd  # (it imports this module): the segment rule's constants
     return (GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES, GRAM_SCALAR_WARPS, SOLVE_PREC, GRAM_PREC,
-            UW_PREC, PASS_MIN_PROGRAMS, SOLVE_IMPL, solve_mgpu.LHS_REGS, GRAM_IMPL, hopper())
+            UW_PREC, PASS_MIN_PROGRAMS, SOLVE_IMPL, solve_mgpu.LHS_REGS, GRAM_IMPL, hopper(), PASS_SEGMENTS,
+            chunk_bwd.SEGMENT_PASSES, chunk_bwd.MIN_SEGMENT_CHUNKS, chunk_bwd.SEGMENT_MIN_PROGRAMS)
 
 
 def _retrace_on_constants(jitted):
@@ -625,30 +645,40 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
         u = jnp.moveaxis(v, 2, 1).astype(store)
         w = qin  # unread by the additive state pass
 
-    BV = block_v or pick_block_v(B * H, V)
-    whole = lambda D: pl.BlockSpec((None, None, Tp, D), lambda b, h, j: (b, h, 0, 0))
-    vtile = pl.BlockSpec((None, None, Tp, BV), lambda b, h, j: (b, h, 0, j))
-    state = pl.BlockSpec((None, None, K, BV), lambda b, h, j: (b, h, 0, j))
+    nseg = pass_segments(B * H, N, V, bool(export_chunks))
+    BV = block_v or pick_block_v(B * H * nseg, V)
+    Ts, Ns = Tp // nseg, N // nseg  # grid (B, H, segment, V tile); one segment unless PASS_SEGMENTS
+    prec = "ieee" if exact else "bf16"
+    whole = lambda D: pl.BlockSpec((None, None, Ts, D), lambda b, h, s, j: (b, h, s, 0))
+    vtile = pl.BlockSpec((None, None, Ts, BV), lambda b, h, s, j: (b, h, s, j))
+    state = pl.BlockSpec((None, None, None, K, BV), lambda b, h, s, j: (b, h, s, 0, j))
     n_slots = 1 << max(len(export_chunks) - 1, 0).bit_length()  # Triton blocks: powers of two
-    exported = ([pl.BlockSpec((None, None, n_slots, K, BV), lambda b, h, j: (b, h, 0, 0, j))],
+    exported = ([pl.BlockSpec((None, None, n_slots, K, BV), lambda b, h, s, j: (b, h, 0, 0, j))],
                 [jax.ShapeDtypeStruct((B, H, n_slots, K, V), f32)]) if export_chunks else ([], [])
     keep = save and states_dtype is not None and not export_chunks
     if keep:
         kept = f32 if exact else jnp.dtype(states_dtype)
-        exported = ([pl.BlockSpec((None, None, N * K, BV), lambda b, h, j: (b, h, 0, j)), vtile],
+        exported = ([pl.BlockSpec((None, None, Ns * K, BV), lambda b, h, s, j: (b, h, s, j)), vtile],
                     [jax.ShapeDtypeStruct((B, H, N * K, V), kept), jax.ShapeDtypeStruct((B, H, Tp, V), kept)])
-    o, ht, *s0 = pl.pallas_call(
-        functools.partial(_state_pass_kernel, C=C, N=N, K=K, prec="ieee" if exact else "bf16", delta=delta,
-                          export=export_chunks, keep=keep),
-        grid=(B, H, V // BV),
+    if nseg == 1:
+        starts = h0.astype(f32)[:, :, None]
+    else:
+        starts = _segment_starts(kg, w, u, dend, h0, C=C, nseg=nseg, BV=BV, prec=prec, delta=delta,
+                                 interpret=interpret)
+    o, ends, *s0 = pl.pallas_call(
+        functools.partial(_state_pass_kernel, C=C, N=Ns, K=K, prec=prec, delta=delta, export=export_chunks,
+                          keep=keep),
+        grid=(B, H, nseg, V // BV),
         in_specs=[whole(K), whole(K), whole(K), vtile, whole(C),
-                  pl.BlockSpec((None, None, K, N), lambda b, h, j: (b, h, 0, 0)), state],
-        out_specs=[pl.BlockSpec((None, Tp, None, BV), lambda b, h, j: (b, 0, h, j)), state] + exported[0],
-        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), dt), jax.ShapeDtypeStruct((B, H, K, V), f32)] + exported[1],
+                  pl.BlockSpec((None, None, K, Ns), lambda b, h, s, j: (b, h, 0, s)), state],
+        out_specs=[pl.BlockSpec((None, Ts, None, BV), lambda b, h, s, j: (b, s, h, j)), state] + exported[0],
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), dt), jax.ShapeDtypeStruct((B, H, nseg, K, V), f32)]
+        + exported[1],
         compiler_params=compiler_params(num_warps=warps[1], num_stages=PASS_STAGES),
         interpret=interpret,
         name="lineattn_chunk_state_pass",
-    )(qin, kg, w, u, m, dend, h0.astype(f32))
+    )(qin, kg, w, u, m, dend, starts)
+    ht = ends[:, :, -1]
     if export_chunks:
         return o[:, :T], ht, s0[0][:, :, :len(export_chunks)], (w if delta else None), (u if delta else None)
     if save:
