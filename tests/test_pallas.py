@@ -279,7 +279,7 @@ def test_pallas_segmented_forward_state_pass(rule, save, monkeypatch):
     # joined through each segment's map and offset (`_segment_end_kernel`, then a chain in XLA), with and without
     # the states kept for the backward. Gates in (-0.05, 0) so that the state carries across segments (at -5 per
     # token the starts would hardly matter). fp32: o, the final state and every gradient as with one segment to
-    # 1e-5, and the oracle's to 1e-4; then bf16 within FLA's bounds.
+    # 1e-5, and the oracle's to 1e-4; then (KDA) bf16 within FLA's bounds.
     from lineattn.ops.pallas import chunk, chunk_bwd, chunk_fwd
     monkeypatch.setattr(chunk_bwd, "MIN_SEGMENT_CHUNKS", 2)
     monkeypatch.setattr(chunk, "SAVE_STATES", save)
@@ -294,7 +294,8 @@ def test_pallas_segmented_forward_state_pass(rule, save, monkeypatch):
                                                               chunk_size=16, backend="pallas")[0])(x["q"]))
     assert "lineattn_chunk_state_pass_local" in jaxpr
     _compare(rule, inputs, chunk_size=16)
-    _assert_bf16_close(rule, inputs, chunk_size=16)
+    if rule == "kda":  # (the suite's time: the bf16 path is the same kernels for every rule)
+        _assert_bf16_close(rule, inputs, chunk_size=16)
 
 
 def test_pallas_backward_tiles(monkeypatch):
