@@ -230,12 +230,12 @@ def test_pallas_with_the_mosaic_solve(gate, monkeypatch):
 
 @pytest.mark.parametrize("rule", ["kda", "gdn", "gla"])
 def test_pallas_segmented_state_passes(rule, monkeypatch):
-    # `chunk_bwd.SEGMENT_PASSES`: the backward's reverse pass in 4 segments of 2 chunks (T = 120 ragged, chunk 16),
+    # `segments.SEGMENT_PASSES`: the backward's reverse pass in 4 segments of 2 chunks (T = 120 ragged, chunk 16),
     # fp32 to 1e-4 of the oracle (every gradient, initial state and final-state cotangent), then bf16.
-    from lineattn.ops.pallas import chunk_bwd
-    monkeypatch.setattr(chunk_bwd, "SEGMENT_PASSES", True)
-    monkeypatch.setattr(chunk_bwd, "MIN_SEGMENT_CHUNKS", 2)
-    assert chunk_bwd.pick_segments(2, 8, 32) == 4 and chunk_bwd.pick_segments(2, 6, 32) == 1
+    from lineattn.ops.pallas import segments
+    monkeypatch.setattr(segments, "SEGMENT_PASSES", True)
+    monkeypatch.setattr(segments, "MIN_SEGMENT_CHUNKS", 2)
+    assert segments.pick_segments(2, 8, 32) == 4 and segments.pick_segments(2, 6, 32) == 1
     inputs = make_inputs(rule, B=1, T=120, H=2, K=32, V=32, seed=17)
     _compare(rule, inputs, chunk_size=16)
     x = inputs
@@ -253,8 +253,8 @@ def test_pallas_saved_states(rule, segmented, monkeypatch):
     # backward, which then runs no states pass of its own; False: the backward's own states pass (segmented: 4
     # segments of 2 chunks at chunk 16, T = 120 ragged). fp32: the same gradients both ways (the same products in
     # the same order) and the oracle's to 1e-4; then bf16 within FLA's bounds without saved states.
-    from lineattn.ops.pallas import chunk, chunk_bwd
-    monkeypatch.setattr(chunk_bwd, "MIN_SEGMENT_CHUNKS", 2 if segmented else 64)
+    from lineattn.ops.pallas import chunk, segments
+    monkeypatch.setattr(segments, "MIN_SEGMENT_CHUNKS", 2 if segmented else 64)
     inputs = make_inputs(rule, B=1, T=120, H=2, K=32, V=32, seed=18)
     C = 16 if segmented else 32
     x = inputs
@@ -280,8 +280,8 @@ def test_pallas_segmented_forward_state_pass(rule, save, monkeypatch):
     # the states kept for the backward. Gates in (-0.05, 0) so that the state carries across segments (at -5 per
     # token the starts would hardly matter). fp32: o, the final state and every gradient as with one segment to
     # 1e-5, and the oracle's to 1e-4; then (KDA) bf16 within FLA's bounds.
-    from lineattn.ops.pallas import chunk, chunk_bwd, chunk_fwd
-    monkeypatch.setattr(chunk_bwd, "MIN_SEGMENT_CHUNKS", 2)
+    from lineattn.ops.pallas import chunk, chunk_fwd, segments
+    monkeypatch.setattr(segments, "MIN_SEGMENT_CHUNKS", 2)
     monkeypatch.setattr(chunk, "SAVE_STATES", save)
     inputs = make_inputs(rule, B=1, T=120, H=2, K=32, V=32, seed=21, g_low=-0.05)
     o0, ht0, grads0 = loss_and_grads(rule, inputs, backend="pallas", chunk_size=16)

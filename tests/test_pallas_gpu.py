@@ -74,8 +74,8 @@ VARIANTS = [("kda", None), ("gdn", None), ("deltanet", None), ("gla", None), ("k
             ("kda", ("kernels-saved", {"chunk_bwd.GRADS_SPLIT": False})),
             ("kda", ("kernels-saved", {"chunk_bwd.WY_COT_DTYPE": "float32"})),
             ("kda", ("kernels-saved", {"chunk_fwd.PASS_SEGMENTS": True})),  # not yet run on the H200
-            ("kda", ("kernels-saved", {"chunk_bwd.SEGMENT_PASSES": False})),  # the defaults: 32 segments of 8 chunks
-            ("gdn", ("kernels-saved", {"chunk_bwd.SEGMENT_PASSES": False}))]
+            ("kda", ("kernels-saved", {"segments.SEGMENT_PASSES": False})),  # the defaults: 32 segments of 8 chunks
+            ("gdn", ("kernels-saved", {"segments.SEGMENT_PASSES": False}))]
 
 
 def _variant_id(rule, variant):

@@ -66,12 +66,12 @@ def test_scalar_gate_kernels_lower_for_sm90(fake_h200, backward):
 
 
 def test_segmented_state_passes_lower_for_sm90(fake_h200, monkeypatch):
-    # `chunk_bwd.SEGMENT_PASSES`: T = 1024 is 16 chunks of 64, 2 segments of 8 (B * H = 2); the backward adds the
+    # `segments.SEGMENT_PASSES`: T = 1024 is 16 chunks of 64, 2 segments of 8 (B * H = 2); the backward adds the
     # zero-start reverse pass (a 4-D grid, per-segment [K, V] state blocks, also forming the maps; the zero-start
     # states pass only without `chunk.SAVE_STATES`: `test_backward_states_pass_lowers_for_sm90`).
-    from lineattn.ops.pallas import chunk_bwd
-    monkeypatch.setattr(chunk_bwd, "SEGMENT_PASSES", True)
-    assert chunk_bwd.pick_segments(2, 16, 128) == 2
+    from lineattn.ops.pallas import segments
+    monkeypatch.setattr(segments, "SEGMENT_PASSES", True)
+    assert segments.pick_segments(2, 16, 128) == 2
     text = _lowered(1024, jnp.bfloat16, "kernels-saved")
     assert "lineattn_chunk_bwd_reverse_local" in text and "lineattn_chunk_bwd_states_local" not in text
     assert text.count("__gpu$xla.gpu.triton") == 5 + 7 + 1

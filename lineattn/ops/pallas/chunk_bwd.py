@@ -27,7 +27,8 @@ from lineattn.ops.chunk import ChunkTerms, pad_to_chunks
 from lineattn.ops.pallas import chunk_fwd
 from lineattn.ops.pallas.chunk_fwd import (LIMIT, _gram_block_spread, _iota, gate_cumsum, gram_rows, keys_toward,
                                            pick_block_v, solve_full)
-from lineattn.ops.pallas.common import SUB, compiler_params, dot, interpret_mode, is_pow2
+from lineattn.ops.pallas.common import SUB, compiler_params, dot, interpret_mode
+from lineattn.ops.pallas.segments import block_specs, chain, pick_segments
 
 f32 = jnp.float32
 # Products of `backward_fast` for bf16 inputs (fp32 inputs: "ieee"), read when a call is traced: the state
@@ -126,59 +127,14 @@ def _pass_operands(terms: ChunkTerms):
     return qin, kg, m, u, w, jnp.swapaxes(terms.decay_end, -1, -2)
 
 
-# Segments: for a few long sequences (B * H too small to fill the GPU with V tiles of 64), the backward's two
-# state passes run each sequence as `nseg` segments of chunks in parallel (`pick_segments`). The reverse pass from
-# a zero end gives each segment's offset c_s (the state cotangent at its start), and, on K extra columns started
-# at I with no dO, its transposed composite map P_s^T (the reverse map dS -> (Diag(e^G_C) - W^T Kg) dS over the
-# segment); the forward pass from a zero start gives its offset; short fp32 chains in XLA over the segments give
-# every segment's true start S and end dS, and the full passes run from those. The same sums in another order
-# (the products at PASS_PREC). Four passes instead of two, each over 1/nseg of the chunks: at 1 x 32768 (8
-# segments, 256 programs; the two passes took 0.84 + 1.82 ms there with 128 programs of V tile 16, 0.27 + 0.45 at
-# 8 x 4096 with 256 programs) a gain only if a pass costs about what it does at 8 x 4096. (The forward's state
-# pass could export the segment starts instead of the zero-start forward pass: not done.) H200, 1 x 32768 x 16 x
-# 128 bf16 (run10a profile, 8 segments): states 0.84 -> 0.15 (zero-start) + 0.28 ms, reverse 1.80 -> 0.53
-# (zero-start, V + K columns) + 0.44, the XLA chains 0.08: kernels fwd+bwd 6.98 ms against 8.11; GPU tests at
-# T = 16381 (32 segments) within the unsegmented errors. SEGMENT_MIN_PROGRAMS: the grid size the segments aim for.
-SEGMENT_PASSES, MIN_SEGMENT_CHUNKS, SEGMENT_MIN_PROGRAMS = True, 8, 256
-
-
-def pick_segments(programs: int, N: int, V: int) -> int:
-    """Segments per sequence for the backward's state passes: doubled while the grid (with V tiles of 64) has
-    fewer than SEGMENT_MIN_PROGRAMS programs and each segment keeps a power of two of at least MIN_SEGMENT_CHUNKS
-    chunks (1 when SEGMENT_PASSES is off or the grid is large enough)."""
-    nseg = 1
-    while (SEGMENT_PASSES and programs * nseg * max(V // 64, 1) < SEGMENT_MIN_PROGRAMS
-           and N % (2 * nseg) == 0 and is_pow2(N // (2 * nseg)) and N // (2 * nseg) >= MIN_SEGMENT_CHUNKS):
-        nseg *= 2
-    return nseg
-
-
 def _pass_setup(terms: ChunkTerms, block_v, nseg):
-    """(`_pass_operands`, the V tile BV, the grid (B, H, nseg, V tiles) and the block specs of segment s: whole(D)
-    [Ts, D] (Ts = Tp / nseg), a V tile [Ts, BV], a segment's state [K, BV] of [B, H, nseg, K, V], the per-chunk
-    states [Ns K, BV] and e^(G_C) [K, Ns] (Ns = N / nseg), and do's [Ts, BV] in [B, Tp, H, V])."""
+    """(`_pass_operands`, the V tile BV, the grid (B, H, nseg, V tiles) and the block specs of segment s
+    (`segments.block_specs`: whole(D), a V tile, a segment's state, the per-chunk states and e^(G_C)), and do's
+    [Ts, BV] in [B, Tp, H, V] (Ts = Tp / nseg))."""
     B, H, N, C, K, V, Tp, delta = _pass_dims(terms)
-    Ns, Ts = N // nseg, Tp // nseg
     BV = block_v or pick_block_v(B * H * nseg, V)
-    whole = lambda D: pl.BlockSpec((None, None, Ts, D), lambda b, h, s, j: (b, h, s, 0))
-    vtile = pl.BlockSpec((None, None, Ts, BV), lambda b, h, s, j: (b, h, s, j))
-    state = pl.BlockSpec((None, None, None, K, BV), lambda b, h, s, j: (b, h, s, 0, j))
-    states = pl.BlockSpec((None, None, Ns * K, BV), lambda b, h, s, j: (b, h, s, j))
-    kn = pl.BlockSpec((None, None, K, Ns), lambda b, h, s, j: (b, h, 0, s))
-    do = pl.BlockSpec((None, Ts, None, BV), lambda b, h, s, j: (b, s, h, j))
-    return _pass_operands(terms), BV, (B, H, nseg, V // BV), (whole, vtile, state, states, kn, do)
-
-
-def _chain(PT, offsets, first, *, reverse):
-    """The segments' true starts [B, H, nseg, K, V] from their transposed maps PT [B, H, nseg, K, K] and zero-start
-    offsets: forward x_0 = first, x_(s+1) = P_s x_s + offset_s; reverse (state cotangents at the segments' ends)
-    x_(nseg-1) = first, x_(s-1) = P_s^T x_s + offset_s."""
-    nseg = PT.shape[2]
-    mm = lambda a, x, eq: jnp.einsum(eq, a, x, precision=jax.lax.Precision.HIGHEST)
-    xs = [first.astype(f32)]
-    for s in (range(nseg - 1) if not reverse else range(nseg - 1, 0, -1)):
-        xs.append(mm(PT[:, :, s], xs[-1], "bhij,bhjv->bhiv" if reverse else "bhji,bhjv->bhiv") + offsets[:, :, s])
-    return jnp.stack(xs[::-1] if reverse else xs, axis=2)
+    do = pl.BlockSpec((None, Tp // nseg, None, BV), lambda b, h, s, j: (b, s, h, j))
+    return _pass_operands(terms), BV, (B, H, nseg, V // BV), (*block_specs(Tp, N, K, nseg, BV), do)
 
 
 # The Gram gradients. For P_ij = sum_d x_id k_jd e^(G_id - G_jd) (M: x = scale q; KK: x = k),
@@ -638,11 +594,11 @@ def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None,
                   reverse_in[:5] + [do_q, stateq], [stateq], [seg_states(V + K)], qin, kg, w, m, dend_KN, do, start,
                   grid=grid[:3] + (NQ + K // BQ,), value_tiles=NQ)[0]
         PT = out[..., V:]
-        dS_end = _chain(PT, out[..., :V], dht, reverse=True)
+        dS_end = chain(PT, out[..., :V], dht, reverse=True)
         if states is None:
             offsets = run(_states_kernel, "lineattn_chunk_bwd_states_local", STATES_STAGES, states_in, [state],
                           [seg_states(V)], kg, w, u, dend_KN, jnp.zeros((B, H, nseg, K, V), f32))[0]
-            S_start = _chain(PT, offsets, h0, reverse=False)
+            S_start = chain(PT, offsets, h0, reverse=False)
     if states is None:
         s0, E = run(_states_kernel, "lineattn_chunk_bwd_states", STATES_STAGES, states_in, [per_chunk, vtile],
                     [jax.ShapeDtypeStruct((B, H, N * K, V), kept), jax.ShapeDtypeStruct((B, H, Tp, V), kept)],

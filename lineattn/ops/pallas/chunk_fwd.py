@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from lineattn.ops.pallas.common import SUB, compiler_params, dot, hopper, interpret_mode, is_pow2
-from lineattn.ops.pallas import solve_mgpu
+from lineattn.ops.pallas import segments, solve_mgpu
 
 f32 = jnp.float32
 
@@ -360,9 +360,8 @@ GRAM_IMPL = "triton-fast"
 
 
 def split_gram(scalar: bool, delta: bool) -> bool:
-    """Whether the Gram stage is split, GRAM_IMPL "triton-fast" (its gate cumsum then also
-    writes the block spreads; the backward's cumsum asks for them too, so that XLA merges the two identical
-    calls)."""
+    """Whether the Gram stage is split, GRAM_IMPL "triton-fast" (its gate cumsum then also writes the block
+    spreads; the backward's cumsum asks for them too, so that XLA merges the two identical calls)."""
     return GRAM_IMPL == "triton-fast" and not scalar and delta
 
 
@@ -508,25 +507,23 @@ def _segment_end_kernel(kg_ref, w_ref, u_ref, dend_ref, end_ref, *, C, N, prec, 
 def _segment_starts(kg, w, u, dend, h0, *, C, nseg, BV, prec, delta, interpret):
     """Every segment's true start [B, H, nseg, K, V] (PASS_SEGMENTS): `_segment_end_kernel` on each segment at
     once (V tiles for the offsets, then K tiles for the maps, BQ wide), then a short fp32 chain in XLA."""
-    from lineattn.ops.pallas.chunk_bwd import _chain  # (chunk_bwd imports this module)
     B, H, K, V = h0.shape
     Tp, N = kg.shape[2], dend.shape[-1]
-    Ts, Ns = Tp // nseg, N // nseg
     BQ = min(BV, K)
     NQ = V // BQ
-    whole = pl.BlockSpec((None, None, Ts, K), lambda b, h, s, j: (b, h, s, 0))
-    u_tile = pl.BlockSpec((None, None, Ts, BQ), lambda b, h, s, j: (b, h, s, jnp.minimum(j, NQ - 1)))  # (unread: map)
-    ends = pl.pallas_call(
-        functools.partial(_segment_end_kernel, C=C, N=Ns, prec=prec, delta=delta, value_tiles=NQ),
+    whole, _, state, _, kn = segments.block_specs(Tp, N, K, nseg, BQ)
+    u_tile = pl.BlockSpec((None, None, Tp // nseg, BQ), lambda b, h, s, j: (b, h, s, jnp.minimum(j, NQ - 1)))
+    ends = pl.pallas_call(  # (a map tile reads the last V tile of u: unused)
+        functools.partial(_segment_end_kernel, C=C, N=N // nseg, prec=prec, delta=delta, value_tiles=NQ),
         grid=(B, H, nseg, NQ + K // BQ),
-        in_specs=[whole, whole, u_tile, pl.BlockSpec((None, None, K, Ns), lambda b, h, s, j: (b, h, 0, s))],
-        out_specs=pl.BlockSpec((None, None, None, K, BQ), lambda b, h, s, j: (b, h, s, 0, j)),
+        in_specs=[whole(K), whole(K), u_tile, kn],
+        out_specs=state,
         out_shape=jax.ShapeDtypeStruct((B, H, nseg, K, V + K), f32),
         compiler_params=compiler_params(num_warps=PASS_WARPS, num_stages=PASS_STAGES),
         interpret=interpret,
         name="lineattn_chunk_state_pass_local",
     )(kg, w, u, dend)
-    return _chain(jnp.swapaxes(ends[..., V:], -1, -2), ends[..., :V], h0, reverse=False)
+    return segments.chain(jnp.swapaxes(ends[..., V:], -1, -2), ends[..., :V], h0, reverse=False)
 
 
 def check_shapes(K: int, V: int, chunk_size: int):
@@ -545,7 +542,7 @@ PASS_MIN_PROGRAMS = 128
 
 
 # PASS_SEGMENTS: for a few long sequences, the state pass runs each sequence as segments of chunks side by side,
-# as the backward's reverse pass does (`chunk_bwd.pick_segments` picks the count): `_segment_starts` gives every
+# as the backward's reverse pass does (`segments.pick_segments` picks the count): `_segment_starts` gives every
 # segment's true start, then the state pass runs all segments at once. Two passes instead of one, the first over
 # V + K columns, each over 1/nseg of the chunks. Read when a call is traced (not with export_chunks); tested on
 # the CPU, not yet timed (at 1 x 32768 the unsegmented pass took 0.79 ms of the forward's 2.14 in run11b).
@@ -553,11 +550,8 @@ PASS_SEGMENTS = False
 
 
 def pass_segments(programs: int, N: int, V: int, export: bool) -> int:
-    """Segments per sequence of the forward's state pass (1 unless PASS_SEGMENTS; see `chunk_bwd.pick_segments`)."""
-    if not PASS_SEGMENTS or export:
-        return 1
-    from lineattn.ops.pallas.chunk_bwd import pick_segments  # (chunk_bwd imports this module)
-    return pick_segments(programs, N, V)
+    """Segments per sequence of the forward's state pass (1 unless PASS_SEGMENTS; see `segments.pick_segments`)."""
+    return segments.pick_segments(programs, N, V) if PASS_SEGMENTS and not export else 1
 
 
 def pick_block_v(programs: int, V: int) -> int:
@@ -571,10 +565,9 @@ def pick_block_v(programs: int, V: int) -> int:
 def _constants():
     """The values of the module constants the forward reads when traced (and whether the device is a Hopper GPU,
     which `mosaic_solve` asks)."""
-    from lineattn.ops.pallas import chunk_bwd  # (it imports this module): the segment rule's constants
     return (GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES, GRAM_SCALAR_WARPS, SOLVE_PREC, GRAM_PREC,
             UW_PREC, PASS_MIN_PROGRAMS, SOLVE_IMPL, solve_mgpu.LHS_REGS, GRAM_IMPL, hopper(), PASS_SEGMENTS,
-            chunk_bwd.SEGMENT_PASSES, chunk_bwd.MIN_SEGMENT_CHUNKS, chunk_bwd.SEGMENT_MIN_PROGRAMS)
+            segments.SEGMENT_PASSES, segments.MIN_SEGMENT_CHUNKS, segments.SEGMENT_MIN_PROGRAMS)
 
 
 def _retrace_on_constants(jitted):
@@ -649,16 +642,14 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     BV = block_v or pick_block_v(B * H * nseg, V)
     Ts, Ns = Tp // nseg, N // nseg  # grid (B, H, segment, V tile); one segment unless PASS_SEGMENTS
     prec = "ieee" if exact else "bf16"
-    whole = lambda D: pl.BlockSpec((None, None, Ts, D), lambda b, h, s, j: (b, h, s, 0))
-    vtile = pl.BlockSpec((None, None, Ts, BV), lambda b, h, s, j: (b, h, s, j))
-    state = pl.BlockSpec((None, None, None, K, BV), lambda b, h, s, j: (b, h, s, 0, j))
+    whole, vtile, state, per_chunk, kn = segments.block_specs(Tp, N, K, nseg, BV)
     n_slots = 1 << max(len(export_chunks) - 1, 0).bit_length()  # Triton blocks: powers of two
     exported = ([pl.BlockSpec((None, None, n_slots, K, BV), lambda b, h, s, j: (b, h, 0, 0, j))],
                 [jax.ShapeDtypeStruct((B, H, n_slots, K, V), f32)]) if export_chunks else ([], [])
     keep = save and states_dtype is not None and not export_chunks
     if keep:
         kept = f32 if exact else jnp.dtype(states_dtype)
-        exported = ([pl.BlockSpec((None, None, Ns * K, BV), lambda b, h, s, j: (b, h, s, j)), vtile],
+        exported = ([per_chunk, vtile],
                     [jax.ShapeDtypeStruct((B, H, N * K, V), kept), jax.ShapeDtypeStruct((B, H, Tp, V), kept)])
     if nseg == 1:
         starts = h0.astype(f32)[:, :, None]
@@ -669,8 +660,7 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
         functools.partial(_state_pass_kernel, C=C, N=Ns, K=K, prec=prec, delta=delta, export=export_chunks,
                           keep=keep),
         grid=(B, H, nseg, V // BV),
-        in_specs=[whole(K), whole(K), whole(K), vtile, whole(C),
-                  pl.BlockSpec((None, None, K, Ns), lambda b, h, s, j: (b, h, 0, s)), state],
+        in_specs=[whole(K), whole(K), whole(K), vtile, whole(C), kn, state],
         out_specs=[pl.BlockSpec((None, Ts, None, BV), lambda b, h, s, j: (b, s, h, j)), state] + exported[0],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), dt), jax.ShapeDtypeStruct((B, H, nseg, K, V), f32)]
         + exported[1],

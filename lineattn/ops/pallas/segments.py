@@ -1,0 +1,65 @@
+"""Segments of chunks for the sequential state passes of a few long sequences (the backward's reverse pass, and
+with `chunk_fwd.PASS_SEGMENTS` the forward's state pass): the rule for their count, their block specs and the
+short chain in XLA that joins them."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from lineattn.ops.pallas.common import is_pow2
+
+f32 = jnp.float32
+
+# Segments: for a few long sequences (B * H too small to fill the GPU with V tiles of 64), the backward's two
+# state passes run each sequence as `nseg` segments of chunks in parallel (`pick_segments`). The reverse pass from
+# a zero end gives each segment's offset c_s (the state cotangent at its start), and, on K extra columns started
+# at I with no dO, its transposed composite map P_s^T (the reverse map dS -> (Diag(e^G_C) - W^T Kg) dS over the
+# segment); the forward pass from a zero start gives its offset; short fp32 chains in XLA over the segments give
+# every segment's true start S and end dS, and the full passes run from those. The same sums in another order
+# (the products at PASS_PREC). Four passes instead of two, each over 1/nseg of the chunks: at 1 x 32768 (8
+# segments, 256 programs; the two passes took 0.84 + 1.82 ms there with 128 programs of V tile 16, 0.27 + 0.45 at
+# 8 x 4096 with 256 programs) a gain only if a pass costs about what it does at 8 x 4096. (With `chunk.SAVE_STATES`,
+# the default since run12, the backward has no states pass: only its reverse pass runs in segments, and the
+# forward's state pass does with `chunk_fwd.PASS_SEGMENTS`.) H200, 1 x 32768 x 16 x
+# 128 bf16 (run10a profile, 8 segments): states 0.84 -> 0.15 (zero-start) + 0.28 ms, reverse 1.80 -> 0.53
+# (zero-start, V + K columns) + 0.44, the XLA chains 0.08: kernels fwd+bwd 6.98 ms against 8.11; GPU tests at
+# T = 16381 (32 segments) within the unsegmented errors. SEGMENT_MIN_PROGRAMS: the grid size the segments aim for.
+SEGMENT_PASSES, MIN_SEGMENT_CHUNKS, SEGMENT_MIN_PROGRAMS = True, 8, 256
+
+
+def pick_segments(programs: int, N: int, V: int) -> int:
+    """Segments per sequence for the state passes: doubled while the grid (with V tiles of 64) has
+    fewer than SEGMENT_MIN_PROGRAMS programs and each segment keeps a power of two of at least MIN_SEGMENT_CHUNKS
+    chunks (1 when SEGMENT_PASSES is off or the grid is large enough)."""
+    nseg = 1
+    while (SEGMENT_PASSES and programs * nseg * max(V // 64, 1) < SEGMENT_MIN_PROGRAMS
+           and N % (2 * nseg) == 0 and is_pow2(N // (2 * nseg)) and N // (2 * nseg) >= MIN_SEGMENT_CHUNKS):
+        nseg *= 2
+    return nseg
+
+
+def block_specs(Tp: int, N: int, K: int, nseg: int, BV: int):
+    """Block specs of segment s on a grid (B, H, nseg, V tiles): whole(D) [Ts, D] of [B, H, Tp, D] (Ts = Tp / nseg),
+    a V tile [Ts, BV], a segment's state [K, BV] of [B, H, nseg, K, V], the per-chunk states [Ns K, BV] of
+    [B, H, N K, V] and e^(G_C) [K, Ns] of [B, H, K, N] (Ns = N / nseg)."""
+    Ts, Ns = Tp // nseg, N // nseg
+    whole = lambda D: pl.BlockSpec((None, None, Ts, D), lambda b, h, s, j: (b, h, s, 0))
+    vtile = pl.BlockSpec((None, None, Ts, BV), lambda b, h, s, j: (b, h, s, j))
+    state = pl.BlockSpec((None, None, None, K, BV), lambda b, h, s, j: (b, h, s, 0, j))
+    states = pl.BlockSpec((None, None, Ns * K, BV), lambda b, h, s, j: (b, h, s, j))
+    kn = pl.BlockSpec((None, None, K, Ns), lambda b, h, s, j: (b, h, 0, s))
+    return whole, vtile, state, states, kn
+
+
+def chain(PT, offsets, first, *, reverse):
+    """The segments' true starts [B, H, nseg, K, V] from their transposed maps PT [B, H, nseg, K, K] and zero-start
+    offsets: forward x_0 = first, x_(s+1) = P_s x_s + offset_s; reverse (state cotangents at the segments' ends)
+    x_(nseg-1) = first, x_(s-1) = P_s^T x_s + offset_s."""
+    nseg = PT.shape[2]
+    mm = lambda a, x, eq: jnp.einsum(eq, a, x, precision=jax.lax.Precision.HIGHEST)
+    xs = [first.astype(f32)]
+    for s in (range(nseg - 1) if not reverse else range(nseg - 1, 0, -1)):
+        xs.append(mm(PT[:, :, s], xs[-1], "bhij,bhjv->bhiv" if reverse else "bhji,bhjv->bhiv") + offsets[:, :, s])
+    return jnp.stack(xs[::-1] if reverse else xs, axis=2)
