@@ -12,7 +12,7 @@
 #     SKIP_TESTS=1 BENCH_TIMEOUT=560 BENCH_ARGS="--iters 10 --shapes 1x32768 --gdn --fla fwd,fwdbwd
 #       --fla-shapes 1x32768 --decode= --skip lineattn-chunk lineattn-pallas-kernels-mml2 --long 262144"
 #       bash benchmarks/h200_issue2.sh
-#   Since run12 (session 10): tests in 4 processes side by side, all of them (~75, ~4-5 minutes):
+#   Since run12 (session 10): tests in 4 processes side by side, all 79 of them (run12b ran 68 in 240 s):
 #     SHARDS=4 TEST_TIMEOUT=330 SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
 #   Not yet run on the GPU: the long tests with run12d's V tiles of 128 (the defaults' `kda-default` etc.), the 4
 #   long variants and 3 decode tests that run12b's 240 s limit cut, the table with FLA and the decode sweep, and
@@ -28,7 +28,7 @@
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
 #   --rule gdn for Gated DeltaNet, e.g. PROFILE_ARGS='--rule gdn --check --configs default;api.SCALAR_GATE=1')
-# Tests take 1-3 minutes (4-5 for the 45 short ones in one process: SHARDS=4 runs 4 side by side), the bench 6-9
+# Tests take 1-3 minutes (5 for the 57 short ones in one process: SHARDS=4 runs 4 side by side), the bench 6-9
 # (FLA autotunes on first use): one device call for each part. Environment
 # variables go before `bash` (`SKIP_BENCH=1 bash ...`; an argument after the script name is ignored).
 set -uo pipefail
