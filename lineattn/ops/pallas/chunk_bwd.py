@@ -129,12 +129,11 @@ def _pass_operands(terms: ChunkTerms):
 
 def _pass_setup(terms: ChunkTerms, block_v, nseg):
     """(`_pass_operands`, the V tile BV, the grid (B, H, nseg, V tiles) and the block specs of segment s
-    (`segments.block_specs`: whole(D), a V tile, a segment's state, the per-chunk states and e^(G_C)), and do's
-    [Ts, BV] in [B, Tp, H, V] (Ts = Tp / nseg))."""
+    (`segments.block_specs`: whole(D), a V tile, a segment's state, the per-chunk states, e^(G_C) and do's V
+    tile))."""
     B, H, N, C, K, V, Tp, delta = _pass_dims(terms)
     BV = block_v or pick_block_v(B * H * nseg, V)
-    do = pl.BlockSpec((None, Tp // nseg, None, BV), lambda b, h, s, j: (b, s, h, j))
-    return _pass_operands(terms), BV, (B, H, nseg, V // BV), (*block_specs(Tp, N, K, nseg, BV), do)
+    return _pass_operands(terms), BV, (B, H, nseg, V // BV), block_specs(Tp, N, K, nseg, BV)
 
 
 # The Gram gradients. For P_ij = sum_d x_id k_jd e^(G_id - G_jd) (M: x = scale q; KK: x = k),

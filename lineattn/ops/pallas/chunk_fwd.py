@@ -511,7 +511,7 @@ def _segment_starts(kg, w, u, dend, h0, *, C, nseg, BV, prec, delta, interpret):
     Tp, N = kg.shape[2], dend.shape[-1]
     BQ = min(BV, K)
     NQ = V // BQ
-    whole, _, state, _, kn = segments.block_specs(Tp, N, K, nseg, BQ)
+    whole, _, state, _, kn, _ = segments.block_specs(Tp, N, K, nseg, BQ)
     u_tile = pl.BlockSpec((None, None, Tp // nseg, BQ), lambda b, h, s, j: (b, h, s, jnp.minimum(j, NQ - 1)))
     ends = pl.pallas_call(  # (a map tile reads the last V tile of u: unused)
         functools.partial(_segment_end_kernel, C=C, N=N // nseg, prec=prec, delta=delta, value_tiles=NQ),
@@ -640,9 +640,8 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
 
     nseg = pass_segments(B * H, N, V, bool(export_chunks))
     BV = block_v or pick_block_v(B * H * nseg, V)
-    Ts, Ns = Tp // nseg, N // nseg  # grid (B, H, segment, V tile); one segment unless PASS_SEGMENTS
-    prec = "ieee" if exact else "bf16"
-    whole, vtile, state, per_chunk, kn = segments.block_specs(Tp, N, K, nseg, BV)
+    prec = "ieee" if exact else "bf16"  # grid (B, H, segment, V tile); one segment unless PASS_SEGMENTS
+    whole, vtile, state, per_chunk, kn, tokens = segments.block_specs(Tp, N, K, nseg, BV)
     n_slots = 1 << max(len(export_chunks) - 1, 0).bit_length()  # Triton blocks: powers of two
     exported = ([pl.BlockSpec((None, None, n_slots, K, BV), lambda b, h, s, j: (b, h, 0, 0, j))],
                 [jax.ShapeDtypeStruct((B, H, n_slots, K, V), f32)]) if export_chunks else ([], [])
@@ -657,11 +656,11 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
         starts = _segment_starts(kg, w, u, dend, h0, C=C, nseg=nseg, BV=BV, prec=prec, delta=delta,
                                  interpret=interpret)
     o, ends, *s0 = pl.pallas_call(
-        functools.partial(_state_pass_kernel, C=C, N=Ns, K=K, prec=prec, delta=delta, export=export_chunks,
+        functools.partial(_state_pass_kernel, C=C, N=N // nseg, K=K, prec=prec, delta=delta, export=export_chunks,
                           keep=keep),
         grid=(B, H, nseg, V // BV),
         in_specs=[whole(K), whole(K), whole(K), vtile, whole(C), kn, state],
-        out_specs=[pl.BlockSpec((None, Ts, None, BV), lambda b, h, s, j: (b, s, h, j)), state] + exported[0],
+        out_specs=[tokens, state] + exported[0],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), dt), jax.ShapeDtypeStruct((B, H, nseg, K, V), f32)]
         + exported[1],
         compiler_params=compiler_params(num_warps=warps[1], num_stages=PASS_STAGES),

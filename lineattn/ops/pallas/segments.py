@@ -43,14 +43,16 @@ def pick_segments(programs: int, N: int, V: int) -> int:
 def block_specs(Tp: int, N: int, K: int, nseg: int, BV: int):
     """Block specs of segment s on a grid (B, H, nseg, V tiles): whole(D) [Ts, D] of [B, H, Tp, D] (Ts = Tp / nseg),
     a V tile [Ts, BV], a segment's state [K, BV] of [B, H, nseg, K, V], the per-chunk states [Ns K, BV] of
-    [B, H, N K, V] and e^(G_C) [K, Ns] of [B, H, K, N] (Ns = N / nseg)."""
+    [B, H, N K, V], e^(G_C) [K, Ns] of [B, H, K, N] (Ns = N / nseg) and a V tile [Ts, BV] of the token-major
+    [B, Tp, H, V] (o, do)."""
     Ts, Ns = Tp // nseg, N // nseg
     whole = lambda D: pl.BlockSpec((None, None, Ts, D), lambda b, h, s, j: (b, h, s, 0))
     vtile = pl.BlockSpec((None, None, Ts, BV), lambda b, h, s, j: (b, h, s, j))
     state = pl.BlockSpec((None, None, None, K, BV), lambda b, h, s, j: (b, h, s, 0, j))
     states = pl.BlockSpec((None, None, Ns * K, BV), lambda b, h, s, j: (b, h, s, j))
     kn = pl.BlockSpec((None, None, K, Ns), lambda b, h, s, j: (b, h, 0, s))
-    return whole, vtile, state, states, kn
+    tokens = pl.BlockSpec((None, Ts, None, BV), lambda b, h, s, j: (b, s, h, j))
+    return whole, vtile, state, states, kn, tokens
 
 
 def chain(PT, offsets, first, *, reverse):
