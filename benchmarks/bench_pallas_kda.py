@@ -27,11 +27,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_kda import forward_backward, kernel_times, make_inputs, rel_err, time_jax, versions  # noqa: E402
 
 from lineattn import ops  # noqa: E402
+from lineattn.ops.pallas.common import compiler_params, interpret_mode  # noqa: E402
 from lineattn.ops.pallas.decode import decode_step  # noqa: E402
 from lineattn.train.metrics import device_memory  # noqa: E402
 
@@ -159,6 +161,21 @@ def bench_shape(op, B, T, a, skip, fla_modes):
             record(a.out, op=op, impl="fla", mode=mode, B=B, T=T, H=H, K=K, V=V, ms=float(ms), dtype="bfloat16", **errs)
 
 
+def _copy_kernel(s_ref, out_ref):
+    out_ref[...] = s_ref[...]
+
+
+def copy_state(state, block_v, warps):
+    """The decode step's memory traffic alone: every [K, block_v] tile of the state [B, H, K, V] read and written
+    back in place, on the decode kernel's grid with the V tiles first (the bandwidth ceiling of that tiling)."""
+    B, H, K, V = state.shape
+    spec = pl.BlockSpec((None, None, K, block_v), lambda j, h, b: (b, h, 0, j))
+    return pl.pallas_call(_copy_kernel, grid=(V // block_v, H, B), in_specs=[spec], out_specs=spec,
+                          out_shape=jax.ShapeDtypeStruct(state.shape, state.dtype), input_output_aliases={0: 0},
+                          compiler_params=compiler_params(num_warps=warps, num_stages=1), name="copy_state",
+                          interpret=interpret_mode(None))(state)
+
+
 def bench_decode(a, B=256, tokens=1):
     x, _ = make_inputs(B, tokens, H, K, V, "bfloat16", seed=3)
     bf = lambda n: jnp.asarray(x[n], jnp.bfloat16)
@@ -170,11 +187,16 @@ def bench_decode(a, B=256, tokens=1):
     ref_o, ref_s = ops.chunk_kda(q, k, v, g, beta, initial_state=jnp.asarray(s0), output_final_state=True,
                                  backend="recurrent")
     steps = 50
-    for block_v, warps, v_fastest in a.decode_configs:
-        step = lambda q, k, v, g, b, s, bv=block_v, w=warps, f=v_fastest: decode_step(q, k, v, g, b, s, block_v=bv,
-                                                                                     num_warps=w, v_fastest=f)
+    for block_v, warps, flags in a.decode_configs:
+        opts = dict(block_v=block_v, num_warps=warps, v_fastest="f" in flags,
+                    readout="updated" if "u" in flags else "decayed")
+        if "c" in flags:  # the copy ceiling of this tiling: the same grid, the state read and written, no math
+            step = lambda q, k, v, g, b, s, opts=opts: (None, copy_state(s, opts["block_v"], opts["num_warps"]))
+        else:
+            step = lambda q, k, v, g, b, s, opts=opts: decode_step(q, k, v, g, b, s, **opts)
         o, s1 = jax.jit(step)(q, k, v, g, beta, jnp.asarray(s0))
-        errs = dict(max_rel_err_o=rel_err(o.astype(jnp.float32), ref_o), max_rel_err_state=rel_err(s1, ref_s))
+        errs = {} if o is None else dict(max_rel_err_o=rel_err(o.astype(jnp.float32), ref_o),
+                                         max_rel_err_state=rel_err(s1, ref_s))
         # `steps` decode steps inside one jit, the state carried (and updated in place) through a fori_loop: the
         # time per step is device time, without the host round trip of one call per token.
         many = jax.jit(lambda s, step=step: jax.lax.fori_loop(0, steps, lambda i, s: step(q, k, v, g, beta, s)[1],
@@ -191,8 +213,11 @@ def bench_decode(a, B=256, tokens=1):
         with tempfile.TemporaryDirectory() as tmp:
             with jax.profiler.trace(tmp):
                 s = jax.block_until_ready(many(s))
-            kernel_ms = kernel_times(tmp).get("lineattn_decode_step", float("nan")) / steps / 1e6
-        name = f"lineattn-pallas-decode-bv{block_v}-w{warps}" + ("-vfirst" if v_fastest else "")
+            times_ns = kernel_times(tmp)
+            kernel_ms = times_ns.get("lineattn_decode_step", times_ns.get("copy_state", float("nan"))) / steps / 1e6
+        name = (f"lineattn-pallas-decode-bv{block_v}-w{warps}" + ("-vfirst" if opts["v_fastest"] else "")
+                + ("-updated" if "u" in flags else "")
+                + ("-copy" if "c" in flags else ""))
         record(a.out, op="kda", impl=name, mode="decode", B=B, T=tokens, H=H, K=K, V=V, ms=ms,
                state_TBps=2 * state_bytes / (ms * 1e-3) / 1e12, kernel_ms=kernel_ms,
                kernel_state_TBps=2 * state_bytes / (kernel_ms * 1e-3) / 1e12, **errs)
@@ -261,14 +286,16 @@ def main():
     p.add_argument("--fla-shapes", default="8x4096,1x32768", help="shapes at which FLA is timed")
     p.add_argument("--tune-shapes", default="8x4096,1x32768")
     p.add_argument("--gdn", action="store_true")
-    p.add_argument("--decode", default="64x4f,64x8f,32x4f,32x2f,16x2f,64x4,64x8",
-                   help="decode block_v x num_warps configs, a trailing f: the V tiles first in the launch order")
+    p.add_argument("--decode", default="64x4f,64x4fu,64x8f,32x4f,64x4fc",
+                   help="decode block_v x num_warps configs, then letters: f the V tiles first in the launch order, "
+                        "u o read from the updated state (readout='updated'), c a plain copy of the state")
     p.add_argument("--long", type=int, default=0, help="also time one sequence of this length (0: no)")
     p.add_argument("--tune", action="store_true", help="time the forward's kernels apart and launch settings")
     p.add_argument("--warps", default="4x4,8x4,4x8,8x8")
     p.add_argument("--block-vs", default="0,16,32,64", help="V tiles of the state pass (0: the default rule)")
     a = p.parse_args()
-    a.decode_configs = [(*map(int, c.rstrip("f").split("x")), c.endswith("f")) for c in a.decode.split(",") if c]
+    a.decode_configs = [(int(bv), int(rest.rstrip("fuc")), rest.lstrip("0123456789"))
+                        for bv, rest in (c.split("x") for c in a.decode.split(",") if c)]
     fla_modes = [m for m in a.fla.split(",") if m]
     a.warps = [tuple(map(int, w.split("x"))) for w in a.warps.split(",") if w]
     a.block_vs = [int(b) or None for b in a.block_vs.split(",") if b]

@@ -298,13 +298,20 @@ def test_pallas_segmented_forward_state_pass(rule, save, monkeypatch):
         _assert_bf16_close(rule, inputs, chunk_size=16)
 
 
-def test_pallas_backward_tiles(monkeypatch):
-    # The backward's column tiles as module constants (`chunk_bwd.WY_BT`, `CHUNK_GRADS_BK`, `CHUNK_GRADS_BV`, for
-    # sweeps): 16-wide tiles loop over K = 32 and V = 64 in pieces, and the gradients still match the oracle.
-    from lineattn.ops.pallas import chunk_bwd
+def test_pallas_kernel_tiles(monkeypatch):
+    # The column tiles as module constants (for sweeps): the backward's (`chunk_bwd.WY_BT`, `CHUNK_GRADS_BK`,
+    # `CHUNK_GRADS_BV`) 16 wide loop over K = 32 and V = 64 in pieces; the gate cumsum's K tile of 16
+    # (`chunk_fwd.CUMSUM_BK`: two tiles of block spreads) and the state passes' whole V = 128 as one tile
+    # (`PASS_MAX_BV`, with PASS_MIN_PROGRAMS low enough to keep it). Outputs and gradients still match the oracle.
+    from lineattn.ops.pallas import chunk_bwd, chunk_fwd
     for name in ("WY_BT", "CHUNK_GRADS_BK", "CHUNK_GRADS_BV"):
         monkeypatch.setattr(chunk_bwd, name, 16)
     _compare("kda", make_inputs("kda", B=1, T=80, H=2, K=32, V=64, seed=19))
+    monkeypatch.setattr(chunk_fwd, "CUMSUM_BK", 16)
+    monkeypatch.setattr(chunk_fwd, "PASS_MAX_BV", 128)
+    monkeypatch.setattr(chunk_fwd, "PASS_MIN_PROGRAMS", 1)
+    assert chunk_fwd.pick_block_v(2, 128) == 128
+    _compare("kda", make_inputs("kda", B=1, T=80, H=2, K=32, V=128, seed=20))
 
 
 @pytest.mark.parametrize("rule", ["kda", "gdn"])
@@ -338,10 +345,15 @@ def test_decode_step_matches_oracle(rule):
     first = lambda x: None if x is None else x[:, :1]
     o1, s1 = decode_step(*(first(x[n]) for n in ("q", "k", "v", "g", "beta")), x["initial_state"])
     assert_close({"o": o1, "s": s1}, {"o": o_ref[:, :1], "s": states[:, 0]}, TOL, rule)
-    # The launch variants give the same step: V tiles of 16 with the requests first in the grid.
+    # The launch variants give the same step: V tiles of 16 with the requests first in the grid; o from the
+    # updated state (three tokens: each reads the state the previous one wrote).
     o2, s2 = decode_step(*(first(x[n]) for n in ("q", "k", "v", "g", "beta")), x["initial_state"], block_v=16,
                          v_fastest=False)
     assert_close({"o": o2, "s": s2}, {"o": o_ref[:, :1], "s": states[:, 0]}, TOL, rule)
+    o3, s3 = decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), x["initial_state"], readout="updated")
+    assert_close({"o": o3, "s": s3}, {"o": o_ref, "s": ht_ref}, TOL, rule)
+    with pytest.raises(ValueError, match="readout"):
+        decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), x["initial_state"], readout="after")
 
 
 def test_pallas_backend_selection_and_errors():

@@ -99,13 +99,15 @@ def test_pallas_long_bf16_head_dim_128(rule, variant, monkeypatch):
     assert all(errors[n] <= RMS[n] for n in errors), errors
 
 
-@pytest.mark.parametrize("B,v_fastest", [(8, False), (64, False), (64, True)])
-def test_decode_step_head_dim_128(B, v_fastest):
-    # B = 8: 64 programs, V tile 32; B = 64: V tile 64 (the large-batch default), also with the V tiles first.
+@pytest.mark.parametrize("B,v_fastest,variant", [(8, False, {}), (64, False, {}), (64, True, {}),
+                                                 (64, True, dict(readout="updated"))])
+def test_decode_step_head_dim_128(B, v_fastest, variant):
+    # B = 8: 64 programs, V tile 32; B = 64: V tile 64 (the large-batch default), also with the V tiles first, and
+    # with o read from the updated state.
     x = make_inputs("kda", B=B, T=4, H=4, K=128, V=128, seed=12)
     o_ref, ht_ref = ops.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
                                   output_final_state=True, backend="recurrent")
     o, ht, states = decode_step(x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"], output_states=True,
-                                v_fastest=v_fastest)
+                                v_fastest=v_fastest, **variant)
     for got, want in ((o, o_ref), (ht, ht_ref), (states[:, -1], ht_ref)):
         assert _rel_rms(got, want) < 1e-5

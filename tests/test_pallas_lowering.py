@@ -77,12 +77,13 @@ def test_segmented_state_passes_lower_for_sm90(fake_h200, monkeypatch):
     assert text.count("__gpu$xla.gpu.triton") == 5 + 7 + 1
 
 
-@pytest.mark.parametrize("v_fastest", [False, True])
-def test_decode_kernel_lowers_for_sm90(fake_h200, v_fastest):
+@pytest.mark.parametrize("v_fastest,variant", [(False, {}), (True, {}), (True, dict(readout="updated"))])
+def test_decode_kernel_lowers_for_sm90(fake_h200, v_fastest, variant):
     B, T, H, K, V = 4, 2, 2, 128, 128
     args = (S((B, T, H, K), jnp.bfloat16), S((B, T, H, K), jnp.bfloat16), S((B, T, H, V), jnp.bfloat16),
             S((B, T, H, K), jnp.float32), S((B, T, H), jnp.bfloat16), S((B, H, K, V), jnp.float32))
-    step = lambda *a: decode_step(*a, output_states=True, interpret=False, v_fastest=v_fastest)
+    step = lambda *a: decode_step(*a, output_states=True, interpret=False, v_fastest=v_fastest,
+                                   **variant)
     assert "__gpu$xla.gpu.triton" in jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 

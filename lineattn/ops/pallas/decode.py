@@ -19,29 +19,37 @@ from lineattn.ops.pallas.common import compiler_params, interpret_mode, is_pow2
 f32 = jnp.float32
 
 
-def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *states_ref, T, scale, delta):
+def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *states_ref, T, scale, delta,
+                   readout):
     S = s_ref[...].astype(f32)
     for t in range(T):  # T is small (1 token, or a few draft tokens)
         q_t = q_ref[t, :].astype(f32)[:, None]
         k_t = k_ref[t, :].astype(f32)[:, None]
         v_t = v_ref[t, :].astype(f32)[None, :]
         S = S * jnp.exp(g_ref[t, :].astype(f32))[:, None]
+        if readout == "decayed":  # o = q^T (S + k r^T) = q^T S + (q . k) r: both reductions on the decayed S
+            qS = jnp.sum(S * q_t, axis=0, keepdims=True)
         if delta:
             residual = v_t - jnp.sum(S * k_t, axis=0, keepdims=True)
-            S = S + k_t * (beta_ref[pl.ds(t, 1)].astype(f32)[:, None] * residual)
+            write = beta_ref[pl.ds(t, 1)].astype(f32)[:, None] * residual
         else:
-            S = S + k_t * v_t
-        o_ref[pl.ds(t, 1), :] = (scale * jnp.sum(S * q_t, axis=0, keepdims=True)).astype(o_ref.dtype)
+            write = v_t
+        S = S + k_t * write
+        if readout == "decayed":
+            o = qS + jnp.sum(q_t * k_t) * write
+        else:
+            o = jnp.sum(S * q_t, axis=0, keepdims=True)
+        o_ref[pl.ds(t, 1), :] = (scale * o).astype(o_ref.dtype)
         if states_ref:
             states_ref[0][t, :, :] = S
     s_out_ref[...] = S
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_states", "interpret", "block_v", "num_warps",
-                                             "v_fastest"))
+                                             "v_fastest", "readout"))
 def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_states: bool = False,
                 interpret: bool | None = None, block_v: int | None = None, num_warps: int = 4,
-                v_fastest: bool = True):
+                v_fastest: bool = True, readout: str = "decayed"):
     """T new tokens per request through the recurrence, from `state`.
 
     Args:
@@ -57,12 +65,19 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
         instead of the requests (default; H200 run8c, B = 256: 3.35 TB/s with V tile 64 x 4 warps against 3.13
         without, 3.22 against 2.79 with V tile 32; run9c: 3.41 against 3.33, 2 warps and V tile 16 slower; FLA's
         decode kernel orders its grid the same way).
+      readout: "decayed" (default) takes both reductions on the decayed state S' before the write,
+        o = q^T S' + (q . k) r with r the written row; "updated" reads o from the updated state, q^T S_t (the
+        same value; one more dependent pass before the state's store). H200, B = 256 (run13b-c, kernel time of
+        3 runs each): 0.1427-0.1445 ms against 0.1443-0.1461, 3.72-3.76 TB/s of state read + write against
+        3.68-3.72; the evict-first cache policy on the state's load and store changed nothing (0.1440 ms).
 
     Returns:
       (o [B, T, H, V] in q's dtype, new state [B, H, K, V] fp32[, states [B, T, H, K, V]]).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
+    if readout not in ("updated", "decayed"):
+        raise ValueError(f"decode_step's readout must be 'updated' or 'decayed', got {readout!r}")
     if not (is_pow2(K) and is_pow2(V)) or state.shape != (B, H, K, V) or state.dtype != f32:
         raise ValueError(f"decode_step needs K, V powers of two and an fp32 state [B, H, K, V] = "
                          f"[{B}, {H}, {K}, {V}], got K={K}, V={V}, state {state.dtype} {tuple(state.shape)}")
@@ -92,7 +107,7 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
         out_specs.append(pl.BlockSpec((None, None, T, K, BV), at(lambda b, h, j: (b, h, 0, 0, j))))
         out_shape.append(jax.ShapeDtypeStruct((B, H, T, K, V), f32))
     outs = pl.pallas_call(
-        functools.partial(_decode_kernel, T=T, scale=float(scale), delta=delta),
+        functools.partial(_decode_kernel, T=T, scale=float(scale), delta=delta, readout=readout),
         grid=grid,
         in_specs=[tok(K), tok(K), vtok, tok(K), pl.BlockSpec((None, T, None), at(lambda b, h, j: (b, 0, h))), st],
         out_specs=out_specs,
