@@ -310,13 +310,16 @@ def _cumsum_kernel(g_ref, G_ref, dend_ref, *spread_ref):
         spread_ref[0][...] = spreads
 
 
+CUMSUM_BK = 64  # the gate cumsum kernel's K tile (read when traced; H200 8 x 4096, run13d: 128 took 0.176 ms, 64 0.169)
+
+
 def gate_cumsum(g, *, C, K, interpret, spreads=False):
     """G [B, Tp, H, K] fp32 (cumsum of g within each chunk of C) and e^(G_C) [B, H, K, N], from g [B, Tp, H, K]
     or [B, Tp, H] (a gate equal across K, broadcast here). spreads (a per-channel g): also every 16-row block's
-    max |G - G_r| (r its middle row) per K tile of 64, [B, H, N, K / 64, C / 16]."""
+    max |G - G_r| (r its middle row) per K tile of CUMSUM_BK, [B, H, N, K tiles, C / 16]."""
     B, Tp, H = g.shape[:3]
     N = Tp // C
-    bk = min(K, 64)
+    bk = min(K, CUMSUM_BK)
     g_spec = (pl.BlockSpec((None, C, None, bk), lambda b, h, n, t: (b, n, h, t)) if g.ndim == 4
               else pl.BlockSpec((None, C, None), lambda b, h, n, t: (b, n, h)))
     spread = ([pl.BlockSpec((None, None, None, None, C // SUB), lambda b, h, n, t: (b, h, n, t, 0))],
@@ -539,6 +542,10 @@ def check_shapes(K: int, V: int, chunk_size: int):
 # 1 x 32768 (run9b) 32 (64 programs) took the forward pass 0.80 -> 0.77 ms but the backward's states and reverse
 # passes 0.84 / 1.82 -> 0.90 / 1.99, and 64: 0.98 / 1.06 / 2.40.
 PASS_MIN_PROGRAMS = 128
+# PASS_MAX_BV: the largest V tile (for sweeps). 128 reads Qin, Kg, W once per (batch, head), on half the programs:
+# H200, 8 x 4096 (run13d, with PASS_STAGES 2; 3 stages exceed the shared memory): forward state pass 0.63 ms and
+# the backward's reverse pass 0.63 against 0.35 and 0.45 with 64.
+PASS_MAX_BV = 64
 
 
 # PASS_SEGMENTS: for a few long sequences, the state pass runs each sequence as segments of chunks side by side,
@@ -556,7 +563,7 @@ def pass_segments(programs: int, N: int, V: int, export: bool) -> int:
 
 def pick_block_v(programs: int, V: int) -> int:
     """V tile of the state passes for a grid of `programs` (batch, head) pairs (see PASS_MIN_PROGRAMS)."""
-    bv = min(V, 64)
+    bv = min(V, PASS_MAX_BV)
     while bv > 16 and programs * (V // bv) < PASS_MIN_PROGRAMS:
         bv //= 2
     return bv
@@ -567,7 +574,7 @@ def _constants():
     which `mosaic_solve` asks)."""
     return (GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES, GRAM_SCALAR_WARPS, SOLVE_PREC, GRAM_PREC,
             UW_PREC, PASS_MIN_PROGRAMS, SOLVE_IMPL, solve_mgpu.LHS_REGS, GRAM_IMPL, hopper(), PASS_SEGMENTS,
-            segments.SEGMENT_PASSES, segments.MIN_SEGMENT_CHUNKS, segments.SEGMENT_MIN_PROGRAMS)
+            segments.SEGMENT_PASSES, segments.MIN_SEGMENT_CHUNKS, segments.SEGMENT_MIN_PROGRAMS, PASS_MAX_BV, CUMSUM_BK)
 
 
 def _retrace_on_constants(jitted):
