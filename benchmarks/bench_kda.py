@@ -78,22 +78,38 @@ def time_jax(fn, args, iters):
     return 1e3 * float(np.median(times))
 
 
-def kernel_times(trace_dir: str) -> dict[str, float]:
-    """{kernel name: total ns} over the device planes of the trace in trace_dir (stream lines only, so that the
-    'XLA Ops' / 'XLA Modules' summary lines are not counted twice)."""
+def _stream_events(trace_dir: str):
+    """The kernel events of each device stream in the trace in trace_dir, as lists of (start ns, end ns, name)
+    sorted by start (stream lines only, so that the 'XLA Ops' / 'XLA Modules' summary lines are not counted
+    twice)."""
     from jax.profiler import ProfileData
 
-    totals: dict[str, float] = collections.defaultdict(float)
     for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
         for plane in ProfileData.from_file(path).planes:
-            if not plane.name.startswith("/device:"):
-                continue
-            for line in plane.lines:
-                if not line.name.startswith("Stream"):
-                    continue
-                for event in line.events:
-                    totals[event.name] += event.duration_ns
+            if plane.name.startswith("/device:"):
+                for line in plane.lines:
+                    if line.name.startswith("Stream"):
+                        yield sorted((e.start_ns, e.end_ns, e.name) for e in line.events)
+
+
+def kernel_times(trace_dir: str) -> dict[str, float]:
+    """{kernel name: total ns} over the device streams of the trace in trace_dir."""
+    totals: dict[str, float] = collections.defaultdict(float)
+    for events in _stream_events(trace_dir):
+        for start, end, name in events:
+            totals[name] += end - start
     return totals
+
+
+def kernel_gaps(trace_dir: str) -> dict[str, float]:
+    """{kernel name: total ns its stream was idle just before it} over the trace in trace_dir (calls of one
+    function): where launch gaps sit between the kernels of a call. The gaps before the stream's first kernel
+    name (each call's first kernel) are the time between calls, reported as '(between calls)'."""
+    gaps: dict[str, float] = collections.defaultdict(float)
+    for events in _stream_events(trace_dir):
+        for (_, prev_end, _), (start, _, name) in zip(events, events[1:]):
+            gaps["(between calls)" if name == events[0][2] else name] += max(start - prev_end, 0)
+    return gaps
 
 
 def rel_err(a, b):

@@ -11,7 +11,8 @@ each configuration's o and five gradients with the XLA chunk form in fp32 on the
 --rule gdn profiles Gated DeltaNet instead (the same inputs with a head gate, g[..., 0]; jla's gated_deltanet).
 Kernels named by lineattn (`name=` of its `pallas_call`s: `lineattn_chunk_gram`, ...) and XLA fusions (pads,
 transposes, sums) appear under their own names. Writes
-<out>/<date>-h200-kda-profile.json: {impl: {mode: {"per_call_ms": {kernel: ms}, "total_ms": ..., "wall_ms": ...}}}.
+<out>/<date>-h200-kda-profile.json: {impl: {mode: {"per_call_ms": {kernel: ms}, "total_ms": ..., "wall_ms": ...,
+"idle_before_ms": {kernel: ms the stream stood idle just before it, per call}, "idle_ms": ...}}}.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_kda import forward_backward, kernel_times, make_inputs, versions  # noqa: E402
+from bench_kda import forward_backward, kernel_gaps, kernel_times, make_inputs, versions  # noqa: E402
 
 import importlib  # noqa: E402
 
@@ -51,8 +52,11 @@ def profile(fn, args, iters: int) -> dict:
             jax.block_until_ready(out)
             wall = (time.perf_counter() - t0) * 1e3 / iters
         totals = kernel_times(tmp)
+        gaps = kernel_gaps(tmp)
     per_call = {name: ns / iters / 1e6 for name, ns in sorted(totals.items(), key=lambda kv: -kv[1])}
-    return {"per_call_ms": per_call, "total_ms": sum(per_call.values()), "wall_ms": wall}
+    idle = {name: ns / iters / 1e6 for name, ns in sorted(gaps.items(), key=lambda kv: -kv[1])}
+    return {"per_call_ms": per_call, "total_ms": sum(per_call.values()), "wall_ms": wall, "idle_before_ms": idle,
+            "idle_ms": sum(idle.values())}
 
 
 def apply_config(config: str) -> dict:
@@ -139,10 +143,17 @@ def main():
             for mode, fn in modes.items():
                 rec = profile(fn, (q, k, v, g, beta), a.iters)
                 result.setdefault(name, {})[mode] = rec
-                print(f"{name} {mode}: kernels {rec['total_ms']:.3f} ms per call (wall {rec['wall_ms']:.3f} ms)")
+                print(f"{name} {mode}: kernels {rec['total_ms']:.3f} ms per call (wall {rec['wall_ms']:.3f} ms, "
+                      f"stream idle {rec['idle_ms']:.3f} ms)")
                 for kname, ms in list(rec["per_call_ms"].items())[:a.top]:
                     print(f"   {ms:8.3f}  {kname[:110]}")
+                print("   stream idle before: " + ", ".join(f"{kname[:40]} {ms:.3f}" for kname, ms in
+                                                      list(rec["idle_before_ms"].items())[:6]))
                 path.write_text(json.dumps(result, indent=1))
+        except Exception as err:  # e.g. a launch setting beyond the shared memory: recorded, then the next one
+            result.setdefault(name, {})["error"] = str(err)[:300]
+            print(f"{name}: failed: {str(err)[:300]}")
+            path.write_text(json.dumps(result, indent=1))
         finally:
             restore(old)
 
