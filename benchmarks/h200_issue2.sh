@@ -12,15 +12,12 @@
 #     SKIP_TESTS=1 BENCH_TIMEOUT=560 BENCH_ARGS="--iters 10 --shapes 1x32768 --gdn --fla fwd,fwdbwd
 #       --fla-shapes 1x32768 --decode= --skip lineattn-chunk lineattn-pallas-kernels-mml2 --long 262144"
 #       bash benchmarks/h200_issue2.sh
-#   Since run12 (session 10): tests in 4 processes side by side, all 79 of them (run12b ran 68 in 240 s):
-#     SHARDS=4 TEST_TIMEOUT=330 SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
-#   Not yet run on the GPU: the long tests with run12d's V tiles of 128 (the defaults' `kda-default` etc.), the 4
-#   long variants and 3 decode tests that run12b's 240 s limit cut, the table with FLA and the decode sweep, and
-#   T = 262144 forward+backward since run9c. Tile sweep left: chunk_bwd.WY_BT=32, GRADS_WARPS with the split.
-#   The forward state pass now always has a 4-D grid (one segment by default; session 10, CPU only), and the
-#   opt-in chunk_fwd.PASS_SEGMENTS (segments for a few long sequences) was never timed: first the tests above,
-#   then PYTHONPATH=$PWD/.site:$PWD python3 benchmarks/ab_pallas_kda.py --out $OUT --shapes 1x32768
-#     --configs "default;chunk_fwd.PASS_SEGMENTS=1"   and its profile (PROFILE_ARGS="--shape 1x32768 ...").
+#   All the GPU tests in 4 processes side by side (run13a: 79 then, 196-234 s each; 76 since PASS_SEGMENTS went):
+#     SHARDS=4 TEST_TIMEOUT=320 SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
+#   Run13 (session 11) ran the tests, the table without FLA (its FLA figures are run11c's), T = 262144 and the
+#   decode sweep. Not yet run: the table with FLA beside the current defaults; the GPU tests after WY_WARPS = 4
+#   (profile --check only). Open leads: the Gram kernel (0.79 ms, jla's intra 0.60), the solve (0.42, jla 0.25),
+#   the Gram gradients (1.74), GDN's path (2.5x jla: it runs the per-channel solve and state passes).
 #   The long GPU tests take ~30 s each (19 of them): a subset fits a call beside a bench part, e.g.
 #     TEST_TIMEOUT=200 TESTS_K="long_bf16 and default" SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
 #   A/B wall clock of settings, interleaved (not through this script): PYTHONPATH=$PWD python3

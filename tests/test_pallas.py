@@ -273,31 +273,6 @@ def test_pallas_saved_states(rule, segmented, monkeypatch):
     _assert_bf16_close(rule, inputs, chunk_size=C)
 
 
-@pytest.mark.parametrize("rule,save", [("kda", True), ("gdn", False), ("gla", True)])
-def test_pallas_segmented_forward_state_pass(rule, save, monkeypatch):
-    # `chunk_fwd.PASS_SEGMENTS`: the forward's state pass in 4 segments of 2 chunks (T = 120 ragged, chunk 16),
-    # joined through each segment's map and offset (`_segment_end_kernel`, then a chain in XLA), with and without
-    # the states kept for the backward. Gates in (-0.05, 0) so that the state carries across segments (at -5 per
-    # token the starts would hardly matter). fp32: o, the final state and every gradient as with one segment to
-    # 1e-5, and the oracle's to 1e-4; then (KDA) bf16 within FLA's bounds.
-    from lineattn.ops.pallas import chunk, chunk_fwd, segments
-    monkeypatch.setattr(segments, "MIN_SEGMENT_CHUNKS", 2)
-    monkeypatch.setattr(chunk, "SAVE_STATES", save)
-    inputs = make_inputs(rule, B=1, T=120, H=2, K=32, V=32, seed=21, g_low=-0.05)
-    o0, ht0, grads0 = loss_and_grads(rule, inputs, backend="pallas", chunk_size=16)
-    monkeypatch.setattr(chunk_fwd, "PASS_SEGMENTS", True)
-    assert chunk_fwd.pass_segments(2, 8, 32, export=False) == 4 and chunk_fwd.pass_segments(2, 8, 32, export=True) == 1
-    o1, ht1, grads1 = loss_and_grads(rule, inputs, backend="pallas", chunk_size=16)
-    assert_close({"o": o1, "ht": ht1, **grads1}, {"o": o0, "ht": ht0, **grads0}, 1e-5, f"{rule}/segmented forward")
-    x = inputs
-    jaxpr = str(jax.make_jaxpr(lambda q: ops.linear_attention(rule, q, x["k"], x["v"], x["g"], x["beta"],
-                                                              chunk_size=16, backend="pallas")[0])(x["q"]))
-    assert "lineattn_chunk_state_pass_local" in jaxpr
-    _compare(rule, inputs, chunk_size=16)
-    if rule == "kda":  # (the suite's time: the bf16 path is the same kernels for every rule)
-        _assert_bf16_close(rule, inputs, chunk_size=16)
-
-
 def test_pallas_kernel_tiles(monkeypatch):
     # The column tiles as module constants (for sweeps): the backward's (`chunk_bwd.WY_BT`, `CHUNK_GRADS_BK`,
     # `CHUNK_GRADS_BV`) 16 wide loop over K = 32 and V = 64 in pieces; the gate cumsum's K tile of 16

@@ -73,7 +73,6 @@ VARIANTS = [("kda", None), ("gdn", None), ("deltanet", None), ("gla", None), ("k
             ("gdn", ("kernels-saved", {"chunk.SAVE_STATES": False})),
             ("kda", ("kernels-saved", {"chunk_bwd.GRADS_SPLIT": False})),
             ("kda", ("kernels-saved", {"chunk_bwd.WY_COT_DTYPE": "float32"})),
-            ("kda", ("kernels-saved", {"chunk_fwd.PASS_SEGMENTS": True})),  # not yet run on the H200
             ("kda", ("kernels-saved", {"segments.SEGMENT_PASSES": False})),  # the defaults: 32 segments of 8 chunks
             ("gdn", ("kernels-saved", {"segments.SEGMENT_PASSES": False}))]
 

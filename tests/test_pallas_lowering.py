@@ -131,13 +131,3 @@ def test_gram_gradients_unsplit_lower_for_sm90(fake_h200, monkeypatch):
         text = _lowered(100, dtype, "kernels-saved")
         assert "lineattn_gram_bwd_exact" not in text
         assert text.count("__gpu$xla.gpu.triton") == 5 + 6
-
-
-def test_segmented_forward_state_pass_lowers_for_sm90(fake_h200, monkeypatch):
-    # `chunk_fwd.PASS_SEGMENTS`: T = 1024 (16 chunks of 64, 2 segments of 8): the forward adds the zero-start
-    # segment-end kernel (V + K columns), the backward its zero-start reverse pass.
-    from lineattn.ops.pallas import chunk_fwd
-    monkeypatch.setattr(chunk_fwd, "PASS_SEGMENTS", True)
-    text = _lowered(1024, jnp.bfloat16, "kernels-saved")
-    assert "lineattn_chunk_state_pass_local" in text and "lineattn_chunk_bwd_reverse_local" in text
-    assert text.count("__gpu$xla.gpu.triton") == 5 + 1 + 7 + 1

@@ -14,7 +14,9 @@ The intra-chunk stage, parallel over (batch, head, chunk) (`_intra`):
     chunk 64, the same algebra as a Mosaic GPU kernel: `solve_mgpu.solve_mosaic`, see SOLVE_IMPL).
 `state_pass`, one program per (batch, head, V tile): the sequential pass over chunks with the fp32 state in
 registers, E = U - W S, O = Qin S + M E, S <- Diag(e^(G_C)) S + Kg^T E; writes O and the final state (and, for
-the backward, every chunk's S and E; with PASS_SEGMENTS, per segment of chunks from `_segment_starts`).
+the backward, every chunk's S and E). (An opt-in segmented form for a few long sequences, PASS_SEGMENTS, a
+zero-start pass per segment joined by a chain in XLA, was removed on 2026-12-02: at 1 x 32768 its kernels took
+0.34 + 0.35 ms against 0.80, but the call 2.469 ms against 2.471 and fwd+bwd 7.05 against 7.01, run13a.)
 
 Precision: bf16 inputs keep bf16 intermediates (Qin, Kg, W, U, M) and run the state pass's products on bf16
 tensor cores with fp32 accumulation; the Gram products take TF32, the solve's doubling bf16x3 and its U, W
@@ -488,47 +490,6 @@ def _state_pass_kernel(qin_ref, kg_ref, w_ref, u_ref, m_ref, dend_ref, h0_ref, o
     ht_ref[...] = jax.lax.fori_loop(0, N, body, h0_ref[...].astype(f32))
 
 
-def _segment_end_kernel(kg_ref, w_ref, u_ref, dend_ref, end_ref, *, C, N, prec, delta, value_tiles):
-    """One segment's recurrence from a zero start, for PASS_SEGMENTS: tiles j < value_tiles of V give its offset
-    c (U's columns), the tiles after give its map P's columns (started at the identity's columns with U = 0), so
-    that S_end = P S_start + c."""
-    j = pl.program_id(3)
-    K, BQ = end_ref.shape
-    S = (_iota((K, BQ), 0) == _iota((K, BQ), 1) + (j - value_tiles) * BQ).astype(f32)  # zeros in a value tile
-    keep = (j < value_tiles).astype(f32)
-
-    def body(n, S):
-        t = pl.ds(n * C, C)
-        E = u_ref[t, :].astype(f32) * keep
-        if delta:
-            E = E - dot(w_ref[t, :], S, prec)
-        return S * dend_ref[:, pl.ds(n, 1)] + dot(kg_ref[t, :], E, prec, trans_a=True)
-
-    end_ref[...] = jax.lax.fori_loop(0, N, body, S)
-
-
-def _segment_starts(kg, w, u, dend, h0, *, C, nseg, BV, prec, delta, interpret):
-    """Every segment's true start [B, H, nseg, K, V] (PASS_SEGMENTS): `_segment_end_kernel` on each segment at
-    once (V tiles for the offsets, then K tiles for the maps, BQ wide), then a short fp32 chain in XLA."""
-    B, H, K, V = h0.shape
-    Tp, N = kg.shape[2], dend.shape[-1]
-    BQ = min(BV, K)
-    NQ = V // BQ
-    whole, _, state, _, kn, _ = segments.block_specs(Tp, N, K, nseg, BQ)
-    u_tile = pl.BlockSpec((None, None, Tp // nseg, BQ), lambda b, h, s, j: (b, h, s, jnp.minimum(j, NQ - 1)))
-    ends = pl.pallas_call(  # (a map tile reads the last V tile of u: unused)
-        functools.partial(_segment_end_kernel, C=C, N=N // nseg, prec=prec, delta=delta, value_tiles=NQ),
-        grid=(B, H, nseg, NQ + K // BQ),
-        in_specs=[whole(K), whole(K), u_tile, kn],
-        out_specs=state,
-        out_shape=jax.ShapeDtypeStruct((B, H, nseg, K, V + K), f32),
-        compiler_params=compiler_params(num_warps=PASS_WARPS, num_stages=PASS_STAGES),
-        interpret=interpret,
-        name="lineattn_chunk_state_pass_local",
-    )(kg, w, u, dend)
-    return segments.chain(jnp.swapaxes(ends[..., V:], -1, -2), ends[..., :V], h0, reverse=False)
-
-
 def check_shapes(K: int, V: int, chunk_size: int):
     if not (is_pow2(K) and 16 <= K <= 256 and is_pow2(V) and 16 <= V <= 256):
         raise ValueError(f"the Pallas kernels need K and V powers of two in [16, 256], got K={K}, V={V}")
@@ -548,19 +509,6 @@ PASS_MIN_PROGRAMS = 128
 PASS_MAX_BV = 64
 
 
-# PASS_SEGMENTS: for a few long sequences, the state pass runs each sequence as segments of chunks side by side,
-# as the backward's reverse pass does (`segments.pick_segments` picks the count): `_segment_starts` gives every
-# segment's true start, then the state pass runs all segments at once. Two passes instead of one, the first over
-# V + K columns, each over 1/nseg of the chunks. Read when a call is traced (not with export_chunks); tested on
-# the CPU, not yet timed (at 1 x 32768 the unsegmented pass took 0.79 ms of the forward's 2.14 in run11b).
-PASS_SEGMENTS = False
-
-
-def pass_segments(programs: int, N: int, V: int, export: bool) -> int:
-    """Segments per sequence of the forward's state pass (1 unless PASS_SEGMENTS; see `segments.pick_segments`)."""
-    return segments.pick_segments(programs, N, V) if PASS_SEGMENTS and not export else 1
-
-
 def pick_block_v(programs: int, V: int) -> int:
     """V tile of the state passes for a grid of `programs` (batch, head) pairs (see PASS_MIN_PROGRAMS)."""
     bv = min(V, PASS_MAX_BV)
@@ -573,7 +521,7 @@ def _constants():
     """The values of the module constants the forward reads when traced (and whether the device is a Hopper GPU,
     which `mosaic_solve` asks)."""
     return (GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES, GRAM_SCALAR_WARPS, SOLVE_PREC, GRAM_PREC,
-            UW_PREC, PASS_MIN_PROGRAMS, SOLVE_IMPL, solve_mgpu.LHS_REGS, GRAM_IMPL, hopper(), PASS_SEGMENTS,
+            UW_PREC, PASS_MIN_PROGRAMS, SOLVE_IMPL, solve_mgpu.LHS_REGS, GRAM_IMPL, hopper(),
             segments.SEGMENT_PASSES, segments.MIN_SEGMENT_CHUNKS, segments.SEGMENT_MIN_PROGRAMS, PASS_MAX_BV, CUMSUM_BK)
 
 
@@ -645,10 +593,10 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
         u = jnp.moveaxis(v, 2, 1).astype(store)
         w = qin  # unread by the additive state pass
 
-    nseg = pass_segments(B * H, N, V, bool(export_chunks))
-    BV = block_v or pick_block_v(B * H * nseg, V)
-    prec = "ieee" if exact else "bf16"  # grid (B, H, segment, V tile); one segment unless PASS_SEGMENTS
-    whole, vtile, state, per_chunk, kn, tokens = segments.block_specs(Tp, N, K, nseg, BV)
+    BV = block_v or pick_block_v(B * H, V)
+    prec = "ieee" if exact else "bf16"
+    # grid (B, H, 1, V tiles): the block specs of the backward's passes (`segments`), here one segment per sequence
+    whole, vtile, state, per_chunk, kn, tokens = segments.block_specs(Tp, N, K, 1, BV)
     n_slots = 1 << max(len(export_chunks) - 1, 0).bit_length()  # Triton blocks: powers of two
     exported = ([pl.BlockSpec((None, None, n_slots, K, BV), lambda b, h, s, j: (b, h, 0, 0, j))],
                 [jax.ShapeDtypeStruct((B, H, n_slots, K, V), f32)]) if export_chunks else ([], [])
@@ -657,24 +605,19 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
         kept = f32 if exact else jnp.dtype(states_dtype)
         exported = ([per_chunk, vtile],
                     [jax.ShapeDtypeStruct((B, H, N * K, V), kept), jax.ShapeDtypeStruct((B, H, Tp, V), kept)])
-    if nseg == 1:
-        starts = h0.astype(f32)[:, :, None]
-    else:
-        starts = _segment_starts(kg, w, u, dend, h0, C=C, nseg=nseg, BV=BV, prec=prec, delta=delta,
-                                 interpret=interpret)
     o, ends, *s0 = pl.pallas_call(
-        functools.partial(_state_pass_kernel, C=C, N=N // nseg, K=K, prec=prec, delta=delta, export=export_chunks,
+        functools.partial(_state_pass_kernel, C=C, N=N, K=K, prec=prec, delta=delta, export=export_chunks,
                           keep=keep),
-        grid=(B, H, nseg, V // BV),
+        grid=(B, H, 1, V // BV),
         in_specs=[whole(K), whole(K), whole(K), vtile, whole(C), kn, state],
         out_specs=[tokens, state] + exported[0],
-        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), dt), jax.ShapeDtypeStruct((B, H, nseg, K, V), f32)]
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), dt), jax.ShapeDtypeStruct((B, H, 1, K, V), f32)]
         + exported[1],
         compiler_params=compiler_params(num_warps=warps[1], num_stages=PASS_STAGES),
         interpret=interpret,
         name="lineattn_chunk_state_pass",
-    )(qin, kg, w, u, m, dend, starts)
-    ht = ends[:, :, -1]
+    )(qin, kg, w, u, m, dend, h0.astype(f32)[:, :, None])
+    ht = ends[:, :, 0]
     if export_chunks:
         return o[:, :T], ht, s0[0][:, :, :len(export_chunks)], (w if delta else None), (u if delta else None)
     if save:

@@ -1,6 +1,6 @@
-"""Segments of chunks for the sequential state passes of a few long sequences (the backward's reverse pass, and
-with `chunk_fwd.PASS_SEGMENTS` the forward's state pass): the rule for their count, their block specs and the
-short chain in XLA that joins them."""
+"""Segments of chunks for the sequential state passes of a few long sequences (the backward's passes): the rule
+for their count, their block specs (which the forward's state pass shares, with one segment) and the short chain
+in XLA that joins them."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ f32 = jnp.float32
 # (the products at PASS_PREC). Four passes instead of two, each over 1/nseg of the chunks: at 1 x 32768 (8
 # segments, 256 programs; the two passes took 0.84 + 1.82 ms there with 128 programs of V tile 16, 0.27 + 0.45 at
 # 8 x 4096 with 256 programs) a gain only if a pass costs about what it does at 8 x 4096. (With `chunk.SAVE_STATES`,
-# the default since run12, the backward has no states pass: only its reverse pass runs in segments, and the
-# forward's state pass does with `chunk_fwd.PASS_SEGMENTS`.) H200, 1 x 32768 x 16 x
+# the default since run12, the backward has no states pass: only its reverse pass runs in segments; the forward's
+# state pass in segments gained nothing at 1 x 32768, run13a, and was removed.) H200, 1 x 32768 x 16 x
 # 128 bf16 (run10a profile, 8 segments): states 0.84 -> 0.15 (zero-start) + 0.28 ms, reverse 1.80 -> 0.53
 # (zero-start, V + K columns) + 0.44, the XLA chains 0.08: kernels fwd+bwd 6.98 ms against 8.11; GPU tests at
 # T = 16381 (32 segments) within the unsegmented errors. SEGMENT_MIN_PROGRAMS: the grid size the segments aim for.
