@@ -24,9 +24,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_kda import forward_backward, make_inputs, time_jax, versions  # noqa: E402
-from profile_pallas_kda import apply_config, restore  # noqa: E402
 
 from lineattn import ops  # noqa: E402
+from lineattn.ops.pallas import tuning  # noqa: E402
 
 H, K, V = 16, 128, 128
 
@@ -57,11 +57,8 @@ def main():
         do = jnp.asarray(x["do"], jnp.float32)
         fns = {}
         for config in a.configs.split(";"):
-            old = apply_config(config)
-            try:
+            with tuning.override(tuning.parse(config)):
                 fns[config] = compiled_pair(args, do)
-            finally:
-                restore(old)
         times = {(c, m): [] for c in fns for m in ("fwd", "fwdbwd")}
         for _ in range(a.rounds):
             for (config, mode), ts in times.items():

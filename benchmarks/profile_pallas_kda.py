@@ -31,12 +31,10 @@ import jax.numpy as jnp
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_kda import forward_backward, kernel_gaps, kernel_times, make_inputs, versions  # noqa: E402
 
-import importlib  # noqa: E402
-
 import numpy as np  # noqa: E402
 
 from lineattn.ops import chunk as xla_chunk  # noqa: E402
-from lineattn.ops.pallas import api  # noqa: E402
+from lineattn.ops.pallas import api, tuning  # noqa: E402
 from lineattn.ops.pallas.chunk import chunk_pallas  # noqa: E402
 
 f32 = jnp.float32
@@ -57,26 +55,6 @@ def profile(fn, args, iters: int) -> dict:
     idle = {name: ns / iters / 1e6 for name, ns in sorted(gaps.items(), key=lambda kv: -kv[1])}
     return {"per_call_ms": per_call, "total_ms": sum(per_call.values()), "wall_ms": wall, "idle_before_ms": idle,
             "idle_ms": sum(idle.values())}
-
-
-def apply_config(config: str) -> dict:
-    """Set `lineattn.ops.pallas.<module>.<NAME>` for each 'module.NAME=value' in config ('+'-joined; 'default':
-    none). Returns the previous values, for `restore`."""
-    old = {}
-    for item in ([] if config == "default" else config.split("+")):
-        target, value = item.split("=")
-        mod_name, attr = target.rsplit(".", 1)
-        mod = importlib.import_module(f"lineattn.ops.pallas.{mod_name}")
-        old[(mod, attr)] = getattr(mod, attr)  # AttributeError for a misspelt name
-        setattr(mod, attr, int(value) if value.lstrip("-").isdigit() else value)
-    jax.clear_caches()  # `chunk_fwd.forward` is jitted: its cached trace would keep the old constants
-    return old
-
-
-def restore(old: dict):
-    for (mod, attr), value in old.items():
-        setattr(mod, attr, value)
-    jax.clear_caches()
 
 
 def rel_rms(a, b):
@@ -130,32 +108,31 @@ def main():
             *[y.astype(f32) for y in (q, k, v, g, beta)])
         ref = [np.asarray(o_ref)] + [np.asarray(x) for x in grads_ref]
     for name, (fwd, config) in impls.items():
-        old = apply_config(config)
         try:
-            modes = {"fwd": jax.jit(fwd), "fwdbwd": jax.jit(forward_backward(fwd, do))}
-            if ref is not None:
-                got = [modes["fwd"](q, k, v, g, beta)] + list(modes["fwdbwd"](q, k, v, g, beta)[1])
-                errors = {n: rel_rms(np.asarray(x, np.float32), r)
-                          for n, x, r in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), got, ref)}
-                result.setdefault(name, {})["rel_rms"] = errors
-                print(f"{name}: rel RMS vs the XLA chunk form in fp32: "
-                      + " ".join(f"{n} {e:.1e}" for n, e in errors.items()))
-            for mode, fn in modes.items():
-                rec = profile(fn, (q, k, v, g, beta), a.iters)
-                result.setdefault(name, {})[mode] = rec
-                print(f"{name} {mode}: kernels {rec['total_ms']:.3f} ms per call (wall {rec['wall_ms']:.3f} ms, "
-                      f"stream idle {rec['idle_ms']:.3f} ms)")
-                for kname, ms in list(rec["per_call_ms"].items())[:a.top]:
-                    print(f"   {ms:8.3f}  {kname[:110]}")
-                print("   stream idle before: " + ", ".join(f"{kname[:40]} {ms:.3f}" for kname, ms in
-                                                      list(rec["idle_before_ms"].items())[:6]))
-                path.write_text(json.dumps(result, indent=1))
+            with tuning.override(tuning.parse(config)):
+                modes = {"fwd": jax.jit(fwd), "fwdbwd": jax.jit(forward_backward(fwd, do))}
+                if ref is not None:
+                    got = [modes["fwd"](q, k, v, g, beta)] + list(modes["fwdbwd"](q, k, v, g, beta)[1])
+                    errors = {n: rel_rms(np.asarray(x, np.float32), r)
+                              for n, x, r in zip(("o", "dq", "dk", "dv", "dg", "dbeta"), got, ref)}
+                    result.setdefault(name, {})["rel_rms"] = errors
+                    print(f"{name}: rel RMS vs the XLA chunk form in fp32: "
+                          + " ".join(f"{n} {e:.1e}" for n, e in errors.items()))
+                for mode, fn in modes.items():
+                    rec = profile(fn, (q, k, v, g, beta), a.iters)
+                    result.setdefault(name, {})[mode] = rec
+                    print(f"{name} {mode}: kernels {rec['total_ms']:.3f} ms per call "
+                          f"(wall {rec['wall_ms']:.3f} ms, stream idle {rec['idle_ms']:.3f} ms)")
+                    for kname, ms in list(rec["per_call_ms"].items())[:a.top]:
+                        print(f"   {ms:8.3f}  {kname[:110]}")
+                    idle = list(rec["idle_before_ms"].items())[:6]
+                    print("   stream idle before: " + ", ".join(f"{kname[:40]} {ms:.3f}" for kname, ms in idle))
+                    path.write_text(json.dumps(result, indent=1))
         except Exception as err:  # e.g. a launch setting beyond the shared memory: recorded, then the next one
             result.setdefault(name, {})["error"] = str(err)[:300]
             print(f"{name}: failed: {str(err)[:300]}")
             path.write_text(json.dumps(result, indent=1))
-        finally:
-            restore(old)
+
 
 if __name__ == "__main__":
     main()

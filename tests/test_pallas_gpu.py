@@ -13,6 +13,7 @@ import pytest
 
 from conftest import make_inputs
 from lineattn import ops
+from lineattn.ops.pallas import tuning
 from lineattn.ops.pallas.common import on_gpu
 from lineattn.ops.pallas.decode import decode_step
 
@@ -26,19 +27,14 @@ def _rel_rms(actual, expected):
     return float(np.sqrt(np.mean((a - e) ** 2)) / max(np.sqrt(np.mean(e**2)), 1e-30))
 
 
-def _set_options(monkeypatch, options):
-    """Set `lineattn.ops.pallas.<module>.<NAME>` for each 'module.NAME' in options."""
-    import importlib
-    for name, value in options.items():
-        module, attr = name.split(".")
-        monkeypatch.setattr(importlib.import_module(f"lineattn.ops.pallas.{module}"), attr, value)
+def _run(rule, x, backend, variant=None):
+    # variant None: the defaults; else (`pallas.api.BACKWARD`, {tuning constants}), e.g.
+    # ("kernels-saved", {"api.SCALAR_GATE": True})
+    with tuning.override({} if variant is None else {"api.BACKWARD": variant[0], **variant[1]}):
+        return _outputs_and_grads(rule, x, backend)
 
 
-def _run(rule, x, backend, monkeypatch=None, variant=None):
-    if variant is not None:  # None: the defaults; else (`pallas.api.BACKWARD`, {module constants to set}), e.g.
-        from lineattn.ops.pallas import api as pallas_api  # ("kernels-saved", {"api.SCALAR_GATE": True})
-        monkeypatch.setattr(pallas_api, "BACKWARD", variant[0])
-        _set_options(monkeypatch, variant[1])
+def _outputs_and_grads(rule, x, backend):
     names = [n for n in ("q", "k", "v", "g", "beta", "h0") if x[n] is not None]  # DeltaNet: no g; GLA: no beta
     rng = np.random.default_rng(1)
     B, T, H, _ = x["q"].shape
@@ -84,13 +80,13 @@ def _variant_id(rule, variant):
 
 
 @pytest.mark.parametrize("rule,variant", VARIANTS, ids=[_variant_id(r, v) for r, v in VARIANTS])
-def test_pallas_long_bf16_head_dim_128(rule, variant, monkeypatch):
+def test_pallas_long_bf16_head_dim_128(rule, variant):
     inputs = make_inputs(rule, B=1, T=16384 - 3, H=2, K=128, V=128, seed=11)
     inputs["h0"] = inputs.pop("initial_state")
     bf16 = {n: x.astype(jnp.bfloat16) if n in ("q", "k", "v", "beta") and x is not None else x
             for n, x in inputs.items()}
     rounded = {n: None if x is None else x.astype(jnp.float32) for n, x in bf16.items()}
-    got, want = _run(rule, bf16, "pallas", monkeypatch, variant), _run(rule, rounded, "chunk")
+    got, want = _run(rule, bf16, "pallas", variant), _run(rule, rounded, "chunk")
     errors = {n: _rel_rms(got[n], want[n]) for n in want}
     print(rule, variant, {n: f"{e:.1e}" for n, e in errors.items()})
     assert all(np.all(np.isfinite(np.asarray(got[n], np.float32))) for n in got)

@@ -1,0 +1,44 @@
+"""`lineattn.ops.pallas.tuning`: the kernels' tuning constants set by name for a block, then restored."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from conftest import make_inputs
+from lineattn import ops
+from lineattn.ops.pallas import chunk_bwd, chunk_fwd, tuning
+
+
+def test_parse_reads_the_benchmarks_form():
+    assert tuning.parse("default") == {} and tuning.parse("") == {}
+    assert tuning.parse("chunk_bwd.WY_WARPS=8+chunk_fwd.SOLVE_IMPL=triton+chunk_fwd.LIMIT=-3") == {
+        "chunk_bwd.WY_WARPS": 8, "chunk_fwd.SOLVE_IMPL": "triton", "chunk_fwd.LIMIT": -3}
+    with pytest.raises(ValueError, match="module.NAME=value"):
+        tuning.parse("chunk_bwd.WY_WARPS")
+
+
+def test_override_sets_restores_and_retraces():
+    x = make_inputs("kda", B=1, T=40, H=1, K=16, V=16, seed=2)
+    # Jitted before the block: without clearing JAX's caches its first trace (the default Gram stage, whose exact
+    # fix-up kernel is `lineattn_chunk_gram_exact`) would be reused inside the block.
+    fwd = jax.jit(lambda q: ops.chunk_kda(q, x["k"], x["v"], x["g"], x["beta"], backend="pallas")[0])
+    kernels = lambda: str(jax.make_jaxpr(fwd)(x["q"]))
+    assert "lineattn_chunk_gram_exact" in kernels()
+    with tuning.override({"chunk_fwd.GRAM_IMPL": "triton", "chunk_bwd.WY_WARPS": 2}):
+        assert (chunk_fwd.GRAM_IMPL, chunk_bwd.WY_WARPS) == ("triton", 2)
+        assert "lineattn_chunk_gram_exact" not in kernels()
+    assert (chunk_fwd.GRAM_IMPL, chunk_bwd.WY_WARPS) == ("triton-fast", 4)
+    assert "lineattn_chunk_gram_exact" in kernels()
+    with pytest.raises(RuntimeError), tuning.override({"chunk_bwd.WY_WARPS": 2}):
+        raise RuntimeError  # restored when the block raises too
+    assert chunk_bwd.WY_WARPS == 4
+
+
+@pytest.mark.parametrize("name, match", [("WY_WARPS", "module.NAME"), ("chunk_bwdd.WY_WARPS", "no module"),
+                                         ("chunk_bwd.WY_WARP", "no tuning constant"),
+                                         ("chunk_bwd.backward_fast", "no tuning constant")])
+def test_override_names_a_misspelt_setting_and_sets_nothing(name, match):
+    with pytest.raises(ValueError, match=match), tuning.override({"chunk_bwd.WY_WARPS": 2, name: 1}):
+        pass
+    assert chunk_bwd.WY_WARPS == 4
