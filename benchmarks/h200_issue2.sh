@@ -16,8 +16,11 @@
 #     SHARDS=4 TEST_TIMEOUT=320 SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
 #   Run13 (session 11) ran the tests, the table without FLA (its FLA figures are run11c's), T = 262144 and the
 #   decode sweep. Not yet run: the table with FLA beside the current defaults; the GPU tests after WY_WARPS = 4
-#   (profile --check only). Open leads: the Gram kernel (0.79 ms, jla's intra 0.60), the solve (0.42, jla 0.25),
-#   the Gram gradients (1.74), GDN's path (2.5x jla: it runs the per-channel solve and state passes).
+#   (profile --check only). Open leads, per kernel against jla's (run13b, 8 x 4096): the state pass (0.35 ms, jla's
+#   Mosaic GPU state/output 0.20; the backward's reverse pass 0.45 and kept-states pass 0.46 are the same loop), the
+#   solve (0.42, jla 0.25; a one-pass bf16 doubling loses accuracy on correlated keys, see chunk_fwd.SOLVE_PREC), the
+#   Gram kernel (0.79, jla's intra 0.60); GDN's path (2.5x jla: jla fuses solve, state pass and output in one
+#   kernel). Not measured since run9a: GDN's per-kernel profile (PROFILE_ARGS='--rule gdn --check').
 #   The long GPU tests take ~30 s each (19 of them): a subset fits a call beside a bench part, e.g.
 #     TEST_TIMEOUT=200 TESTS_K="long_bf16 and default" SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
 #   A/B wall clock of settings, interleaved (not through this script): PYTHONPATH=$PWD python3

@@ -340,7 +340,12 @@ def gate_cumsum(g, *, C, K, interpret, spreads=False):
 
 
 # ---- The solve on the whole chunk tile by block doubling ("solve": "full") ----
-SOLVE_PREC = "bf16x3"  # the doubling products' precision for bf16 inputs (read when a call is traced)
+# SOLVE_PREC: the doubling products' precision for bf16 inputs (read when a call is traced). "bf16" (one pass
+# instead of three) costs accuracy where keys are correlated (CPU, Triton solve, T = 509, K = V = 128, bf16 inputs,
+# relative RMS against the fp32 XLA chunk form on the same rounded inputs; keys at cosine ~0.8 to a shared
+# direction, gates in (-0.1, 0)): DeltaNet o 5.2e-3 against 4.1e-3, dk 6.8e-3 against 4.8e-3, dv 6.1e-3 against
+# 3.8e-3; KDA o 5.3e-3 against 5.0e-3, dg 6.1e-3 against 5.1e-3. With random unit keys it changed nothing.
+SOLVE_PREC = "bf16x3"
 # For bf16 inputs (fp32 inputs: "ieee"), read when a call is traced: the Gram kernel's products and the solve's
 # U = R Diag(b) V, W = R Diag(b) Kin (stored in bf16 either way). H200, 8 x 4096 x 16 x 128 (run8a/b profiles):
 # U, W in bf16 0.54 ms for the solve against 0.81 in tf32, o's relative RMS error against the fp32 XLA chunk form
