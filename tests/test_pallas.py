@@ -228,6 +228,83 @@ def test_pallas_with_the_mosaic_solve(gate, monkeypatch):
     _assert_bf16_close("kda", inputs, chunk_size=64)
 
 
+def test_mosaic_state_pass_matches_the_triton_pass():
+    # `state_mgpu.state_pass_mosaic` (Mosaic GPU, run by its interpreter here) against the Triton state pass on the
+    # same intra-chunk terms: T = 150 (3 chunks of 64, ragged), K = 64, V = 128 (two V tiles), a non-zero h0,
+    # bf16; o, the final state and the kept per-chunk states and E of the backward's form.
+    from lineattn.ops.pallas import chunk_fwd, state_mgpu, tuning
+    x = make_inputs("kda", B=2, T=150, H=2, K=64, V=128, seed=22)
+    args = tuple(x[n].astype(jnp.bfloat16) for n in ("q", "k", "v")) + (x["g"], x["beta"].astype(jnp.bfloat16),
+                                                                          x["initial_state"])
+    kw = dict(scale=64**-0.5, interpret=True, save=True, states_dtype="bfloat16")
+    want = chunk_fwd.forward(*args, **kw)
+    with tuning.override({"chunk_fwd.PASS_IMPL": "mosaic"}):
+        got = chunk_fwd.forward(*args, **kw)
+    # the same bf16 products with fp32 accumulation in another order (CPU: o 5e-6, the state 3e-8; H200: o 2.3e-5)
+    for name, a, b in [("o", got[0], want[0]), ("ht", got[1], want[1]), ("S0", got[2][-2], want[2][-2]),
+                       ("E", got[2][-1], want[2][-1])]:
+        assert a.shape == b.shape and _rel_rms(a, b) <= 1e-4, name
+    qin, kg, w, u, m, dend = got[2][:6]
+    with pytest.raises(ValueError, match="bf16 matrices"):
+        state_mgpu.state_pass_mosaic(qin.astype(jnp.float32), kg, w, u, m, jnp.swapaxes(dend, -1, -2),
+                                     x["initial_state"], out_dtype=jnp.bfloat16, interpret=True)
+    with pytest.raises(ValueError, match="dend must be"):
+        state_mgpu.state_pass_mosaic(qin, kg, w, u, m, dend, x["initial_state"], out_dtype=jnp.bfloat16,
+                                     interpret=True)
+    with tuning.override({"chunk_fwd.PASS_IMPL": "mosaic"}), pytest.raises(ValueError, match="exported"):
+        chunk_fwd.forward(*args[:-1], x["initial_state"], scale=1.0, interpret=True, export_chunks=(1,))
+
+
+@pytest.mark.parametrize("rule", ["kda", "gdn"])
+def test_pallas_with_the_mosaic_state_pass(rule, monkeypatch):
+    # `chunk_fwd.PASS_IMPL = "mosaic"`: the forward's state pass (keeping the states for the backward) and the
+    # backward's reverse pass through the Mosaic GPU kernels, bf16 at chunk 64 (T = 80 ragged, K = V = 64, non-zero
+    # h0): o, the state and every gradient within FLA's bounds of the fp32 oracle, and equal to the Triton passes'
+    # to 1e-4 (the same products; CPU: 0 for the bf16 outputs, at most 4e-8).
+    from lineattn.ops.pallas import chunk_fwd
+    inputs = make_inputs(rule, B=1, **dict(SMALL, K=64, V=64), seed=23)
+    x = {n: y.astype(jnp.bfloat16) if n in ("q", "k", "v", "beta") else y for n, y in inputs.items()}
+    results = {}
+    for impl in ("triton", "mosaic"):
+        monkeypatch.setattr(chunk_fwd, "PASS_IMPL", impl)
+        o, ht, grads = loss_and_grads(rule, x, backend="pallas", chunk_size=64)
+        results[impl] = {"o": o, "ht": ht, **grads}
+    errors = {n: _rel_rms(results["mosaic"][n], results["triton"][n]) for n in results["triton"]}
+    assert max(errors.values()) <= 1e-4, errors
+    loss = lambda q: jnp.sum(ops.linear_attention(rule, q, x["k"], x["v"], x["g"], x["beta"], chunk_size=64,
+                                                  backend="pallas")[0].astype(jnp.float32))
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss))(x["q"]))
+    assert "lineattn_state_pass_mosaic" in jaxpr and "lineattn_reverse_pass_mosaic" in jaxpr
+    _assert_bf16_close(rule, inputs, chunk_size=64)
+
+
+def test_pass_impl_auto_takes_the_mosaic_passes_where_they_fit(monkeypatch):
+    # PASS_IMPL "auto" (the default) as on a Hopper GPU (`hopper` and compiled kernels faked; traced only): the
+    # Mosaic GPU passes for bf16 at K = V = 128 with V tiles of 64 (B * H = 128); the forward's only where the
+    # backward's reverse pass runs in segments (B * H = 64); the Triton passes for fp32, for V tiles below 64 (a
+    # single sequence) and for the additive write (GLA).
+    from lineattn.ops.pallas import chunk_bwd, chunk_fwd
+    monkeypatch.setattr(chunk_fwd, "hopper", lambda: True)
+    compiled = lambda interpret: False if interpret is None else bool(interpret)
+    monkeypatch.setattr(chunk_fwd, "interpret_mode", compiled)
+    monkeypatch.setattr(chunk_bwd, "interpret_mode", compiled)
+
+    def passes(rule, B, H, dtype=jnp.bfloat16, T=256):
+        z = jnp.zeros((B, T, H, 128), dtype)
+        g = jnp.zeros((B, T, H, 128), jnp.float32)
+        beta = None if rule == "gla" else jnp.zeros((B, T, H), dtype)
+        loss = lambda q: jnp.sum(ops.linear_attention(rule, q, z, z, g, beta, backend="pallas")[0]
+                                 .astype(jnp.float32))
+        jaxpr = str(jax.make_jaxpr(jax.grad(loss))(z))
+        return "lineattn_state_pass_mosaic" in jaxpr, "lineattn_reverse_pass_mosaic" in jaxpr
+
+    assert passes("kda", 4, 32) == (True, True), "the Mosaic passes where they fit"
+    assert passes("kda", 2, 32, T=1024) == (True, False)
+    assert passes("kda", 4, 32, jnp.float32) == (False, False)
+    assert passes("kda", 1, 16) == (False, False)
+    assert passes("gla", 4, 32) == (False, False)
+
+
 @pytest.mark.parametrize("rule", ["kda", "gdn", "gla"])
 def test_pallas_segmented_state_passes(rule, monkeypatch):
     # `segments.SEGMENT_PASSES`: the backward's reverse pass in 4 segments of 2 chunks (T = 120 ragged, chunk 16),

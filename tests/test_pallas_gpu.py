@@ -94,6 +94,26 @@ def test_pallas_long_bf16_head_dim_128(rule, variant):
     assert all(errors[n] <= RMS[n] for n in errors), errors
 
 
+@pytest.mark.parametrize("rule", ["kda", "gdn"])
+def test_pallas_mosaic_state_passes_head_dim_128(rule):
+    # Enough (batch, head) pairs for V tiles of 64 and a reverse pass in one segment (B * H = 128: 256 programs;
+    # with 64 the reverse pass runs in 2 segments, in Triton): with the default PASS_IMPL "auto" the forward's state
+    # pass and the backward's reverse pass run as the Mosaic GPU kernels (`state_mgpu`); T = 1021 (ragged),
+    # K = V = 128, bf16, against the XLA chunk form in fp32 with FLA's bounds.
+    inputs = make_inputs(rule, B=4, T=1024 - 3, H=32, K=128, V=128, seed=13)
+    inputs["h0"] = inputs.pop("initial_state")
+    bf16 = {n: x.astype(jnp.bfloat16) if n in ("q", "k", "v", "beta") else x for n, x in inputs.items()}
+    rounded = {n: x.astype(jnp.float32) for n, x in bf16.items()}
+    loss = lambda q: jnp.sum(ops.linear_attention(rule, q, bf16["k"], bf16["v"], bf16["g"], bf16["beta"],
+                                                  backend="pallas")[0].astype(jnp.float32))
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss))(bf16["q"]))
+    assert "lineattn_state_pass_mosaic" in jaxpr and "lineattn_reverse_pass_mosaic" in jaxpr
+    got, want = _run(rule, bf16, "pallas"), _run(rule, rounded, "chunk")
+    errors = {n: _rel_rms(got[n], want[n]) for n in want}
+    print(rule, "mosaic passes", {n: f"{e:.1e}" for n, e in errors.items()})
+    assert all(errors[n] <= RMS[n] for n in errors), errors
+
+
 @pytest.mark.parametrize("B,v_fastest,variant", [(8, False, {}), (64, False, {}), (64, True, {}),
                                                  (64, True, dict(readout="updated"))])
 def test_decode_step_head_dim_128(B, v_fastest, variant):

@@ -28,6 +28,7 @@ from lineattn.ops.pallas import chunk_fwd
 from lineattn.ops.pallas.chunk_fwd import (LIMIT, _gram_block_spread, _iota, gate_cumsum, gram_rows, keys_toward,
                                            pick_block_v, solve_full)
 from lineattn.ops.pallas.common import SUB, compiler_params, dot, interpret_mode
+from lineattn.ops.pallas import state_mgpu
 from lineattn.ops.pallas.segments import block_specs, chain, pick_segments
 
 f32 = jnp.float32
@@ -605,11 +606,15 @@ def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None,
                     kg, w, u, dend_KN, S_start)
     else:
         s0, E = states
-    ds, du, dS_start = run(_reverse_ds_kernel, "lineattn_chunk_bwd_reverse_ds", REVERSE_STAGES, reverse_in,
-                           [per_chunk, vtile, state], [jax.ShapeDtypeStruct((B, H, N * K, V), kept),
-                                                    jax.ShapeDtypeStruct((B, H, Tp, V), wy_dt), seg_states(V)],
-                           qin, kg, w, m, dend_KN, do, dS_end)
-    dh0 = dS_start[:, :, 0]
+    if nseg == 1 and chunk_fwd.mosaic_pass(exact, delta, C, K, V, BV, False, kept, interpret):
+        ds, du, dh0 = state_mgpu.reverse_pass_mosaic(qin, kg, w, m, terms.decay_end, do, dS_end[:, :, 0],
+                                                     ds_dtype=kept, de_dtype=wy_dt, interpret=interpret)
+    else:
+        ds, du, dS_start = run(_reverse_ds_kernel, "lineattn_chunk_bwd_reverse_ds", REVERSE_STAGES, reverse_in,
+                               [per_chunk, vtile, state], [jax.ShapeDtypeStruct((B, H, N * K, V), kept),
+                                                        jax.ShapeDtypeStruct((B, H, Tp, V), wy_dt), seg_states(V)],
+                               qin, kg, w, m, dend_KN, do, dS_end)
+        dh0 = dS_start[:, :, 0]
     chunk = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
     kv = pl.BlockSpec((None, None, K, V), lambda b, h, n: (b, h, n, 0))
     dqin, dm, dkg, dw, ddend = pl.pallas_call(
