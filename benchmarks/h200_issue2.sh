@@ -14,13 +14,13 @@
 #       bash benchmarks/h200_issue2.sh
 #   All the GPU tests in 4 processes side by side (run13a: 79 then, 196-234 s each; 76 since PASS_SEGMENTS went):
 #     SHARDS=4 TEST_TIMEOUT=320 SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
-#   Run13 (session 11) ran the tests, the table without FLA (its FLA figures are run11c's), T = 262144 and the
-#   decode sweep. Not yet run: the table with FLA beside the current defaults; the GPU tests after WY_WARPS = 4
-#   (profile --check only). Open leads, per kernel against jla's (run13b, 8 x 4096): the state pass (0.35 ms, jla's
-#   Mosaic GPU state/output 0.20; the backward's reverse pass 0.45 and kept-states pass 0.46 are the same loop), the
-#   solve (0.42, jla 0.25; a one-pass bf16 doubling loses accuracy on correlated keys, see chunk_fwd.SOLVE_PREC), the
-#   Gram kernel (0.79, jla's intra 0.60); GDN's path (2.5x jla: jla fuses solve, state pass and output in one
-#   kernel). Not measured since run9a: GDN's per-kernel profile (PROFILE_ARGS='--rule gdn --check').
+#   Run14 (session 12): all 76 GPU tests passed before the Mosaic GPU state passes (state_mgpu.py, PASS_IMPL
+#   "auto"); their tests in test_pallas.py passed compiled; the table at 8 x 4096 with FLA (run14c). Not yet run:
+#   test_pallas_gpu.py::test_pallas_mosaic_state_passes_head_dim_128 in its fixed form (TESTS_K="mosaic"), the full
+#   suite with the Mosaic passes, the (1, 32768) table with FLA. Open leads, per kernel against jla's (8 x 4096,
+#   run13b/run14b): the solve (0.42 ms, jla 0.25), the Gram kernel (0.79, jla's intra 0.60), the Gram gradients
+#   (1.73), the state passes at 1 x 32768 (V tiles of 16: Triton; a Mosaic pass would need V tiles below 64 or a
+#   split over K), GDN's path (2.2-2.4x jla: jla fuses solve, state pass and output in one kernel).
 #   The long GPU tests take ~30 s each (19 of them): a subset fits a call beside a bench part, e.g.
 #     TEST_TIMEOUT=200 TESTS_K="long_bf16 and default" SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
 #   A/B wall clock of settings, interleaved (not through this script): PYTHONPATH=$PWD python3
