@@ -17,7 +17,9 @@
 #   Run14 (session 12): all 76 GPU tests passed before the Mosaic GPU state passes (state_mgpu.py, PASS_IMPL
 #   "auto"); their tests in test_pallas.py passed compiled; the table at 8 x 4096 with FLA (run14c). Not yet run:
 #   test_pallas_gpu.py::test_pallas_mosaic_state_passes_head_dim_128 in its fixed form (TESTS_K="mosaic"), the full
-#   suite with the Mosaic passes, the (1, 32768) table with FLA. Open leads, per kernel against jla's (8 x 4096,
+#   suite with the Mosaic passes, the (1, 32768) table with FLA, the Mosaic passes' V tiles of 16 and 32 compiled
+#   (PASS_IMPL "mosaic"; e.g. PROFILE_ARGS='--shape 1x32768 --check --configs default;chunk_fwd.PASS_IMPL=mosaic',
+#   where "auto" keeps Triton's V tiles of 16). Open leads, per kernel against jla's (8 x 4096,
 #   run13b/run14b): the solve (0.42 ms, jla 0.25), the Gram kernel (0.79, jla's intra 0.60), the Gram gradients
 #   (1.73), the state passes at 1 x 32768 (V tiles of 16: Triton; a Mosaic pass would need V tiles below 64 or a
 #   split over K), GDN's path (2.2-2.4x jla: jla fuses solve, state pass and output in one kernel).

@@ -230,8 +230,9 @@ def test_pallas_with_the_mosaic_solve(gate, monkeypatch):
 
 def test_mosaic_state_pass_matches_the_triton_pass():
     # `state_mgpu.state_pass_mosaic` (Mosaic GPU, run by its interpreter here) against the Triton state pass on the
-    # same intra-chunk terms: T = 150 (3 chunks of 64, ragged), K = 64, V = 128 (two V tiles), a non-zero h0,
-    # bf16; o, the final state and the kept per-chunk states and E of the backward's form.
+    # same intra-chunk terms: T = 150 (3 chunks of 64, ragged), K = 64, V = 128, a non-zero h0, bf16; o, the final
+    # state and the kept per-chunk states and E of the backward's form; through `forward` (PASS_IMPL "mosaic": V
+    # tiles of 16 here) and directly with V tiles of 32 and 64.
     from lineattn.ops.pallas import chunk_fwd, state_mgpu, tuning
     x = make_inputs("kda", B=2, T=150, H=2, K=64, V=128, seed=22)
     args = tuple(x[n].astype(jnp.bfloat16) for n in ("q", "k", "v")) + (x["g"], x["beta"].astype(jnp.bfloat16),
@@ -245,23 +246,36 @@ def test_mosaic_state_pass_matches_the_triton_pass():
                        ("E", got[2][-1], want[2][-1])]:
         assert a.shape == b.shape and _rel_rms(a, b) <= 1e-4, name
     qin, kg, w, u, m, dend = got[2][:6]
+    for bv in (32, 64):
+        o, ht, S0, E = state_mgpu.state_pass_mosaic(qin, kg, w, u, m, jnp.swapaxes(dend, -1, -2), x["initial_state"],
+                                                    out_dtype=jnp.bfloat16, keep_dtype=jnp.bfloat16, block_v=bv)
+        for name, a, b in [("o", o[:, :150], want[0]), ("ht", ht, want[1]), ("S0", S0, want[2][-2]),
+                           ("E", E, want[2][-1])]:
+            assert a.shape == b.shape and _rel_rms(a, b) <= 1e-4, (bv, name)
     with pytest.raises(ValueError, match="bf16 matrices"):
         state_mgpu.state_pass_mosaic(qin.astype(jnp.float32), kg, w, u, m, jnp.swapaxes(dend, -1, -2),
                                      x["initial_state"], out_dtype=jnp.bfloat16, interpret=True)
     with pytest.raises(ValueError, match="dend must be"):
         state_mgpu.state_pass_mosaic(qin, kg, w, u, m, dend, x["initial_state"], out_dtype=jnp.bfloat16,
                                      interpret=True)
+    with pytest.raises(ValueError, match="block_v in"):
+        state_mgpu.state_pass_mosaic(qin, kg, w, u, m, jnp.swapaxes(dend, -1, -2), x["initial_state"],
+                                     out_dtype=jnp.bfloat16, block_v=128, interpret=True)
     with tuning.override({"chunk_fwd.PASS_IMPL": "mosaic"}), pytest.raises(ValueError, match="exported"):
         chunk_fwd.forward(*args[:-1], x["initial_state"], scale=1.0, interpret=True, export_chunks=(1,))
 
 
-@pytest.mark.parametrize("rule", ["kda", "gdn"])
-def test_pallas_with_the_mosaic_state_pass(rule, monkeypatch):
+@pytest.mark.parametrize("rule,block_v", [("kda", 64), ("gdn", 16)])
+def test_pallas_with_the_mosaic_state_pass(rule, block_v, monkeypatch):
     # `chunk_fwd.PASS_IMPL = "mosaic"`: the forward's state pass (keeping the states for the backward) and the
     # backward's reverse pass through the Mosaic GPU kernels, bf16 at chunk 64 (T = 80 ragged, K = V = 64, non-zero
-    # h0): o, the state and every gradient within FLA's bounds of the fp32 oracle, and equal to the Triton passes'
-    # to 1e-4 (the same products; CPU: 0 for the bf16 outputs, at most 4e-8).
+    # h0; V tiles of 64 with PASS_MIN_PROGRAMS at 1, else 16): o, the state and every gradient within FLA's bounds
+    # of the fp32 oracle, and equal to the Triton passes' to 1e-4 (the same products; CPU: 0 for the bf16 outputs,
+    # at most 4e-8).
     from lineattn.ops.pallas import chunk_fwd
+    if block_v == 64:
+        monkeypatch.setattr(chunk_fwd, "PASS_MIN_PROGRAMS", 1)
+    assert chunk_fwd.pick_block_v(2, 64) == block_v
     inputs = make_inputs(rule, B=1, **dict(SMALL, K=64, V=64), seed=23)
     x = {n: y.astype(jnp.bfloat16) if n in ("q", "k", "v", "beta") else y for n, y in inputs.items()}
     results = {}

@@ -2,9 +2,10 @@
 `chunk_fwd.PASS_IMPL` picks them: the forward's pass (`state_pass_mosaic`, for `chunk_fwd._state_pass_kernel`)
 and the backward's reverse pass (`reverse_pass_mosaic`, for `chunk_bwd._reverse_ds_kernel`).
 
-One CTA (one warpgroup) per (batch, head, V tile of BV): the fp32 state (or its cotangent) [K, BV] stays in
-registers (the WGMMA accumulator layout) across the chunks, which `plgpu.emit_pipeline` streams in by TMA (double
-buffered); each chunk's outputs leave through two SMEM slots by TMA. Per chunk, with S rounded to bf16 in SMEM:
+One CTA (one warpgroup) per (batch, head, V tile of bv = 16, 32 or 64): the fp32 state (or its cotangent) [K, bv]
+stays in registers (the WGMMA accumulator layout) across the chunks, which `plgpu.emit_pipeline` streams in by TMA
+(double buffered); each chunk's outputs leave through two SMEM slots by TMA. Per chunk, with S rounded to bf16 in
+SMEM:
     forward:  E = U - W S,   O = Qin S + M E,   S <- Diag(e^(G_C)) S + Kg^T E
     reverse:  dE = M^T dO + Kg dS,   dS <- Diag(e^(G_C)) dS + Qin^T dO - W^T dE
 (X^T: X's SMEM tile read transposed). The same products at the same precisions as the Triton kernels (bf16
@@ -21,42 +22,52 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from lineattn.ops.pallas.solve_mgpu import _ROW, _interpret_params, _load, _smem
 
 f32, bf16 = jnp.float32, jnp.bfloat16
-BV = 64  # the V tile: wgmma needs the same swizzle (128 bytes: 64 bf16) on both operands, W's and S's
+BV = 64  # the V tile that PASS_IMPL "auto" takes (the one measured); 16 and 32 run too (PASS_IMPL "mosaic")
+V_TILES = (16, 32, 64)  # (128 would hold the [K, 128] fp32 state and its accumulators in too few registers)
 
 
-def _spec(shape, dtype, index_map):
-    """A pipelined block in swizzled SMEM (the form TMA and wgmma take)."""
-    return plgpu.BlockSpec(shape, index_map, transforms=_smem(shape, dtype).transforms)
+def _operand(shape, bv):
+    """Swizzled SMEM for a bf16 wgmma operand. wgmma needs one swizzle on both operands: the V tile's rows (bv bf16,
+    2 bv bytes) set it, and the [C, K] tiles (W, Qin, Kg, M) take the same."""
+    swizzle = min(128, 2 * bv)
+    return plgpu.SMEM(shape, bf16, transforms=(plgpu.TilingTransform((8, swizzle // 2)),
+                                               plgpu.SwizzleTransform(swizzle)))
 
 
-def _check(name, C, K, V, bf16_inputs, dend, state, B, H, N):
+def _spec(shape, index_map, bv):
+    """A pipelined bf16 block in SMEM as `_operand`'s (the form TMA and wgmma take)."""
+    return plgpu.BlockSpec(shape, index_map, transforms=_operand(shape, bv).transforms)
+
+
+def _check(name, C, K, V, bv, bf16_inputs, dend, state, B, H, N):
     if any(x.dtype != bf16 for x in bf16_inputs):
         raise ValueError(f"{name} takes bf16 matrices, got {[str(x.dtype) for x in bf16_inputs]}")
-    if C != 64 or K not in (64, 128) or V % BV:
-        raise ValueError(f"{name} takes chunk_size 64, K 64 or 128 and V a multiple of {BV}, got {C}, {K}, {V}")
+    if C != 64 or K not in (64, 128) or bv not in V_TILES or V % bv:
+        raise ValueError(f"{name} takes chunk_size 64, K 64 or 128 and block_v in {V_TILES} dividing V, got {C}, "
+                         f"{K}, {bv} and V = {V}")
     if dend.shape != (B, H, N, K) or state.shape != (B, H, K, V):
         raise ValueError(f"{name}: dend must be [B, H, N, K] = {(B, H, N, K)} and the state [B, H, K, V] = "
                          f"{(B, H, K, V)}, got {dend.shape} and {state.shape}")
 
 
-def _read_state(src, bar, K):
-    """An fp32 [K, BV] state tile from GMEM into registers (WGMMA layout), through SMEM scoped for it alone."""
+def _read_state(src, bar, K, bv):
+    """An fp32 [K, bv] state tile from GMEM into registers (WGMMA layout), through SMEM scoped for it alone."""
     def scoped(h_s):
         plgpu.copy_gmem_to_smem(src, h_s, bar.at[0])
         plgpu.barrier_wait(bar.at[0])
         return _load(h_s)
 
-    return pl.run_scoped(scoped, _smem((K, BV), f32))
+    return pl.run_scoped(scoped, _smem((K, bv), f32))
 
 
-def _write_state(S, dst, K):
+def _write_state(S, dst, K, bv):
     def scoped(h_s):
         h_s[...] = S
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(h_s, dst)
         plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(scoped, _smem((K, BV), f32))
+    pl.run_scoped(scoped, _smem((K, bv), f32))
 
 
 def _products(*pairs_by_acc):
@@ -82,34 +93,35 @@ def _copy_out(pairs):
         plgpu.copy_smem_to_gmem(src, dst)
 
 
-def _run(body, inputs, out_type, scratch, B, H, V, name, interpret):
+def _run(body, inputs, out_type, scratch, B, H, V, bv, name, interpret):
     barrier = plgpu.Barrier(num_arrivals=1, num_barriers=1)  # (the state's first load)
-    kernel = plgpu.kernel(body, out_type=out_type, scratch_types=scratch + [barrier], grid=(B, H, V // BV),
+    kernel = plgpu.kernel(body, out_type=out_type, scratch_types=scratch + [barrier], grid=(B, H, V // bv),
                           grid_names=("b", "h", "j"), interpret=_interpret_params(interpret), kernel_name=name)
     return kernel(*inputs)
 
 
-def _decay(dend_s, K):
-    """e^(G_C) [K] from SMEM as a [K, BV] row broadcast in the WGMMA layout."""
-    return jax.lax.broadcast_in_dim(plgpu.load(dend_s, layout=_ROW, optimized=False), (K, BV), [0])
+def _decay(dend_s, K, bv):
+    """e^(G_C) [K] from SMEM as a [K, bv] row broadcast in the WGMMA layout."""
+    return jax.lax.broadcast_in_dim(plgpu.load(dend_s, layout=_ROW, optimized=False), (K, bv), [0])
 
 
-def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None, interpret: bool | None = None):
+def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None, block_v: int = BV,
+                      interpret: bool | None = None):
     """o [B, Tp, H, V] (out_dtype) and the final state [B, H, K, V] fp32 of the delta-rule state pass; with
     keep_dtype also every chunk's incoming state [B, H, N K, V] and E = U - W S [B, H, Tp, V] in keep_dtype.
 
     qin, kg, w [B, H, Tp, K], u [B, H, Tp, V], m [B, H, Tp, C] (bf16, C = 64), dend = e^(G_C) [B, H, N, K] fp32,
-    h0 [B, H, K, V] fp32."""
+    h0 [B, H, K, V] fp32; block_v the V tile (16, 32 or 64)."""
     B, H, Tp, K = qin.shape
     V, C = u.shape[-1], m.shape[-1]
-    N = Tp // C
-    _check("state_pass_mosaic", C, K, V, (qin, kg, w, u, m), dend, h0, B, H, N)
+    N, bv = Tp // C, block_v
+    _check("state_pass_mosaic", C, K, V, bv, (qin, kg, w, u, m), dend, h0, B, H, N)
     keep = keep_dtype is not None
 
     def body(qin_g, kg_g, w_g, u_g, m_g, dend_g, h0_g, o_g, ht_g, *rest):
         keep_g, (s_s, e_s, *outs_s, bar) = rest[:2 * keep], rest[2 * keep:]
         b, h, j = jax.lax.axis_index("b"), jax.lax.axis_index("h"), jax.lax.axis_index("j")
-        cols = pl.ds(j * BV, BV)
+        cols = pl.ds(j * bv, bv)
 
         def step(idx, qin_s, kg_s, w_s, u_s, m_s, dend_s, S):
             n = idx[0]
@@ -130,45 +142,46 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
             _copy_out([(outs_s[0].at[slot], o_g.at[b, rows, h, cols])]
                       + ([(outs_s[1].at[slot], keep_g[0].at[b, h, pl.ds(n * K, K), cols]),
                           (outs_s[2].at[slot], keep_g[1].at[b, h, rows, cols])] if keep else []))
-            return S * _decay(dend_s, K) + KgE
+            return S * _decay(dend_s, K, bv) + KgE
 
         rows_k = lambda n: (n, 0)
-        in_specs = [_spec((C, K), bf16, rows_k), _spec((C, K), bf16, rows_k), _spec((C, K), bf16, rows_k),
-                    _spec((C, BV), bf16, lambda n: (n, j)), _spec((C, C), bf16, rows_k),
+        in_specs = [_spec((C, K), rows_k, bv), _spec((C, K), rows_k, bv), _spec((C, K), rows_k, bv),
+                    _spec((C, bv), lambda n: (n, j), bv), _spec((C, C), rows_k, bv),
                     plgpu.BlockSpec((K,), lambda n: (n,))]
         S = plgpu.emit_pipeline(step, grid=(N,), in_specs=in_specs, max_concurrent_steps=2,
-                                init_carry=_read_state(h0_g.at[b, h, :, cols], bar, K))(
+                                init_carry=_read_state(h0_g.at[b, h, :, cols], bar, K, bv))(
             qin_g.at[b, h], kg_g.at[b, h], w_g.at[b, h], u_g.at[b, h], m_g.at[b, h], dend_g.at[b, h])
-        _write_state(S, ht_g.at[b, h, :, cols], K)
+        _write_state(S, ht_g.at[b, h, :, cols], K, bv)
 
     out = [jax.ShapeDtypeStruct((B, Tp, H, V), out_dtype), jax.ShapeDtypeStruct((B, H, K, V), f32)]
-    # SMEM at K = 128: two pipeline slots of (Qin, Kg, W, U, M, e^(G_C)) = 2 x 64.5 KB and of o (and of the kept
-    # S, E: 2 x 24 KB), S and E in bf16 (24 KB): 169 KB (217 KB with keep; the fp32 state's 32 KB for its first load
-    # and last store are scoped outside the pipeline). The H200 has 227 KB per block: one CTA per SM.
-    scratch = [_smem((K, BV), bf16), _smem((C, BV), bf16), _smem((2, C, BV), out_dtype)]
+    # SMEM at K = 128, bv = 64: two pipeline slots of (Qin, Kg, W, U, M, e^(G_C)) = 2 x 64.5 KB and of o (and of
+    # the kept S, E: 2 x 24 KB), S and E in bf16 (24 KB): 169 KB (217 KB with keep; the fp32 state's 32 KB for its
+    # first load and last store are scoped outside the pipeline). The H200 has 227 KB per block: one CTA per SM.
+    scratch = [_operand((K, bv), bv), _operand((C, bv), bv), _smem((2, C, bv), out_dtype)]
     if keep:
         out += [jax.ShapeDtypeStruct((B, H, N * K, V), keep_dtype), jax.ShapeDtypeStruct((B, H, Tp, V), keep_dtype)]
-        scratch += [_smem((2, K, BV), keep_dtype), _smem((2, C, BV), keep_dtype)]
+        scratch += [_smem((2, K, bv), keep_dtype), _smem((2, C, bv), keep_dtype)]
     # (each chunk's e^(G_C) is a 1-D block of the flattened [B, H, N K])
-    return _run(body, (qin, kg, w, u, m, dend.reshape(B, H, N * K), h0), out, scratch, B, H, V,
+    return _run(body, (qin, kg, w, u, m, dend.reshape(B, H, N * K), h0), out, scratch, B, H, V, bv,
                 "lineattn_state_pass_mosaic", interpret)
 
 
-def reverse_pass_mosaic(qin, kg, w, m, dend, do, dht, *, ds_dtype, de_dtype, interpret: bool | None = None):
+def reverse_pass_mosaic(qin, kg, w, m, dend, do, dht, *, ds_dtype, de_dtype, block_v: int = BV,
+                        interpret: bool | None = None):
     """The reverse pass of the backward from the final state's cotangent dht: every chunk's outgoing-state
     cotangent dS [B, H, N K, V] (ds_dtype), dE = M^T dO + Kg dS [B, H, Tp, V] (de_dtype) and the initial state's
     cotangent [B, H, K, V] fp32.
 
     qin, kg, w [B, H, Tp, K], m [B, H, Tp, C] (bf16, C = 64), dend = e^(G_C) [B, H, N, K] fp32, do [B, Tp, H, V]
-    bf16, dht [B, H, K, V] fp32."""
+    bf16, dht [B, H, K, V] fp32; block_v the V tile (16, 32 or 64)."""
     B, H, Tp, K = qin.shape
     V, C = do.shape[-1], m.shape[-1]
-    N = Tp // C
-    _check("reverse_pass_mosaic", C, K, V, (qin, kg, w, m, do), dend, dht, B, H, N)
+    N, bv = Tp // C, block_v
+    _check("reverse_pass_mosaic", C, K, V, bv, (qin, kg, w, m, do), dend, dht, B, H, N)
 
     def body(qin_g, kg_g, w_g, m_g, dend_g, do_g, dht_g, ds_g, de_g, dh0_g, s_s, e_s, ds_out, de_out, bar):
         b, h, j = jax.lax.axis_index("b"), jax.lax.axis_index("h"), jax.lax.axis_index("j")
-        cols = pl.ds(j * BV, BV)
+        cols = pl.ds(j * bv, bv)
 
         def step(idx, qin_s, kg_s, w_s, m_s, dend_s, do_s, dS):
             n = N - 1 - idx[0]
@@ -184,21 +197,21 @@ def reverse_pass_mosaic(qin, kg, w, m, dend, do, dht, *, ds_dtype, de_dtype, int
             dS_in = _products([(qin_s.transpose((1, 0)), do_s), (w_s.transpose((1, 0)), e_s)])[0]
             _copy_out([(ds_out.at[slot], ds_g.at[b, h, pl.ds(n * K, K), cols]),
                        (de_out.at[slot], de_g.at[b, h, pl.ds(n * C, C), cols])])
-            return dS * _decay(dend_s, K) + dS_in
+            return dS * _decay(dend_s, K, bv) + dS_in
 
         back = lambda n: (N - 1 - n, 0)
-        in_specs = [_spec((C, K), bf16, back), _spec((C, K), bf16, back), _spec((C, K), bf16, back),
-                    _spec((C, C), bf16, back), plgpu.BlockSpec((K,), lambda n: (N - 1 - n,)),
-                    _spec((C, BV), bf16, lambda n: (N - 1 - n, j))]
+        in_specs = [_spec((C, K), back, bv), _spec((C, K), back, bv), _spec((C, K), back, bv),
+                    _spec((C, C), back, bv), plgpu.BlockSpec((K,), lambda n: (N - 1 - n,)),
+                    _spec((C, bv), lambda n: (N - 1 - n, j), bv)]
         dS = plgpu.emit_pipeline(step, grid=(N,), in_specs=in_specs, max_concurrent_steps=2,
-                                 init_carry=_read_state(dht_g.at[b, h, :, cols], bar, K))(
+                                 init_carry=_read_state(dht_g.at[b, h, :, cols], bar, K, bv))(
             qin_g.at[b, h], kg_g.at[b, h], w_g.at[b, h], m_g.at[b, h], dend_g.at[b, h], do_g.at[b, :, h, :])
-        _write_state(dS, dh0_g.at[b, h, :, cols], K)
+        _write_state(dS, dh0_g.at[b, h, :, cols], K, bv)
 
     out = [jax.ShapeDtypeStruct((B, H, N * K, V), ds_dtype), jax.ShapeDtypeStruct((B, H, Tp, V), de_dtype),
            jax.ShapeDtypeStruct((B, H, K, V), f32)]
-    # SMEM at K = 128: two slots of (Qin, Kg, W, M, e^(G_C), dO) = 2 x 64.5 KB, dS and -dE in bf16 (24 KB), two
+    # SMEM at K = 128, bv = 64: two slots of (Qin, Kg, W, M, e^(G_C), dO) = 2 x 64.5 KB, dS and -dE in bf16 (24 KB), two
     # slots of the dS and dE outputs (48 KB in bf16): 201 KB
-    scratch = [_smem((K, BV), bf16), _smem((C, BV), bf16), _smem((2, K, BV), ds_dtype), _smem((2, C, BV), de_dtype)]
-    return _run(body, (qin, kg, w, m, dend.reshape(B, H, N * K), do, dht), out, scratch, B, H, V,
+    scratch = [_operand((K, bv), bv), _operand((C, bv), bv), _smem((2, K, bv), ds_dtype), _smem((2, C, bv), de_dtype)]
+    return _run(body, (qin, kg, w, m, dend.reshape(B, H, N * K), do, dht), out, scratch, B, H, V, bv,
                 "lineattn_reverse_pass_mosaic", interpret)
