@@ -67,6 +67,14 @@ def loss_and_grads(rule, inputs, *, backend, cu_seqlens=None, seed=1, **kwargs):
     return o, ht, dict(zip(["d" + n for n in names], grads))
 
 
+def grad_jaxpr(rule, x, **kwargs) -> str:
+    """The jaxpr (as text) of the gradient of sum(o) with respect to q, for `ops.linear_attention(rule, ...)` on the
+    inputs x (q, k, v, g, beta): which kernels a backend's forward and backward run (their `name=`s appear in it)."""
+    loss = lambda q: jnp.sum(ops.linear_attention(rule, q, x["k"], x["v"], x["g"], x["beta"], **kwargs)[0]
+                             .astype(jnp.float32))
+    return str(jax.make_jaxpr(jax.grad(loss))(x["q"]))
+
+
 def assert_close(actual: dict, expected: dict, tol: float, context: str = ""):
     errors = {name: rel_err(actual[name], expected[name]) for name in expected}
     for name, value in expected.items():

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import assert_close, loss_and_grads, make_inputs
+from conftest import assert_close, grad_jaxpr, loss_and_grads, make_inputs
 from lineattn import ops
 from lineattn.ops.pallas import api as pallas_api
 from lineattn.ops.pallas.common import on_gpu
@@ -80,9 +80,7 @@ def test_pallas_scalar_gate_kernels(rule, gate, backward, monkeypatch):
         inputs["g"] = inputs["g"].at[:, jnp.array([3, 20, 32, 61])].set(-1000.0)
     for chunk_size in (32, 64):
         _compare(rule, inputs, tol=1e-3 if gate == "cut" else TOL, chunk_size=chunk_size)
-    x = inputs
-    loss = lambda q: jnp.sum(ops.linear_attention(rule, q, x["k"], x["v"], x["g"], x["beta"], backend="pallas")[0])
-    jaxpr = str(jax.make_jaxpr(jax.grad(loss))(x["q"]))  # the scalar kernels ran, not the broadcast path
+    jaxpr = grad_jaxpr(rule, inputs, backend="pallas")  # the scalar kernels ran, not the broadcast path
     assert "lineattn_chunk_gram_scalar" in jaxpr and "lineattn_gram_bwd_scalar" in jaxpr
     assert "lineattn_chunk_gram\n" not in jaxpr and "lineattn_chunk_gram " not in jaxpr
 
@@ -205,8 +203,7 @@ def test_pallas_gram_gradients_split_or_not(split, monkeypatch):
     monkeypatch.setattr(chunk_bwd, "GRADS_SPLIT", split)
     test_pallas_gate_extremes("cut", "kernels-saved", monkeypatch)
     x = make_inputs("kda", B=1, **SMALL, seed=5)
-    loss = lambda q: jnp.sum(ops.linear_attention("kda", q, x["k"], x["v"], x["g"], x["beta"], backend="pallas")[0])
-    assert ("lineattn_gram_bwd_exact" in str(jax.make_jaxpr(jax.grad(loss))(x["q"]))) == split
+    assert ("lineattn_gram_bwd_exact" in grad_jaxpr("kda", x, backend="pallas")) == split
     if not split:
         _assert_bf16_close("kda", make_inputs("kda", B=1, **dict(SMALL, K=64, V=64), seed=6), chunk_size=64)
 
@@ -285,9 +282,7 @@ def test_pallas_with_the_mosaic_state_pass(rule, block_v, monkeypatch):
         results[impl] = {"o": o, "ht": ht, **grads}
     errors = {n: _rel_rms(results["mosaic"][n], results["triton"][n]) for n in results["triton"]}
     assert max(errors.values()) <= 1e-4, errors
-    loss = lambda q: jnp.sum(ops.linear_attention(rule, q, x["k"], x["v"], x["g"], x["beta"], chunk_size=64,
-                                                  backend="pallas")[0].astype(jnp.float32))
-    jaxpr = str(jax.make_jaxpr(jax.grad(loss))(x["q"]))
+    jaxpr = grad_jaxpr(rule, x, chunk_size=64, backend="pallas")
     assert "lineattn_state_pass_mosaic" in jaxpr and "lineattn_reverse_pass_mosaic" in jaxpr
     _assert_bf16_close(rule, inputs, chunk_size=64)
 
@@ -305,11 +300,9 @@ def test_pass_impl_auto_takes_the_mosaic_passes_where_they_fit(monkeypatch):
 
     def passes(rule, B, H, dtype=jnp.bfloat16, T=256):
         z = jnp.zeros((B, T, H, 128), dtype)
-        g = jnp.zeros((B, T, H, 128), jnp.float32)
-        beta = None if rule == "gla" else jnp.zeros((B, T, H), dtype)
-        loss = lambda q: jnp.sum(ops.linear_attention(rule, q, z, z, g, beta, backend="pallas")[0]
-                                 .astype(jnp.float32))
-        jaxpr = str(jax.make_jaxpr(jax.grad(loss))(z))
+        x = dict(q=z, k=z, v=z, g=jnp.zeros((B, T, H, 128), jnp.float32),
+                 beta=None if rule == "gla" else jnp.zeros((B, T, H), dtype))
+        jaxpr = grad_jaxpr(rule, x, backend="pallas")
         return "lineattn_state_pass_mosaic" in jaxpr, "lineattn_reverse_pass_mosaic" in jaxpr
 
     assert passes("kda", 4, 32) == (True, True), "the Mosaic passes where they fit"
@@ -329,10 +322,7 @@ def test_pallas_segmented_state_passes(rule, monkeypatch):
     assert segments.pick_segments(2, 8, 32) == 4 and segments.pick_segments(2, 6, 32) == 1
     inputs = make_inputs(rule, B=1, T=120, H=2, K=32, V=32, seed=17)
     _compare(rule, inputs, chunk_size=16)
-    x = inputs
-    loss = lambda q: jnp.sum(ops.linear_attention(rule, q, x["k"], x["v"], x["g"], x["beta"], chunk_size=16,
-                                                  backend="pallas")[0])
-    jaxpr = str(jax.make_jaxpr(jax.grad(loss))(x["q"]))
+    jaxpr = grad_jaxpr(rule, inputs, chunk_size=16, backend="pallas")
     # (the states pass is the forward's, `chunk.SAVE_STATES`; segmented without it: `test_pallas_saved_states`)
     assert "lineattn_chunk_bwd_reverse_local" in jaxpr and "lineattn_chunk_bwd_states_local" not in jaxpr
     _assert_bf16_close(rule, inputs, chunk_size=16)
@@ -348,14 +338,11 @@ def test_pallas_saved_states(rule, segmented, monkeypatch):
     monkeypatch.setattr(segments, "MIN_SEGMENT_CHUNKS", 2 if segmented else 64)
     inputs = make_inputs(rule, B=1, T=120, H=2, K=32, V=32, seed=18)
     C = 16 if segmented else 32
-    x = inputs
-    loss = lambda q: jnp.sum(ops.linear_attention(rule, q, x["k"], x["v"], x["g"], x["beta"], chunk_size=C,
-                                                  backend="pallas")[0])
     results = {}
     for save in (True, False):
         monkeypatch.setattr(chunk, "SAVE_STATES", save)
         results[save] = loss_and_grads(rule, inputs, backend="pallas", chunk_size=C)
-        jaxpr = str(jax.make_jaxpr(jax.grad(loss))(x["q"]))
+        jaxpr = grad_jaxpr(rule, inputs, chunk_size=C, backend="pallas")
         assert ("lineattn_chunk_bwd_states" in jaxpr) == (not save)
         assert ("lineattn_chunk_bwd_reverse_local" in jaxpr) == segmented
     (o1, ht1, grads1), (o0, ht0, grads0) = results[True], results[False]

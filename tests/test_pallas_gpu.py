@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import make_inputs
+from conftest import grad_jaxpr, make_inputs
 from lineattn import ops
 from lineattn.ops.pallas import tuning
 from lineattn.ops.pallas.common import on_gpu
@@ -104,9 +104,7 @@ def test_pallas_mosaic_state_passes_head_dim_128(rule):
     inputs["h0"] = inputs.pop("initial_state")
     bf16 = {n: x.astype(jnp.bfloat16) if n in ("q", "k", "v", "beta") else x for n, x in inputs.items()}
     rounded = {n: x.astype(jnp.float32) for n, x in bf16.items()}
-    loss = lambda q: jnp.sum(ops.linear_attention(rule, q, bf16["k"], bf16["v"], bf16["g"], bf16["beta"],
-                                                  backend="pallas")[0].astype(jnp.float32))
-    jaxpr = str(jax.make_jaxpr(jax.grad(loss))(bf16["q"]))
+    jaxpr = grad_jaxpr(rule, bf16, backend="pallas")
     assert "lineattn_state_pass_mosaic" in jaxpr and "lineattn_reverse_pass_mosaic" in jaxpr
     got, want = _run(rule, bf16, "pallas"), _run(rule, rounded, "chunk")
     errors = {n: _rel_rms(got[n], want[n]) for n in want}

@@ -24,10 +24,11 @@ _WG = plgpu.Layout.WGMMA
 _ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a WGMMA-layout array
 
 
-def _smem(shape, dtype):
-    """SMEM tiled (8 rows) and swizzled for its minor dimension: the form wgmma operands and TMA copies take."""
+def _smem(shape, dtype, swizzle=None):
+    """SMEM tiled (8 rows) and swizzled (by default for its minor dimension; wgmma wants one swizzle on both
+    operands): the form wgmma operands and TMA copies take."""
     itemsize = jnp.dtype(dtype).itemsize
-    swizzle = plgpu.find_swizzle(shape[-1] * itemsize * 8)
+    swizzle = swizzle or plgpu.find_swizzle(shape[-1] * itemsize * 8)
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, swizzle // itemsize)),
                                                 plgpu.SwizzleTransform(swizzle)))
 

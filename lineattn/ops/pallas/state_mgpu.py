@@ -29,9 +29,7 @@ V_TILES = (16, 32, 64)  # (128 would hold the [K, 128] fp32 state and its accumu
 def _operand(shape, bv):
     """Swizzled SMEM for a bf16 wgmma operand. wgmma needs one swizzle on both operands: the V tile's rows (bv bf16,
     2 bv bytes) set it, and the [C, K] tiles (W, Qin, Kg, M) take the same."""
-    swizzle = min(128, 2 * bv)
-    return plgpu.SMEM(shape, bf16, transforms=(plgpu.TilingTransform((8, swizzle // 2)),
-                                               plgpu.SwizzleTransform(swizzle)))
+    return _smem(shape, bf16, swizzle=min(128, 2 * bv))
 
 
 def _spec(shape, index_map, bv):
