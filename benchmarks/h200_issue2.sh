@@ -12,17 +12,17 @@
 #     SKIP_TESTS=1 BENCH_TIMEOUT=560 BENCH_ARGS="--iters 10 --shapes 1x32768 --gdn --fla fwd,fwdbwd
 #       --fla-shapes 1x32768 --decode= --skip lineattn-chunk lineattn-pallas-kernels-mml2 --long 262144"
 #       bash benchmarks/h200_issue2.sh
-#   All the GPU tests in 4 processes side by side (run13a: 79 then, 196-234 s each; 76 since PASS_SEGMENTS went):
-#     SHARDS=4 TEST_TIMEOUT=320 SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
-#   Run14 (session 12): all 76 GPU tests passed before the Mosaic GPU state passes (state_mgpu.py, PASS_IMPL
-#   "auto"); their tests in test_pallas.py passed compiled; the table at 8 x 4096 with FLA (run14c). Not yet run:
-#   test_pallas_gpu.py::test_pallas_mosaic_state_passes_head_dim_128 in its fixed form (TESTS_K="mosaic"), the full
-#   suite with the Mosaic passes, the (1, 32768) table with FLA, the Mosaic passes' V tiles of 16 and 32 compiled
-#   (PASS_IMPL "mosaic"; e.g. PROFILE_ARGS='--shape 1x32768 --check --configs default;chunk_fwd.PASS_IMPL=mosaic',
-#   where "auto" keeps Triton's V tiles of 16). Open leads, per kernel against jla's (8 x 4096,
-#   run13b/run14b): the solve (0.42 ms, jla 0.25), the Gram kernel (0.79, jla's intra 0.60), the Gram gradients
-#   (1.73), the state passes at 1 x 32768 (V tiles of 16: Triton; a Mosaic pass would need V tiles below 64 or a
-#   split over K), GDN's path (2.2-2.4x jla: jla fuses solve, state pass and output in one kernel).
+#   All the GPU tests in 4 processes side by side (run13a: 79 then, 196-234 s each; run15c: 82, 259-296 s for the
+#   shards of 20, the two of 21 cut at 300 s):
+#     SHARDS=4 TEST_TIMEOUT=380 SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
+#   Run15 (session 13): the 10 Mosaic GPU tests passed (K = V = 128 through both Mosaic passes among them); the
+#   suite with the Mosaic passes as default: 78 of 82 passed, none failed, 4 cut by the time limit (run15c); the
+#   Mosaic passes on V tiles of 16 at 1 x 32768 are slower than Triton's (0.914 against 0.783 ms: "auto" keeps
+#   Triton there); a Gram kernel and Gram gradients with one program per chunk were 2-3x slower (removed). Open
+#   leads, per kernel against jla's (8 x 4096, run13b/run15c): the solve (0.42 ms, jla 0.25; it stages G in fp32
+#   SMEM, 80 KB a CTA: two CTAs an SM), the Gram kernel (0.79, jla's intra 0.60; latency-bound: more programs
+#   won every time), the Gram gradients (1.72), the state passes at 1 x 32768 (1.5 us a chunk step either way),
+#   GDN's path (2.2-2.4x jla: jla fuses solve, state pass and output in one kernel).
 #   The long GPU tests take ~30 s each (19 of them): a subset fits a call beside a bench part, e.g.
 #     TEST_TIMEOUT=200 TESTS_K="long_bf16 and default" SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
 #   A/B wall clock of settings, interleaved (not through this script): PYTHONPATH=$PWD python3

@@ -63,7 +63,8 @@ GRADS_BK = 128
 # GRAM_IMPL "triton-fast"). Read when a call is traced; applies where the forward's Gram stage is split too (its
 # spreads). H200, 8 x 4096 (run12a): 1.72 + 0.06 ms against 1.87 with both paths in one kernel. (The fast path
 # by 16-column blocks, each side over the blocks where dP is nonzero only, 5/8 of the exps, loads and products,
-# each block behind a `lax.cond`: 1.92 ms in run12a; removed.)
+# each block behind a `lax.cond`: 1.92 ms in run12a; removed. One program per chunk over its four row blocks in
+# turn, each side over its triangle: 5.87 / 3.85 / 2.68 ms with 2 / 4 / 8 warps in run15b; removed.)
 GRADS_SPLIT = True
 GRADS_SCALAR_WARPS = 4  # the scalar-gate Gram gradients (`gram_grads_scalar`; run9a, GDN 8 x 4096: 1.58 ms)
 # dq, dk and dG are formed inside the Gram-gradient kernel, row by row, and `_dg_kernel` takes dg's reverse

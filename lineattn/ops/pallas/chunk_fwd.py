@@ -366,7 +366,9 @@ SOLVE_IMPL = "auto"
 # 0.79 + 0.01 ms (+ 0.02 for the cumsum kernel's spreads) against 0.94. (A Mosaic GPU Gram kernel, bf16 wgmma
 # with reference points per 16-column block, took 2.00 ms in run11a: removed; so was "triton-triangle", the fast
 # path by 16-column blocks up to the diagonal only, under a `pl.when` per block: 1.18 ms in run12a, for 5/8 of
-# the exps, loads and products.)
+# the exps, loads and products; and one program per chunk, its four row blocks in turn, each against the keys
+# up to its diagonal block (16, 32, 64, 64): 2.05 / 2.35 / 2.57 ms with 2 / 4 / 8 warps in run15b: the kernel is
+# latency-bound, and 4x more programs win.)
 GRAM_IMPL = "triton-fast"
 
 
