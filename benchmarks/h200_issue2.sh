@@ -12,6 +12,7 @@
 #     SKIP_TESTS=1 BENCH_TIMEOUT=560 BENCH_ARGS="--iters 10 --shapes 1x32768 --gdn --fla fwd,fwdbwd
 #       --fla-shapes 1x32768 --decode= --skip lineattn-chunk lineattn-pallas-kernels-mml2 --long 262144"
 #       bash benchmarks/h200_issue2.sh
+#   (run15d: that second call without --long was cut at 385 s, in GDN after KDA's rows: give it 560 s.)
 #   All the GPU tests in 4 processes side by side (run13a: 79 then, 196-234 s each; run15c: 82, 259-296 s for the
 #   shards of 20, the two of 21 cut at 300 s):
 #     SHARDS=4 TEST_TIMEOUT=380 SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
@@ -52,11 +53,11 @@ fi
 [ -n "${SKIP_BENCH:-}" ] && exit 0
 if [ -n "${PROFILE:-}" ]; then  # per-kernel device times from a profiler trace (PROFILE_ARGS: its flags)
   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/profile_pallas_kda.py --out $OUT ${PROFILE_ARGS:-} 2>&1 \
-    | grep -v "slow_operation_alarm\|Constant folding\|^$" | tee $OUT/profile.log
+    | grep --line-buffered -v "slow_operation_alarm\|Constant folding\|^$" | tee $OUT/profile.log
   exit 0
 fi
 # Default: the issue's table with the default kernels only: KDA at (8, 4096) and (1, 32768) beside jla and FLA
 # (forward and forward+backward), the decode sweep, GDN beside jla (and FLA's forward), one sequence of 262144.
 timeout ${BENCH_TIMEOUT:-540} python3 benchmarks/bench_pallas_kda.py --out $OUT ${BENCH_ARGS:---iters 10 --gdn \
   --fla fwd,fwdbwd --fla-shapes 8x4096,1x32768 --skip lineattn-chunk lineattn-pallas-kernels-mml2 \
-  --long 262144} 2>&1 | grep -v "slow_operation_alarm\|Constant folding\|^$" | tee $OUT/bench.log
+  --long 262144} 2>&1 | grep --line-buffered -v "slow_operation_alarm\|Constant folding\|^$" | tee $OUT/bench.log
