@@ -6,12 +6,11 @@ the same rounded inputs (itself tested against the oracle to 1e-4). Relative RMS
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import grad_jaxpr, make_inputs
+from conftest import grad_jaxpr, loss_and_grads, make_inputs
 from lineattn import ops
 from lineattn.ops.pallas import tuning
 from lineattn.ops.pallas.common import on_gpu
@@ -19,7 +18,7 @@ from lineattn.ops.pallas.decode import decode_step
 
 pytestmark = pytest.mark.skipif(not on_gpu(), reason="needs a GPU")
 
-RMS = {"o": 5e-3, "ht": 5e-3, "dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dh0": 8e-3, "dg": 2e-2, "dbeta": 2e-2}
+RMS = {"o": 5e-3, "ht": 5e-3, "dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dinitial_state": 8e-3, "dg": 2e-2, "dbeta": 2e-2}
 
 
 def _rel_rms(actual, expected):
@@ -28,32 +27,18 @@ def _rel_rms(actual, expected):
 
 
 def _run(rule, x, backend, variant=None):
-    # variant None: the defaults; else (`pallas.api.BACKWARD`, {tuning constants}), e.g.
-    # ("kernels-saved", {"api.SCALAR_GATE": True})
+    """o, ht and the gradients (`conftest.loss_and_grads`) as one dict; variant None: the defaults; else
+    (`pallas.api.BACKWARD`, {tuning constants}), e.g. ("kernels-saved", {"api.SCALAR_GATE": True})."""
     with tuning.override({} if variant is None else {"api.BACKWARD": variant[0], **variant[1]}):
-        return _outputs_and_grads(rule, x, backend)
+        o, ht, grads = loss_and_grads(rule, x, backend=backend)
+    return {"o": o, "ht": ht, **grads}
 
 
-def _outputs_and_grads(rule, x, backend):
-    names = [n for n in ("q", "k", "v", "g", "beta", "h0") if x[n] is not None]  # DeltaNet: no g; GLA: no beta
-    rng = np.random.default_rng(1)
-    B, T, H, _ = x["q"].shape
-    do = jnp.asarray(rng.standard_normal((B, T, H, x["v"].shape[-1])), jnp.float32)
-    dht = jnp.asarray(rng.standard_normal(x["h0"].shape), jnp.float32)
-
-    def f(*a):
-        y = dict(zip(names, a))
-        return ops.linear_attention(rule, y["q"], y["k"], y["v"], y.get("g"), y.get("beta"), initial_state=y["h0"],
-                                    output_final_state=True, backend=backend)
-
-    def loss(*a):
-        o, ht = f(*a)
-        return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(ht * dht)
-
-    args = [x[n] for n in names]
-    o, ht = jax.jit(f)(*args)
-    grads = jax.jit(jax.grad(loss, argnums=tuple(range(len(names)))))(*args)
-    return {"o": o, "ht": ht, **{"d" + n: g for n, g in zip(names, grads)}}
+def _bf16_and_rounded(inputs):
+    """bf16 q, k, v, beta (the rest as given), and the same values back in fp32 (the reference's inputs)."""
+    bf16 = {n: x.astype(jnp.bfloat16) if n in ("q", "k", "v", "beta") and x is not None else x
+            for n, x in inputs.items()}
+    return bf16, {n: None if x is None else x.astype(jnp.float32) for n, x in bf16.items()}
 
 
 # The defaults (None: kernels-saved) and the other variants. DeltaNet and GLA with the defaults: what `auto`
@@ -81,11 +66,7 @@ def _variant_id(rule, variant):
 
 @pytest.mark.parametrize("rule,variant", VARIANTS, ids=[_variant_id(r, v) for r, v in VARIANTS])
 def test_pallas_long_bf16_head_dim_128(rule, variant):
-    inputs = make_inputs(rule, B=1, T=16384 - 3, H=2, K=128, V=128, seed=11)
-    inputs["h0"] = inputs.pop("initial_state")
-    bf16 = {n: x.astype(jnp.bfloat16) if n in ("q", "k", "v", "beta") and x is not None else x
-            for n, x in inputs.items()}
-    rounded = {n: None if x is None else x.astype(jnp.float32) for n, x in bf16.items()}
+    bf16, rounded = _bf16_and_rounded(make_inputs(rule, B=1, T=16384 - 3, H=2, K=128, V=128, seed=11))
     got, want = _run(rule, bf16, "pallas", variant), _run(rule, rounded, "chunk")
     errors = {n: _rel_rms(got[n], want[n]) for n in want}
     print(rule, variant, {n: f"{e:.1e}" for n, e in errors.items()})
@@ -100,10 +81,7 @@ def test_pallas_mosaic_state_passes_head_dim_128(rule):
     # with 64 the reverse pass runs in 2 segments, in Triton): with the default PASS_IMPL "auto" the forward's state
     # pass and the backward's reverse pass run as the Mosaic GPU kernels (`state_mgpu`); T = 1021 (ragged),
     # K = V = 128, bf16, against the XLA chunk form in fp32 with FLA's bounds.
-    inputs = make_inputs(rule, B=4, T=1024 - 3, H=32, K=128, V=128, seed=13)
-    inputs["h0"] = inputs.pop("initial_state")
-    bf16 = {n: x.astype(jnp.bfloat16) if n in ("q", "k", "v", "beta") else x for n, x in inputs.items()}
-    rounded = {n: x.astype(jnp.float32) for n, x in bf16.items()}
+    bf16, rounded = _bf16_and_rounded(make_inputs(rule, B=4, T=1024 - 3, H=32, K=128, V=128, seed=13))
     jaxpr = grad_jaxpr(rule, bf16, backend="pallas")
     assert "lineattn_state_pass_mosaic" in jaxpr and "lineattn_reverse_pass_mosaic" in jaxpr
     got, want = _run(rule, bf16, "pallas"), _run(rule, rounded, "chunk")
