@@ -171,7 +171,15 @@ def test_mosaic_solve_matches_the_triton_solve(with_r):
     for name, x, y in zip("WUR", got, want):
         # W, U: bf16 outputs (an ulp where the two roundings differ); R: fp32 from bf16x3 products
         assert _rel_rms(x, y) <= (1e-5 if name == "R" else 1e-3), name
-    with pytest.raises(ValueError, match="bf16 k, v and store"):
+    # Kin = Diag(beta) k e^G formed outside (`chunk_fwd.KIN_FROM_GRAM`), the same products in the same order: the
+    # same outputs
+    kin = jnp.moveaxis((beta.astype(jnp.float32)[..., None] * k.astype(jnp.float32)) * jnp.exp(G), 1, 2)
+    got_kin = solve_mgpu.solve_mosaic(A, k, v, G, beta, kin=kin.astype(jnp.bfloat16), **kw)
+    for name, x, y in zip("WUR", got_kin, got):
+        assert _rel_rms(x, y) <= 1e-6, name
+    with pytest.raises(ValueError, match="kin must be"):
+        solve_mgpu.solve_mosaic(A, k, v, G, beta, kin=kin[:, :, :64].astype(jnp.bfloat16), interpret=True, **kw)
+    with pytest.raises(ValueError, match="bf16 k, v, kin and store"):
         solve_mgpu.solve_mosaic(A, k.astype(jnp.float32), v, G, beta, interpret=True, **kw)
     with pytest.raises(ValueError, match="K, V multiples of 64"):
         solve_mgpu.solve_mosaic(A, k[..., :32], v, G[..., :32], beta, interpret=True, **kw)
@@ -208,20 +216,21 @@ def test_pallas_gram_gradients_split_or_not(split, monkeypatch):
         _assert_bf16_close("kda", make_inputs("kda", B=1, **dict(SMALL, K=64, V=64), seed=6), chunk_size=64)
 
 
-@pytest.mark.parametrize("gate", ["default", "cut"])
-def test_pallas_with_the_mosaic_solve(gate, monkeypatch):
+@pytest.mark.parametrize("gate,kin_from_gram", [("default", False), ("cut", False), ("cut", True)])
+def test_pallas_with_the_mosaic_solve(gate, kin_from_gram, monkeypatch):
     # `chunk_fwd.SOLVE_IMPL = "mosaic"` (the default on a Hopper GPU): KDA in bf16 at chunk 64 (T = 80 ragged,
     # K = V = 64) through the Mosaic GPU solve, within FLA's bounds of the fp32 oracle, forward and every gradient;
-    # with -1000 cuts (the Gram fix-up's chunks) as well.
+    # with -1000 cuts (the Gram fix-up's chunks) as well, and with `KIN_FROM_GRAM` (Kin from the Gram kernel).
     from lineattn.ops.pallas import chunk_fwd
     monkeypatch.setattr(chunk_fwd, "SOLVE_IMPL", "mosaic")
+    monkeypatch.setattr(chunk_fwd, "KIN_FROM_GRAM", kin_from_gram)
     inputs = make_inputs("kda", B=1, **dict(SMALL, K=64, V=64), seed=6)
     if gate == "cut":
         inputs["g"] = inputs["g"].at[:, jnp.array([3, 20, 61])].set(-1000.0)
     x = {n: y.astype(jnp.bfloat16) if n in ("q", "k", "v", "beta") else y for n, y in inputs.items()}
     jaxpr = str(jax.make_jaxpr(lambda q: ops.linear_attention("kda", q, x["k"], x["v"], x["g"], x["beta"],
                                                               chunk_size=64, backend="pallas")[0])(x["q"]))
-    assert "lineattn_solve_mosaic" in jaxpr
+    assert "lineattn_solve_mosaic" in jaxpr and ("lineattn_chunk_gram_kin" in jaxpr) == kin_from_gram
     _assert_bf16_close("kda", inputs, chunk_size=64)
 
 

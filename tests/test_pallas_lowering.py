@@ -87,16 +87,19 @@ def test_decode_kernel_lowers_for_sm90(fake_h200, v_fastest, variant):
     assert "__gpu$xla.gpu.triton" in jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("lhs_regs", [False, True])
-def test_mosaic_solve_lowers_for_sm90(fake_h200, monkeypatch, lhs_regs):
+@pytest.mark.parametrize("lhs_regs,kin_from_gram", [(False, False), (True, False), (True, True)])
+def test_mosaic_solve_lowers_for_sm90(fake_h200, monkeypatch, lhs_regs, kin_from_gram):
     # `chunk_fwd.SOLVE_IMPL = "auto"` on a Hopper GPU (faked here): the solve as a Mosaic GPU kernel (wgmma)
     # beside the Triton kernels, its left operands from SMEM or (`solve_mgpu.LHS_REGS`, the default, a path the
-    # CPU interpreter cannot run) from registers; fp32 inputs keep the Triton solve.
+    # CPU interpreter cannot run) from registers, and with Kin from the Gram kernel (`chunk_fwd.KIN_FROM_GRAM`);
+    # fp32 inputs keep the Triton solve.
     from lineattn.ops.pallas import chunk_fwd, solve_mgpu
     monkeypatch.setattr(chunk_fwd, "hopper", lambda: True)
     monkeypatch.setattr(solve_mgpu, "LHS_REGS", lhs_regs)
+    monkeypatch.setattr(chunk_fwd, "KIN_FROM_GRAM", kin_from_gram)
     text = _lowered(100, jnp.bfloat16, "kernels-saved")
     assert "lineattn_solve_mosaic" in text and "lineattn_chunk_solve_full" not in text
+    assert ("lineattn_chunk_gram_kin" in text) == kin_from_gram
     assert text.count("__gpu$xla.gpu.triton") == 4 + 7
     assert "lineattn_solve_mosaic" not in _lowered(100, jnp.float32, "kernels-saved")
 

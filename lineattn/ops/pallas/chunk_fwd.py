@@ -29,6 +29,7 @@ K fp32 per chunk.
 from __future__ import annotations
 
 import functools
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -139,10 +140,14 @@ def _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, o0=0):
         a_ref[out, :] = jnp.where(cols < rows, beta_ref[out].astype(f32)[:, None] * Ax, 0.0)
 
 
-def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta, bk,
-                      fast_only=False):
+def _gram_rows_kernel(*refs, C, scale, prec, delta, bk, fast_only=False, kin=False):
     """One 16-row block: Qin, Kg and the rows of M and A, the exact path taken by a block-uniform `lax.cond` (or
-    left to `gram_exact_chunks`: fast_only)."""
+    left to `gram_exact_chunks`: fast_only); kin: also Kin = Diag(beta) k e^G (the solve's right operand for W)
+    from a second beta input."""
+    if kin:
+        q_ref, k_ref, G_ref, beta_ref, kin_beta_ref, m_ref, a_ref, qin_ref, kg_ref, kin_ref = refs
+    else:
+        (q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref), kin_ref = refs, None
     s = SUB
     r0 = (pl.program_id(2) % (C // s)) * s
     K = k_ref.shape[-1]
@@ -150,8 +155,12 @@ def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_r
     for t in range(K // bk):
         d = pl.ds(t * bk, bk)
         Ga = G_ref[blk, d]
-        qin_ref[:, d] = (q_ref[:, d].astype(f32) * scale * jnp.exp(Ga)).astype(qin_ref.dtype)
+        eGa = jnp.exp(Ga)
+        qin_ref[:, d] = (q_ref[:, d].astype(f32) * scale * eGa).astype(qin_ref.dtype)
         kg_ref[:, d] = (k_ref[blk, d].astype(f32) * jnp.exp(G_ref[pl.ds(C - 1, 1), d] - Ga)).astype(kg_ref.dtype)
+        if kin:  # the solve's product order: (beta k) e^G
+            beta_k = kin_beta_ref[...].astype(f32)[:, None] * k_ref[blk, d].astype(f32)
+            kin_ref[:, d] = (beta_k * eGa).astype(kin_ref.dtype)
     kw = dict(scale=scale, prec=prec, delta=delta, bk=bk)
     fast = lambda: _gram_products(q_ref, k_ref, G_ref, r0, r0 + s // 2, LIMIT, **kw)
     if fast_only:
@@ -169,26 +178,29 @@ def _gram_outputs(B, H, Tp, C, K, store, a_dtype):
 
 
 def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, a_dtype=f32, bk=64,
-              fast_only=False):
+              fast_only=False, kin_beta=None):
     """M, A (= Diag(beta) KK, strictly lower), Qin, Kg as [B, H, Tp, .] from q, k [B, Tp, H, K], the in-chunk
     cumsum G (fp32) and beta [B, Tp, H] (see `_gram_rows_kernel`; fast_only: without the exact path, for
-    `gram_exact_chunks` to complete)."""
+    `gram_exact_chunks` to complete). kin_beta [B, Tp, H]: also Kin = Diag(kin_beta) k e^G [B, H, Tp, K] in
+    `store` (KIN_FROM_GRAM)."""
     B, Tp, H, K = q.shape
     N, nb = Tp // C, C // SUB
     sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i, h, 0))
     whole = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
     row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, i, 0))
+    beta_rows = pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i, h))
+    kin = kin_beta is not None
     return pl.pallas_call(
         functools.partial(_gram_rows_kernel, C=C, scale=scale, prec=prec, delta=delta, bk=min(bk, K),
-                          fast_only=fast_only),
+                          fast_only=fast_only, kin=kin),
         grid=(B, H, N * nb),
-        in_specs=[sub(K), whole(K), whole(K), pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i, h))],
-        out_specs=[row_out(C), row_out(C), row_out(K), row_out(K)],
-        out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype),
+        in_specs=[sub(K), whole(K), whole(K), beta_rows] + [beta_rows] * kin,
+        out_specs=[row_out(C), row_out(C), row_out(K), row_out(K)] + [row_out(K)] * kin,
+        out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype) + [jax.ShapeDtypeStruct((B, H, Tp, K), store)] * kin,
         compiler_params=compiler_params(num_warps=warps, num_stages=1),
         interpret=interpret,
-        name="lineattn_chunk_gram",
-    )(q, k, G, beta)
+        name="lineattn_chunk_gram_kin" if kin else "lineattn_chunk_gram",
+    )(q, k, G, beta, *([kin_beta] if kin else []))
 
 
 def _gram_exact_chunk_kernel(flag_ref, q_ref, k_ref, G_ref, beta_ref, m_in_ref, a_in_ref, m_ref, a_ref, *, C,
@@ -370,6 +382,11 @@ SOLVE_IMPL = "auto"
 # up to its diagonal block (16, 32, 64, 64): 2.05 / 2.35 / 2.57 ms with 2 / 4 / 8 warps in run15b: the kernel is
 # latency-bound, and 4x more programs win.)
 GRAM_IMPL = "triton-fast"
+# KIN_FROM_GRAM: where the Mosaic solve runs after the split Gram stage, the Gram kernel also writes
+# Kin = Diag(beta) k e^G (bf16, the same products in the same order as the solve's), and the solve reads it in
+# place of k and G (fp32): 29 % less for the solve to read at K = V = 128 and 48 KB of SMEM a CTA instead of 80
+# (three CTAs an SM where registers allow, against two). Opt-in, not yet timed on the H200.
+KIN_FROM_GRAM = False
 
 
 def split_gram(scalar: bool, delta: bool) -> bool:
@@ -448,9 +465,12 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     split = split_gram(scalar, delta)
     G, dend, *spreads = gate_cumsum(g, C=C, K=K, interpret=interpret, spreads=split)
     gram_beta = jnp.ones_like(beta) if save else beta
+    kin = []  # [Kin] where the Gram kernel writes it (KIN_FROM_GRAM)
     if split:
-        m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=prec if exact else GRAM_PREC,
-                                  delta=True, warps=warps, interpret=interpret, bk=GRAM_BK, fast_only=True)
+        kin_beta = beta if KIN_FROM_GRAM and mosaic_solve(exact, C, K, v.shape[-1], interpret) else None
+        m, A, qin, kg, *kin = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store,
+                                        prec=prec if exact else GRAM_PREC, delta=True, warps=warps,
+                                        interpret=interpret, bk=GRAM_BK, fast_only=True, kin_beta=kin_beta)
         m, A = gram_exact_chunks(spreads[0], q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret,
                                  prec=prec if exact else GRAM_PREC)
     elif scalar:
@@ -464,7 +484,8 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
         return (qin, kg, None, None, m, dend) + ((None, None) if save else ())
     inv_prec = "ieee" if exact else SOLVE_PREC
     if mosaic_solve(exact, C, K, v.shape[-1], interpret):
-        out = solve_mgpu.solve_mosaic(A, k, v, G, beta, C=C, store=store, with_r=save, kk=save, interpret=interpret)
+        out = solve_mgpu.solve_mosaic(A, k, v, G, beta, C=C, store=store, with_r=save, kk=save, interpret=interpret,
+                                      kin=kin[0] if kin else None)
     else:
         out = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec if exact else UW_PREC, inv_prec=inv_prec,
                          warps=SOLVE_WARPS, interpret=interpret, with_r=save, kk=save)
@@ -549,12 +570,11 @@ def pick_block_v(programs: int, V: int) -> int:
 
 
 def _constants():
-    """The values of the module constants the forward reads when traced (and whether the device is a Hopper GPU,
-    which `mosaic_solve` asks)."""
-    return (GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES, GRAM_SCALAR_WARPS, SOLVE_PREC, GRAM_PREC,
-            UW_PREC, PASS_MIN_PROGRAMS, SOLVE_IMPL, solve_mgpu.LHS_REGS, GRAM_IMPL, hopper(),
-            segments.SEGMENT_PASSES, segments.MIN_SEGMENT_CHUNKS, segments.SEGMENT_MIN_PROGRAMS, PASS_MAX_BV, CUMSUM_BK,
-            PASS_IMPL)
+    """The module constants (upper-case names) of the modules the forward reads when traced, every one of them, so
+    that none set later is missed; and whether the device is a Hopper GPU (which `mosaic_solve` asks)."""
+    modules = (sys.modules[__name__], solve_mgpu, state_mgpu, segments)
+    return tuple((name, value) for module in modules for name, value in sorted(vars(module).items())
+                 if name.isupper() and isinstance(value, (bool, int, float, str, tuple))) + (hopper(),)
 
 
 def _retrace_on_constants(jitted):
