@@ -201,6 +201,24 @@ def test_pallas_gram_with_exact_path_inside(gate, monkeypatch):
         _assert_bf16_close("kda", make_inputs("kda", B=1, **dict(SMALL, K=64, V=64), seed=6), chunk_size=64)
 
 
+@pytest.mark.parametrize("col_split", [2, 4])
+def test_pallas_gram_column_split(col_split, monkeypatch):
+    # `chunk_fwd.GRAM_COL_SPLIT`: each 16-row block's M and A columns in 2 or 4 programs (zeros above the
+    # diagonal without products). fp32 against the oracle with gates at -5 per token (the fast path at its limit;
+    # chunk 32: at most 2 programs a block), then bf16 at chunk 64 (K = V = 64) with -1000 cuts (the fix-up
+    # kernel's chunks) against the oracle, the Gram kernel on col_split times the programs.
+    from lineattn.ops.pallas import chunk_fwd
+    monkeypatch.setattr(chunk_fwd, "GRAM_COL_SPLIT", col_split)
+    test_pallas_gate_extremes("lower_bound", "kernels-saved", monkeypatch)
+    inputs = make_inputs("kda", B=1, **dict(SMALL, K=64, V=64), seed=6)
+    inputs["g"] = inputs["g"].at[:, jnp.array([3, 20, 61])].set(-1000.0)
+    _assert_bf16_close("kda", inputs, chunk_size=64)
+    x = {n: y.astype(jnp.bfloat16) if n in ("q", "k", "v", "beta") else y for n, y in inputs.items()}
+    jaxpr = str(jax.make_jaxpr(lambda q: ops.linear_attention("kda", q, x["k"], x["v"], x["g"], x["beta"],
+                                                              chunk_size=64, backend="pallas")[0])(x["q"]))
+    assert f"grid=(1, 2, {2 * 4 * col_split})" in jaxpr  # 2 chunks of 4 row blocks
+
+
 @pytest.mark.parametrize("split", [True, False])
 def test_pallas_gram_gradients_split_or_not(split, monkeypatch):
     # `chunk_bwd.GRADS_SPLIT` (the default): the Gram-gradient kernel's fast path in every block, then the exact

@@ -104,6 +104,15 @@ def test_mosaic_solve_lowers_for_sm90(fake_h200, monkeypatch, lhs_regs, kin_from
     assert "lineattn_solve_mosaic" not in _lowered(100, jnp.float32, "kernels-saved")
 
 
+@pytest.mark.parametrize("col_split", [2, 4])
+def test_gram_column_split_lowers_for_sm90(fake_h200, monkeypatch, col_split):
+    # `chunk_fwd.GRAM_COL_SPLIT`: the Gram kernel on column windows of 32 or 16, its zero and Qin/Kg branches.
+    from lineattn.ops.pallas import chunk_fwd
+    monkeypatch.setattr(chunk_fwd, "GRAM_COL_SPLIT", col_split)
+    text = _lowered(100, jnp.bfloat16, "kernels-saved")
+    assert "lineattn_chunk_gram" in text and text.count("__gpu$xla.gpu.triton") == 5 + 7  # as the defaults
+
+
 def test_gram_with_exact_path_inside_lowers_for_sm90(fake_h200, monkeypatch):
     # `chunk_fwd.GRAM_IMPL = "triton"`: the Gram kernel with its exact path inside, no fix-up kernel.
     from lineattn.ops.pallas import chunk_fwd

@@ -87,17 +87,19 @@ def keys_toward(k, G, Gr, limit=LIMIT):
     return k.astype(f32) * jnp.exp(jnp.minimum(Gr - G, limit))
 
 
-def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delta, bk, q0=0):
-    """[16, C] rows of (scale q) and k against all keys, factored through the reference row ref_row (the block's
-    queries at rows q0.. of q_ref: 0 for a 16-row block, r0 for a whole chunk)."""
-    s, C, K = SUB, k_ref.shape[0], k_ref.shape[-1]
+def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delta, bk, q0=0, keys=None):
+    """[16, n] rows of (scale q) and k against the keys `keys` (a pl.ds of n rows; default all C), factored
+    through the reference row ref_row (the block's queries at rows q0.. of q_ref: 0 for a 16-row block, r0 for a
+    whole chunk)."""
+    s, K = SUB, k_ref.shape[-1]
+    keys = keys or pl.ds(0, k_ref.shape[0])
     blk = pl.ds(r0, s)
-    Mx, Ax = jnp.zeros((s, C), f32), jnp.zeros((s, C), f32)
+    Mx, Ax = jnp.zeros((s, keys.size), f32), jnp.zeros((s, keys.size), f32)
     for t in range(K // bk):
         d = pl.ds(t * bk, bk)
         Gr = G_ref[pl.ds(ref_row, 1), d]
         xr = jnp.exp(G_ref[blk, d] - Gr)
-        kc = keys_toward(k_ref[:, d], G_ref[:, d], Gr, limit)
+        kc = keys_toward(k_ref[keys, d], G_ref[keys, d], Gr, limit)
         Mx = Mx + dot(q_ref[pl.ds(q0, s), d].astype(f32) * (scale * xr), kc, prec, trans_b=True)
         if delta:
             Ax = Ax + dot(k_ref[blk, d].astype(f32) * xr, kc, prec, trans_b=True)
@@ -130,38 +132,62 @@ def _gram_exact(q_ref, k_ref, G_ref, r0, *, scale, prec, delta, bk, q0=0):
     return Mx, Ax
 
 
-def _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, o0=0):
-    """The block's rows of M (j <= i) and A (j < i, times beta_i), from its products Mx, Ax [16, C], into rows
-    o0.. of m_ref, a_ref (beta_ref's rows o0..)."""
-    rows, cols = _iota(Mx.shape, 0) + r0, _iota(Mx.shape, 1)
+def _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, o0=0, c0=0):
+    """The block's rows of M (j <= i) and A (j < i, times beta_i), from its products Mx, Ax [16, n] (the columns
+    from c0 on), into rows o0.. of m_ref, a_ref (beta_ref's rows o0..)."""
+    rows, cols = _iota(Mx.shape, 0) + r0, _iota(Mx.shape, 1) + c0
     out = pl.ds(o0, SUB)
     m_ref[out, :] = jnp.where(cols <= rows, Mx, 0.0).astype(m_ref.dtype)
     if delta:
         a_ref[out, :] = jnp.where(cols < rows, beta_ref[out].astype(f32)[:, None] * Ax, 0.0)
 
 
-def _gram_rows_kernel(*refs, C, scale, prec, delta, bk, fast_only=False, kin=False):
+def _gram_rows_kernel(*refs, C, scale, prec, delta, bk, fast_only=False, kin=False, col_split=1):
     """One 16-row block: Qin, Kg and the rows of M and A, the exact path taken by a block-uniform `lax.cond` (or
     left to `gram_exact_chunks`: fast_only); kin: also Kin = Diag(beta) k e^G (the solve's right operand for W)
-    from a second beta input."""
+    from a second beta input. col_split (fast_only): the block's columns in that many programs, each [16,
+    C / col_split] of M and A (zeros without products where they lie above the diagonal); the first writes Qin,
+    Kg (and Kin)."""
     if kin:
         q_ref, k_ref, G_ref, beta_ref, kin_beta_ref, m_ref, a_ref, qin_ref, kg_ref, kin_ref = refs
     else:
         (q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref), kin_ref = refs, None
     s = SUB
-    r0 = (pl.program_id(2) % (C // s)) * s
+    i = pl.program_id(2)
+    r0 = ((i // col_split) % (C // s)) * s
     K = k_ref.shape[-1]
     blk = pl.ds(r0, s)
-    for t in range(K // bk):
-        d = pl.ds(t * bk, bk)
-        Ga = G_ref[blk, d]
-        eGa = jnp.exp(Ga)
-        qin_ref[:, d] = (q_ref[:, d].astype(f32) * scale * eGa).astype(qin_ref.dtype)
-        kg_ref[:, d] = (k_ref[blk, d].astype(f32) * jnp.exp(G_ref[pl.ds(C - 1, 1), d] - Ga)).astype(kg_ref.dtype)
-        if kin:  # the solve's product order: (beta k) e^G
-            beta_k = kin_beta_ref[...].astype(f32)[:, None] * k_ref[blk, d].astype(f32)
-            kin_ref[:, d] = (beta_k * eGa).astype(kin_ref.dtype)
+
+    def row_terms():
+        for t in range(K // bk):
+            d = pl.ds(t * bk, bk)
+            Ga = G_ref[blk, d]
+            eGa = jnp.exp(Ga)
+            qin_ref[:, d] = (q_ref[:, d].astype(f32) * scale * eGa).astype(qin_ref.dtype)
+            kg_ref[:, d] = (k_ref[blk, d].astype(f32) * jnp.exp(G_ref[pl.ds(C - 1, 1), d] - Ga)).astype(kg_ref.dtype)
+            if kin:  # the solve's product order: (beta k) e^G
+                beta_k = kin_beta_ref[...].astype(f32)[:, None] * k_ref[blk, d].astype(f32)
+                kin_ref[:, d] = (beta_k * eGa).astype(kin_ref.dtype)
+
     kw = dict(scale=scale, prec=prec, delta=delta, bk=bk)
+    if col_split > 1:
+        assert fast_only, "col_split needs the exact path left to gram_exact_chunks"
+        w = C // col_split
+        c0 = (i % col_split) * w
+        pl.when(i % col_split == 0)(row_terms)
+
+        @pl.when(c0 < r0 + s)  # the window reaches the diagonal
+        def _():
+            Mx, Ax = _gram_products(q_ref, k_ref, G_ref, r0, r0 + s // 2, LIMIT, keys=pl.ds(c0, w), **kw)
+            _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, c0=c0)
+
+        @pl.when(c0 >= r0 + s)
+        def _():
+            m_ref[...] = jnp.zeros(m_ref.shape, m_ref.dtype)
+            if delta:
+                a_ref[...] = jnp.zeros(a_ref.shape, a_ref.dtype)
+        return
+    row_terms()
     fast = lambda: _gram_products(q_ref, k_ref, G_ref, r0, r0 + s // 2, LIMIT, **kw)
     if fast_only:
         Mx, Ax = fast()
@@ -178,24 +204,25 @@ def _gram_outputs(B, H, Tp, C, K, store, a_dtype):
 
 
 def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, a_dtype=f32, bk=64,
-              fast_only=False, kin_beta=None):
+              fast_only=False, kin_beta=None, col_split=1):
     """M, A (= Diag(beta) KK, strictly lower), Qin, Kg as [B, H, Tp, .] from q, k [B, Tp, H, K], the in-chunk
     cumsum G (fp32) and beta [B, Tp, H] (see `_gram_rows_kernel`; fast_only: without the exact path, for
-    `gram_exact_chunks` to complete). kin_beta [B, Tp, H]: also Kin = Diag(kin_beta) k e^G [B, H, Tp, K] in
-    `store` (KIN_FROM_GRAM)."""
+    `gram_exact_chunks` to complete; col_split: programs per 16-row block, GRAM_COL_SPLIT). kin_beta [B, Tp, H]:
+    also Kin = Diag(kin_beta) k e^G [B, H, Tp, K] in `store` (KIN_FROM_GRAM)."""
     B, Tp, H, K = q.shape
-    N, nb = Tp // C, C // SUB
-    sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i, h, 0))
-    whole = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
-    row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, i, 0))
-    beta_rows = pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i, h))
+    N, nb, nc = Tp // C, C // SUB, col_split
+    sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i // nc, h, 0))
+    whole = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // (nb * nc), h, 0))
+    row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, i // nc, 0))
+    window = pl.BlockSpec((None, None, SUB, C // nc), lambda b, h, i: (b, h, i // nc, i % nc))
+    beta_rows = pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i // nc, h))
     kin = kin_beta is not None
     return pl.pallas_call(
         functools.partial(_gram_rows_kernel, C=C, scale=scale, prec=prec, delta=delta, bk=min(bk, K),
-                          fast_only=fast_only, kin=kin),
-        grid=(B, H, N * nb),
+                          fast_only=fast_only, kin=kin, col_split=nc),
+        grid=(B, H, N * nb * nc),
         in_specs=[sub(K), whole(K), whole(K), beta_rows] + [beta_rows] * kin,
-        out_specs=[row_out(C), row_out(C), row_out(K), row_out(K)] + [row_out(K)] * kin,
+        out_specs=[window, window, row_out(K), row_out(K)] + [row_out(K)] * kin,
         out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype) + [jax.ShapeDtypeStruct((B, H, Tp, K), store)] * kin,
         compiler_params=compiler_params(num_warps=warps, num_stages=1),
         interpret=interpret,
@@ -387,6 +414,11 @@ GRAM_IMPL = "triton-fast"
 # place of k and G (fp32): 29 % less for the solve to read at K = V = 128 and 48 KB of SMEM a CTA instead of 80
 # (three CTAs an SM where registers allow, against two). Opt-in, not yet timed on the H200.
 KIN_FROM_GRAM = False
+# GRAM_COL_SPLIT: with the split Gram stage, each 16-row block's M and A columns in that many programs (1, 2 or 4;
+# at most C / 16), the windows above the diagonal written as zeros without products: more, smaller programs (the
+# Gram kernel is latency-bound: 4x fewer took 2-3x longer, run15b) and 3/4 (2) or 5/8 (4) of the key-side exps,
+# loads and products. Opt-in, not yet timed on the H200.
+GRAM_COL_SPLIT = 1
 
 
 def split_gram(scalar: bool, delta: bool) -> bool:
@@ -470,7 +502,8 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
         kin_beta = beta if KIN_FROM_GRAM and mosaic_solve(exact, C, K, v.shape[-1], interpret) else None
         m, A, qin, kg, *kin = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store,
                                         prec=prec if exact else GRAM_PREC, delta=True, warps=warps,
-                                        interpret=interpret, bk=GRAM_BK, fast_only=True, kin_beta=kin_beta)
+                                        interpret=interpret, bk=GRAM_BK, fast_only=True, kin_beta=kin_beta,
+                                        col_split=max(1, min(GRAM_COL_SPLIT, C // SUB)))
         m, A = gram_exact_chunks(spreads[0], q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret,
                                  prec=prec if exact else GRAM_PREC)
     elif scalar:
