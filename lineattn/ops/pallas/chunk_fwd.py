@@ -497,9 +497,10 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     split = split_gram(scalar, delta)
     G, dend, *spreads = gate_cumsum(g, C=C, K=K, interpret=interpret, spreads=split)
     gram_beta = jnp.ones_like(beta) if save else beta
+    mosaic = delta and mosaic_solve(exact, C, K, v.shape[-1], interpret)
     kin = []  # [Kin] where the Gram kernel writes it (KIN_FROM_GRAM)
     if split:
-        kin_beta = beta if KIN_FROM_GRAM and mosaic_solve(exact, C, K, v.shape[-1], interpret) else None
+        kin_beta = beta if KIN_FROM_GRAM and mosaic else None
         m, A, qin, kg, *kin = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store,
                                         prec=prec if exact else GRAM_PREC, delta=True, warps=warps,
                                         interpret=interpret, bk=GRAM_BK, fast_only=True, kin_beta=kin_beta,
@@ -516,7 +517,7 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     if not delta:
         return (qin, kg, None, None, m, dend) + ((None, None) if save else ())
     inv_prec = "ieee" if exact else SOLVE_PREC
-    if mosaic_solve(exact, C, K, v.shape[-1], interpret):
+    if mosaic:
         out = solve_mgpu.solve_mosaic(A, k, v, G, beta, C=C, store=store, with_r=save, kk=save, interpret=interpret,
                                       kin=kin[0] if kin else None)
     else:
