@@ -220,6 +220,20 @@ def test_pallas_gram_column_split(col_split, monkeypatch):
 
 
 @pytest.mark.parametrize("split", [True, False])
+def test_pallas_gram_gradients_split_over_k(split, monkeypatch):
+    # `chunk_bwd.GRADS_K_SPLIT = 2`: the Gram gradients as two programs per 16-row block, each over half of the
+    # channels (K = 32: 16 each), with the split fast/exact kernels or both paths in one kernel; fp32 against the
+    # oracle with -1000 cuts (the exact path's chunks), then bf16 at chunk 64 (K = V = 64).
+    from lineattn.ops.pallas import chunk_bwd
+    monkeypatch.setattr(chunk_bwd, "GRADS_K_SPLIT", 2)
+    monkeypatch.setattr(chunk_bwd, "GRADS_SPLIT", split)
+    test_pallas_gate_extremes("cut", "kernels-saved", monkeypatch)
+    _assert_bf16_close("kda", make_inputs("kda", B=1, **dict(SMALL, K=64, V=64), seed=6), chunk_size=64)
+    jaxpr = grad_jaxpr("kda", make_inputs("kda", B=1, **SMALL, seed=5), backend="pallas")
+    assert "grid=(1, 2, 16)" in jaxpr  # T = 80 at chunk 64: 2 chunks of 4 16-row blocks, each in 2 halves of K
+
+
+@pytest.mark.parametrize("split", [True, False])
 def test_pallas_gram_gradients_split_or_not(split, monkeypatch):
     # `chunk_bwd.GRADS_SPLIT` (the default): the Gram-gradient kernel's fast path in every block, then the exact
     # path rewrites the chunks that the gate-cumsum kernel flags (-1000 cuts: flagged chunks, whose fast-path

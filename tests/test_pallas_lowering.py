@@ -113,6 +113,14 @@ def test_gram_column_split_lowers_for_sm90(fake_h200, monkeypatch, col_split):
     assert "lineattn_chunk_gram" in text and text.count("__gpu$xla.gpu.triton") == 5 + 7  # as the defaults
 
 
+def test_gram_gradients_split_over_k_lower_for_sm90(fake_h200, monkeypatch):
+    # `chunk_bwd.GRADS_K_SPLIT = 2`: the Gram gradients (fast and exact kernels) on a fourth grid axis of K halves.
+    from lineattn.ops.pallas import chunk_bwd
+    monkeypatch.setattr(chunk_bwd, "GRADS_K_SPLIT", 2)
+    text = _lowered(100, jnp.bfloat16, "kernels-saved")
+    assert "lineattn_gram_bwd_exact" in text and text.count("__gpu$xla.gpu.triton") == 5 + 7  # as the defaults
+
+
 def test_gram_with_exact_path_inside_lowers_for_sm90(fake_h200, monkeypatch):
     # `chunk_fwd.GRAM_IMPL = "triton"`: the Gram kernel with its exact path inside, no fix-up kernel.
     from lineattn.ops.pallas import chunk_fwd
