@@ -213,9 +213,7 @@ def test_pallas_gram_column_split(col_split, monkeypatch):
     inputs = make_inputs("kda", B=1, **dict(SMALL, K=64, V=64), seed=6)
     inputs["g"] = inputs["g"].at[:, jnp.array([3, 20, 61])].set(-1000.0)
     _assert_bf16_close("kda", inputs, chunk_size=64)
-    x = {n: y.astype(jnp.bfloat16) if n in ("q", "k", "v", "beta") else y for n, y in inputs.items()}
-    jaxpr = str(jax.make_jaxpr(lambda q: ops.linear_attention("kda", q, x["k"], x["v"], x["g"], x["beta"],
-                                                              chunk_size=64, backend="pallas")[0])(x["q"]))
+    jaxpr = grad_jaxpr("kda", inputs, backend="pallas", chunk_size=64)
     assert f"grid=(1, 2, {2 * 4 * col_split})" in jaxpr  # 2 chunks of 4 row blocks
 
 

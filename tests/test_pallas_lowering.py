@@ -114,7 +114,7 @@ def test_gram_column_split_lowers_for_sm90(fake_h200, monkeypatch, col_split):
 
 
 def test_gram_gradients_split_over_k_lower_for_sm90(fake_h200, monkeypatch):
-    # `chunk_bwd.GRADS_K_SPLIT = 2`: the Gram gradients (fast and exact kernels) on a fourth grid axis of K halves.
+    # `chunk_bwd.GRADS_K_SPLIT = 2`: the Gram gradients (fast and exact kernels) in two programs a block, over K halves.
     from lineattn.ops.pallas import chunk_bwd
     monkeypatch.setattr(chunk_bwd, "GRADS_K_SPLIT", 2)
     text = _lowered(100, jnp.bfloat16, "kernels-saved")
