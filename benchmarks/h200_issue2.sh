@@ -27,7 +27,8 @@
 #   tested on the CPU only): PROFILE=1 PROFILE_ARGS='--check --configs default;chunk_fwd.KIN_FROM_GRAM=1;
 #   chunk_fwd.GRAM_COL_SPLIT=2;chunk_fwd.GRAM_COL_SPLIT=4;chunk_bwd.GRADS_K_SPLIT=2' (the solve without G: 48 KB
 #   of SMEM a CTA; the Gram kernel over column windows; the Gram gradients over K halves), and their GPU tests:
-#   TESTS_K="KIN_FROM_GRAM or GRAM_COL_SPLIT or GRADS_K_SPLIT".
+#   TESTS_K="KIN_FROM_GRAM or GRAM_COL_SPLIT or GRADS_K_SPLIT"; for GDN: PROFILE_ARGS='--rule gdn --check
+#   --configs default;chunk_fwd.KIN_FROM_GRAM=1'.
 #   The long GPU tests take ~30 s each (19 of them): a subset fits a call beside a bench part, e.g.
 #     TEST_TIMEOUT=200 TESTS_K="long_bf16 and default" SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
 #   A/B wall clock of settings, interleaved (not through this script): PYTHONPATH=$PWD python3

@@ -246,22 +246,25 @@ def test_pallas_gram_gradients_split_or_not(split, monkeypatch):
         _assert_bf16_close("kda", make_inputs("kda", B=1, **dict(SMALL, K=64, V=64), seed=6), chunk_size=64)
 
 
-@pytest.mark.parametrize("gate,kin_from_gram", [("default", False), ("cut", False), ("cut", True)])
-def test_pallas_with_the_mosaic_solve(gate, kin_from_gram, monkeypatch):
+@pytest.mark.parametrize("rule,gate,kin_from_gram", [("kda", "default", False), ("kda", "cut", False),
+                                                     ("kda", "cut", True), ("gdn", "cut", True)])
+def test_pallas_with_the_mosaic_solve(rule, gate, kin_from_gram, monkeypatch):
     # `chunk_fwd.SOLVE_IMPL = "mosaic"` (the default on a Hopper GPU): KDA in bf16 at chunk 64 (T = 80 ragged,
     # K = V = 64) through the Mosaic GPU solve, within FLA's bounds of the fp32 oracle, forward and every gradient;
-    # with -1000 cuts (the Gram fix-up's chunks) as well, and with `KIN_FROM_GRAM` (Kin from the Gram kernel).
+    # with -1000 cuts (the Gram fix-up's chunks) as well, and with `KIN_FROM_GRAM` (Kin from the Gram kernel: the
+    # per-channel one for KDA, the scalar-gate one for GDN).
     from lineattn.ops.pallas import chunk_fwd
     monkeypatch.setattr(chunk_fwd, "SOLVE_IMPL", "mosaic")
     monkeypatch.setattr(chunk_fwd, "KIN_FROM_GRAM", kin_from_gram)
-    inputs = make_inputs("kda", B=1, **dict(SMALL, K=64, V=64), seed=6)
+    inputs = make_inputs(rule, B=1, **dict(SMALL, K=64, V=64), seed=6)
     if gate == "cut":
         inputs["g"] = inputs["g"].at[:, jnp.array([3, 20, 61])].set(-1000.0)
     x = {n: y.astype(jnp.bfloat16) if n in ("q", "k", "v", "beta") else y for n, y in inputs.items()}
-    jaxpr = str(jax.make_jaxpr(lambda q: ops.linear_attention("kda", q, x["k"], x["v"], x["g"], x["beta"],
+    jaxpr = str(jax.make_jaxpr(lambda q: ops.linear_attention(rule, q, x["k"], x["v"], x["g"], x["beta"],
                                                               chunk_size=64, backend="pallas")[0])(x["q"]))
-    assert "lineattn_solve_mosaic" in jaxpr and ("lineattn_chunk_gram_kin" in jaxpr) == kin_from_gram
-    _assert_bf16_close("kda", inputs, chunk_size=64)
+    kin_gram = "lineattn_chunk_gram_kin" if rule == "kda" else "lineattn_chunk_gram_scalar_kin"
+    assert "lineattn_solve_mosaic" in jaxpr and (kin_gram in jaxpr) == kin_from_gram
+    _assert_bf16_close(rule, inputs, chunk_size=64)
 
 
 def test_mosaic_state_pass_matches_the_triton_pass():

@@ -100,6 +100,8 @@ def test_mosaic_solve_lowers_for_sm90(fake_h200, monkeypatch, lhs_regs, kin_from
     text = _lowered(100, jnp.bfloat16, "kernels-saved")
     assert "lineattn_solve_mosaic" in text and "lineattn_chunk_solve_full" not in text
     assert ("lineattn_chunk_gram_kin" in text) == kin_from_gram
+    if kin_from_gram:  # the scalar-gate Gram kernel's Kin too (GDN)
+        assert "lineattn_chunk_gram_scalar_kin" in _lowered(100, jnp.bfloat16, "kernels-saved", head_gate=True)
     assert text.count("__gpu$xla.gpu.triton") == 4 + 7
     assert "lineattn_solve_mosaic" not in _lowered(100, jnp.float32, "kernels-saved")
 

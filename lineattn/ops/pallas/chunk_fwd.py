@@ -290,17 +290,23 @@ def scalar_decay(g_ref):
     return Gs[:, None], decay, jnp.sum(g)
 
 
-def _gram_scalar_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta,
-                        bk):
+def _gram_scalar_kernel(*refs, C, scale, prec, delta, bk, kin=False):
+    """One chunk (kin: also Kin = Diag(beta) k e^G from a second beta input, as `_gram_rows_kernel`)."""
+    if kin:
+        q_ref, k_ref, g_ref, beta_ref, kin_beta_ref, m_ref, a_ref, qin_ref, kg_ref, kin_ref = refs
+    else:
+        (q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref), kin_ref = refs, None
     i, j = _iota((C, C), 0), _iota((C, C), 1)
     G, decay, G_end = scalar_decay(g_ref)
-    to_end = jnp.exp(G_end - G)
+    to_end, eG = jnp.exp(G_end - G), jnp.exp(G)
     QK, KK = jnp.zeros((C, C), f32), jnp.zeros((C, C), f32)
     for t in range(k_ref.shape[-1] // bk):
         d = pl.ds(t * bk, bk)
         q, k = q_ref[:, d], k_ref[:, d]
-        qin_ref[:, d] = (q.astype(f32) * (scale * jnp.exp(G))).astype(qin_ref.dtype)
+        qin_ref[:, d] = (q.astype(f32) * (scale * eG)).astype(qin_ref.dtype)
         kg_ref[:, d] = (k.astype(f32) * to_end).astype(kg_ref.dtype)
+        if kin:  # the solve's product order: (beta k) e^G
+            kin_ref[:, d] = (kin_beta_ref[...].astype(f32)[:, None] * k.astype(f32) * eG).astype(kin_ref.dtype)
         QK = QK + dot(q, k, prec, trans_b=True)
         if delta:
             KK = KK + dot(k, k, prec, trans_b=True)
@@ -309,25 +315,26 @@ def _gram_scalar_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg
         a_ref[...] = jnp.where(j < i, beta_ref[...].astype(f32)[:, None] * KK * decay, 0.0)
 
 
-def gram_scalar(q, k, g, beta, *, C, scale, store, exact, delta, interpret, a_dtype=f32, bk=64):
-    """`gram_rows`'s outputs (M, A, Qin, Kg [B, H, Tp, .]) for a gate equal across K, by `_gram_scalar_kernel`;
-    g [B, Tp, H] fp32 is the scalar log gate (its in-chunk cumsum is taken in the kernel)."""
+def gram_scalar(q, k, g, beta, *, C, scale, store, exact, delta, interpret, a_dtype=f32, bk=64, kin_beta=None):
+    """`gram_rows`'s outputs (M, A, Qin, Kg [B, H, Tp, .]; with kin_beta also Kin) for a gate equal across K, by
+    `_gram_scalar_kernel`; g [B, Tp, H] fp32 is the scalar log gate (its in-chunk cumsum is taken in the kernel)."""
     B, Tp, H, K = q.shape
+    kin = kin_beta is not None
     kernel = functools.partial(_gram_scalar_kernel, C=C, scale=scale, prec="ieee" if exact else "bf16", delta=delta,
-                               bk=min(bk, K))
+                               bk=min(bk, K), kin=kin)
     tok = pl.BlockSpec((None, C, None, K), lambda b, h, n: (b, n, h, 0))
     tok1 = pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
     out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
     return pl.pallas_call(
         kernel,
         grid=(B, H, Tp // C),
-        in_specs=[tok, tok, tok1, tok1],
-        out_specs=[out(C), out(C), out(K), out(K)],
-        out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype),
+        in_specs=[tok, tok, tok1, tok1] + [tok1] * kin,
+        out_specs=[out(C), out(C), out(K), out(K)] + [out(K)] * kin,
+        out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype) + [jax.ShapeDtypeStruct((B, H, Tp, K), store)] * kin,
         compiler_params=compiler_params(num_warps=GRAM_SCALAR_WARPS, num_stages=1),
         interpret=interpret,
-        name="lineattn_chunk_gram_scalar",
-    )(q, k, g, beta)
+        name="lineattn_chunk_gram_scalar_kin" if kin else "lineattn_chunk_gram_scalar",
+    )(q, k, g, beta, *([kin_beta] if kin else []))
 
 
 # ---- Gate cumsum as a kernel (XLA's cumsum over the chunk axis took 0.6 ms at 8 x 4096 x 16 x 128) ----
@@ -409,9 +416,9 @@ SOLVE_IMPL = "auto"
 # up to its diagonal block (16, 32, 64, 64): 2.05 / 2.35 / 2.57 ms with 2 / 4 / 8 warps in run15b: the kernel is
 # latency-bound, and 4x more programs win.)
 GRAM_IMPL = "triton-fast"
-# KIN_FROM_GRAM: where the Mosaic solve runs after the split Gram stage, the Gram kernel also writes
-# Kin = Diag(beta) k e^G (bf16, the same products in the same order as the solve's), and the solve reads it in
-# place of k and G (fp32): 29 % less for the solve to read at K = V = 128 and 48 KB of SMEM a CTA instead of 80
+# KIN_FROM_GRAM: where the Mosaic solve runs after the split (or the scalar-gate) Gram stage, the Gram kernel also
+# writes Kin = Diag(beta) k e^G (bf16, the same products in the same order as the solve's), and the solve reads it
+# in place of k and G (fp32): 29 % less for the solve to read at K = V = 128 and 48 KB of SMEM a CTA instead of 80
 # (three CTAs an SM where registers allow, against two). Opt-in, not yet timed on the H200.
 KIN_FROM_GRAM = False
 # GRAM_COL_SPLIT: with the split Gram stage, each 16-row block's M and A columns in that many programs (1, 2 or 4;
@@ -499,8 +506,8 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     gram_beta = jnp.ones_like(beta) if save else beta
     mosaic = delta and mosaic_solve(exact, C, K, v.shape[-1], interpret)
     kin = []  # [Kin] where the Gram kernel writes it (KIN_FROM_GRAM)
+    kin_beta = beta if KIN_FROM_GRAM and mosaic else None
     if split:
-        kin_beta = beta if KIN_FROM_GRAM and mosaic else None
         m, A, qin, kg, *kin = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store,
                                         prec=prec if exact else GRAM_PREC, delta=True, warps=warps,
                                         interpret=interpret, bk=GRAM_BK, fast_only=True, kin_beta=kin_beta,
@@ -508,8 +515,8 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
         m, A = gram_exact_chunks(spreads[0], q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret,
                                  prec=prec if exact else GRAM_PREC)
     elif scalar:
-        m, A, qin, kg = gram_scalar(q, k, g, gram_beta, C=C, scale=scale, store=store, exact=exact,
-                                    delta=delta, interpret=interpret)
+        m, A, qin, kg, *kin = gram_scalar(q, k, g, gram_beta, C=C, scale=scale, store=store, exact=exact,
+                                          delta=delta, interpret=interpret, kin_beta=kin_beta)
     else:
         m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store,
                                   prec=prec if exact else GRAM_PREC, delta=delta, warps=warps, interpret=interpret,
