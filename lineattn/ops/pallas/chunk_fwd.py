@@ -142,6 +142,12 @@ def _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, o0=0, c0=0):
         a_ref[out, :] = jnp.where(cols < rows, beta_ref[out].astype(f32)[:, None] * Ax, 0.0)
 
 
+def kin_rows(beta_ref, k, eG):
+    """Kin = Diag(beta) k e^G in fp32 for rows of k with e^G (KIN_FROM_GRAM), in the order of the Mosaic solve's own
+    products, (beta k) e^G, so that its bf16 rounding matches."""
+    return (beta_ref[...].astype(f32)[:, None] * k.astype(f32)) * eG
+
+
 def _gram_rows_kernel(*refs, C, scale, prec, delta, bk, fast_only=False, kin=False, col_split=1):
     """One 16-row block: Qin, Kg and the rows of M and A, the exact path taken by a block-uniform `lax.cond` (or
     left to `gram_exact_chunks`: fast_only); kin: also Kin = Diag(beta) k e^G (the solve's right operand for W)
@@ -165,9 +171,8 @@ def _gram_rows_kernel(*refs, C, scale, prec, delta, bk, fast_only=False, kin=Fal
             eGa = jnp.exp(Ga)
             qin_ref[:, d] = (q_ref[:, d].astype(f32) * scale * eGa).astype(qin_ref.dtype)
             kg_ref[:, d] = (k_ref[blk, d].astype(f32) * jnp.exp(G_ref[pl.ds(C - 1, 1), d] - Ga)).astype(kg_ref.dtype)
-            if kin:  # the solve's product order: (beta k) e^G
-                beta_k = kin_beta_ref[...].astype(f32)[:, None] * k_ref[blk, d].astype(f32)
-                kin_ref[:, d] = (beta_k * eGa).astype(kin_ref.dtype)
+            if kin:
+                kin_ref[:, d] = kin_rows(kin_beta_ref, k_ref[blk, d], eGa).astype(kin_ref.dtype)
 
     kw = dict(scale=scale, prec=prec, delta=delta, bk=bk)
     if col_split > 1:
@@ -305,8 +310,8 @@ def _gram_scalar_kernel(*refs, C, scale, prec, delta, bk, kin=False):
         q, k = q_ref[:, d], k_ref[:, d]
         qin_ref[:, d] = (q.astype(f32) * (scale * eG)).astype(qin_ref.dtype)
         kg_ref[:, d] = (k.astype(f32) * to_end).astype(kg_ref.dtype)
-        if kin:  # the solve's product order: (beta k) e^G
-            kin_ref[:, d] = (kin_beta_ref[...].astype(f32)[:, None] * k.astype(f32) * eG).astype(kin_ref.dtype)
+        if kin:
+            kin_ref[:, d] = kin_rows(kin_beta_ref, k, eG).astype(kin_ref.dtype)
         QK = QK + dot(q, k, prec, trans_b=True)
         if delta:
             KK = KK + dot(k, k, prec, trans_b=True)
