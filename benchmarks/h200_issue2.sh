@@ -23,12 +23,9 @@
 #   leads, per kernel against jla's (8 x 4096, run13b/run15c): the solve (0.42 ms, jla 0.25; it stages G in fp32
 #   SMEM, 80 KB a CTA: two CTAs an SM), the Gram kernel (0.79, jla's intra 0.60; latency-bound: more programs
 #   won every time), the Gram gradients (1.72), the state passes at 1 x 32768 (1.5 us a chunk step either way),
-#   GDN's path (2.2-2.4x jla: jla fuses solve, state pass and output in one kernel). Ready to time (session 13,
-#   tested on the CPU only): PROFILE=1 PROFILE_ARGS='--check --configs default;chunk_fwd.KIN_FROM_GRAM=1;
-#   chunk_fwd.GRAM_COL_SPLIT=2;chunk_fwd.GRAM_COL_SPLIT=4;chunk_bwd.GRADS_K_SPLIT=2' (the solve without G: 48 KB
-#   of SMEM a CTA; the Gram kernel over column windows; the Gram gradients over K halves), and their GPU tests:
-#   TESTS_K="KIN_FROM_GRAM or GRAM_COL_SPLIT or GRADS_K_SPLIT"; for GDN: PROFILE_ARGS='--rule gdn --check
-#   --configs default;chunk_fwd.KIN_FROM_GRAM=1'.
+#   GDN's path (2.2-2.4x jla: jla fuses solve, state pass and output in one kernel). Run16a: Kin from the Gram
+#   kernel (solve -0.04 ms, Gram +0.05), the Gram kernel over column windows and the Gram gradients over K halves
+#   were no faster (removed).
 #   The long GPU tests take ~30 s each (19 of them): a subset fits a call beside a bench part, e.g.
 #     TEST_TIMEOUT=200 TESTS_K="long_bf16 and default" SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
 #   A/B wall clock of settings, interleaved (not through this script): PYTHONPATH=$PWD python3

@@ -171,15 +171,7 @@ def test_mosaic_solve_matches_the_triton_solve(with_r):
     for name, x, y in zip("WUR", got, want):
         # W, U: bf16 outputs (an ulp where the two roundings differ); R: fp32 from bf16x3 products
         assert _rel_rms(x, y) <= (1e-5 if name == "R" else 1e-3), name
-    # Kin = Diag(beta) k e^G formed outside (`chunk_fwd.KIN_FROM_GRAM`), the same products in the same order: the
-    # same outputs
-    kin = jnp.moveaxis((beta.astype(jnp.float32)[..., None] * k.astype(jnp.float32)) * jnp.exp(G), 1, 2)
-    got_kin = solve_mgpu.solve_mosaic(A, k, v, G, beta, kin=kin.astype(jnp.bfloat16), **kw)
-    for name, x, y in zip("WUR", got_kin, got):
-        assert _rel_rms(x, y) <= 1e-6, name
-    with pytest.raises(ValueError, match="kin must be"):
-        solve_mgpu.solve_mosaic(A, k, v, G, beta, kin=kin[:, :, :64].astype(jnp.bfloat16), interpret=True, **kw)
-    with pytest.raises(ValueError, match="bf16 k, v, kin and store"):
+    with pytest.raises(ValueError, match="bf16 k, v and store"):
         solve_mgpu.solve_mosaic(A, k.astype(jnp.float32), v, G, beta, interpret=True, **kw)
     with pytest.raises(ValueError, match="K, V multiples of 64"):
         solve_mgpu.solve_mosaic(A, k[..., :32], v, G[..., :32], beta, interpret=True, **kw)
@@ -201,36 +193,6 @@ def test_pallas_gram_with_exact_path_inside(gate, monkeypatch):
         _assert_bf16_close("kda", make_inputs("kda", B=1, **dict(SMALL, K=64, V=64), seed=6), chunk_size=64)
 
 
-@pytest.mark.parametrize("col_split", [2, 4])
-def test_pallas_gram_column_split(col_split, monkeypatch):
-    # `chunk_fwd.GRAM_COL_SPLIT`: each 16-row block's M and A columns in 2 or 4 programs (zeros above the
-    # diagonal without products). fp32 against the oracle with gates at -5 per token (the fast path at its limit;
-    # chunk 32: at most 2 programs a block), then bf16 at chunk 64 (K = V = 64) with -1000 cuts (the fix-up
-    # kernel's chunks) against the oracle, the Gram kernel on col_split times the programs.
-    from lineattn.ops.pallas import chunk_fwd
-    monkeypatch.setattr(chunk_fwd, "GRAM_COL_SPLIT", col_split)
-    test_pallas_gate_extremes("lower_bound", "kernels-saved", monkeypatch)
-    inputs = make_inputs("kda", B=1, **dict(SMALL, K=64, V=64), seed=6)
-    inputs["g"] = inputs["g"].at[:, jnp.array([3, 20, 61])].set(-1000.0)
-    _assert_bf16_close("kda", inputs, chunk_size=64)
-    jaxpr = grad_jaxpr("kda", inputs, backend="pallas", chunk_size=64)
-    assert f"grid=(1, 2, {2 * 4 * col_split})" in jaxpr  # 2 chunks of 4 row blocks
-
-
-@pytest.mark.parametrize("split", [True, False])
-def test_pallas_gram_gradients_split_over_k(split, monkeypatch):
-    # `chunk_bwd.GRADS_K_SPLIT = 2`: the Gram gradients as two programs per 16-row block, each over half of the
-    # channels (K = 32: 16 each), with the split fast/exact kernels or both paths in one kernel; fp32 against the
-    # oracle with -1000 cuts (the exact path's chunks), then bf16 at chunk 64 (K = V = 64).
-    from lineattn.ops.pallas import chunk_bwd
-    monkeypatch.setattr(chunk_bwd, "GRADS_K_SPLIT", 2)
-    monkeypatch.setattr(chunk_bwd, "GRADS_SPLIT", split)
-    test_pallas_gate_extremes("cut", "kernels-saved", monkeypatch)
-    _assert_bf16_close("kda", make_inputs("kda", B=1, **dict(SMALL, K=64, V=64), seed=6), chunk_size=64)
-    jaxpr = grad_jaxpr("kda", make_inputs("kda", B=1, **SMALL, seed=5), backend="pallas")
-    assert "grid=(1, 2, 16)" in jaxpr  # T = 80 at chunk 64: 2 chunks of 4 16-row blocks, each in 2 halves of K
-
-
 @pytest.mark.parametrize("split", [True, False])
 def test_pallas_gram_gradients_split_or_not(split, monkeypatch):
     # `chunk_bwd.GRADS_SPLIT` (the default): the Gram-gradient kernel's fast path in every block, then the exact
@@ -246,25 +208,21 @@ def test_pallas_gram_gradients_split_or_not(split, monkeypatch):
         _assert_bf16_close("kda", make_inputs("kda", B=1, **dict(SMALL, K=64, V=64), seed=6), chunk_size=64)
 
 
-@pytest.mark.parametrize("rule,gate,kin_from_gram", [("kda", "default", False), ("kda", "cut", False),
-                                                     ("kda", "cut", True), ("gdn", "cut", True)])
-def test_pallas_with_the_mosaic_solve(rule, gate, kin_from_gram, monkeypatch):
+@pytest.mark.parametrize("gate", ["default", "cut"])
+def test_pallas_with_the_mosaic_solve(gate, monkeypatch):
     # `chunk_fwd.SOLVE_IMPL = "mosaic"` (the default on a Hopper GPU): KDA in bf16 at chunk 64 (T = 80 ragged,
     # K = V = 64) through the Mosaic GPU solve, within FLA's bounds of the fp32 oracle, forward and every gradient;
-    # with -1000 cuts (the Gram fix-up's chunks) as well, and with `KIN_FROM_GRAM` (Kin from the Gram kernel: the
-    # per-channel one for KDA, the scalar-gate one for GDN).
+    # with -1000 cuts (the Gram fix-up's chunks) as well.
     from lineattn.ops.pallas import chunk_fwd
     monkeypatch.setattr(chunk_fwd, "SOLVE_IMPL", "mosaic")
-    monkeypatch.setattr(chunk_fwd, "KIN_FROM_GRAM", kin_from_gram)
-    inputs = make_inputs(rule, B=1, **dict(SMALL, K=64, V=64), seed=6)
+    inputs = make_inputs("kda", B=1, **dict(SMALL, K=64, V=64), seed=6)
     if gate == "cut":
         inputs["g"] = inputs["g"].at[:, jnp.array([3, 20, 61])].set(-1000.0)
     x = {n: y.astype(jnp.bfloat16) if n in ("q", "k", "v", "beta") else y for n, y in inputs.items()}
-    jaxpr = str(jax.make_jaxpr(lambda q: ops.linear_attention(rule, q, x["k"], x["v"], x["g"], x["beta"],
+    jaxpr = str(jax.make_jaxpr(lambda q: ops.linear_attention("kda", q, x["k"], x["v"], x["g"], x["beta"],
                                                               chunk_size=64, backend="pallas")[0])(x["q"]))
-    kin_gram = "lineattn_chunk_gram_kin" if rule == "kda" else "lineattn_chunk_gram_scalar_kin"
-    assert "lineattn_solve_mosaic" in jaxpr and (kin_gram in jaxpr) == kin_from_gram
-    _assert_bf16_close(rule, inputs, chunk_size=64)
+    assert "lineattn_solve_mosaic" in jaxpr
+    _assert_bf16_close("kda", inputs, chunk_size=64)
 
 
 def test_mosaic_state_pass_matches_the_triton_pass():

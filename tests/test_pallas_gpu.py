@@ -50,10 +50,6 @@ VARIANTS = [("kda", None), ("gdn", None), ("deltanet", None), ("gla", None), ("k
             ("kda", ("kernels-saved", {"chunk_bwd.COT_DTYPE": "float32"})),
             ("kda", ("kernels-saved", {"chunk_fwd.SOLVE_IMPL": "triton"})),  # the default off Hopper
             ("kda", ("kernels-saved", {"solve_mgpu.LHS_REGS": False})),
-            ("kda", ("kernels-saved", {"chunk_fwd.KIN_FROM_GRAM": True})),  # opt-in, not yet timed
-            ("gdn", ("kernels-saved", {"chunk_fwd.KIN_FROM_GRAM": True})),  # opt-in, not yet timed
-            ("kda", ("kernels-saved", {"chunk_fwd.GRAM_COL_SPLIT": 4})),  # opt-in, not yet timed
-            ("kda", ("kernels-saved", {"chunk_bwd.GRADS_K_SPLIT": 2})),  # opt-in, not yet timed
             ("kda", ("kernels-saved", {"chunk_fwd.GRAM_IMPL": "triton"})),
             ("kda", ("kernels-saved", {"chunk.SAVE_STATES": False})),
             ("gdn", ("kernels-saved", {"chunk.SAVE_STATES": False})),

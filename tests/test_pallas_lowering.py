@@ -100,40 +100,18 @@ def test_mosaic_decode_lowers_for_sm90(T, block_v, delta):
     assert "output_operand_alias<output_tuple_indices = [1]" in text
 
 
-@pytest.mark.parametrize("lhs_regs,kin_from_gram", [(False, False), (True, False), (True, True)])
-def test_mosaic_solve_lowers_for_sm90(fake_h200, monkeypatch, lhs_regs, kin_from_gram):
+@pytest.mark.parametrize("lhs_regs", [False, True])
+def test_mosaic_solve_lowers_for_sm90(fake_h200, monkeypatch, lhs_regs):
     # `chunk_fwd.SOLVE_IMPL = "auto"` on a Hopper GPU (faked here): the solve as a Mosaic GPU kernel (wgmma)
     # beside the Triton kernels, its left operands from SMEM or (`solve_mgpu.LHS_REGS`, the default, a path the
-    # CPU interpreter cannot run) from registers, and with Kin from the Gram kernel (`chunk_fwd.KIN_FROM_GRAM`);
-    # fp32 inputs keep the Triton solve.
+    # CPU interpreter cannot run) from registers; fp32 inputs keep the Triton solve.
     from lineattn.ops.pallas import chunk_fwd, solve_mgpu
     monkeypatch.setattr(chunk_fwd, "hopper", lambda: True)
     monkeypatch.setattr(solve_mgpu, "LHS_REGS", lhs_regs)
-    monkeypatch.setattr(chunk_fwd, "KIN_FROM_GRAM", kin_from_gram)
     text = _lowered(100, jnp.bfloat16, "kernels-saved")
     assert "lineattn_solve_mosaic" in text and "lineattn_chunk_solve_full" not in text
-    assert ("lineattn_chunk_gram_kin" in text) == kin_from_gram
-    if kin_from_gram:  # the scalar-gate Gram kernel's Kin too (GDN)
-        assert "lineattn_chunk_gram_scalar_kin" in _lowered(100, jnp.bfloat16, "kernels-saved", head_gate=True)
     assert text.count("__gpu$xla.gpu.triton") == 4 + 7
     assert "lineattn_solve_mosaic" not in _lowered(100, jnp.float32, "kernels-saved")
-
-
-@pytest.mark.parametrize("col_split", [2, 4])
-def test_gram_column_split_lowers_for_sm90(fake_h200, monkeypatch, col_split):
-    # `chunk_fwd.GRAM_COL_SPLIT`: the Gram kernel on column windows of 32 or 16, its zero and Qin/Kg branches.
-    from lineattn.ops.pallas import chunk_fwd
-    monkeypatch.setattr(chunk_fwd, "GRAM_COL_SPLIT", col_split)
-    text = _lowered(100, jnp.bfloat16, "kernels-saved")
-    assert "lineattn_chunk_gram" in text and text.count("__gpu$xla.gpu.triton") == 5 + 7  # as the defaults
-
-
-def test_gram_gradients_split_over_k_lower_for_sm90(fake_h200, monkeypatch):
-    # `chunk_bwd.GRADS_K_SPLIT = 2`: the Gram gradients (fast and exact kernels) in two programs a block, over K halves.
-    from lineattn.ops.pallas import chunk_bwd
-    monkeypatch.setattr(chunk_bwd, "GRADS_K_SPLIT", 2)
-    text = _lowered(100, jnp.bfloat16, "kernels-saved")
-    assert "lineattn_gram_bwd_exact" in text and text.count("__gpu$xla.gpu.triton") == 5 + 7  # as the defaults
 
 
 def test_gram_with_exact_path_inside_lowers_for_sm90(fake_h200, monkeypatch):

@@ -64,13 +64,9 @@ GRADS_BK = 128
 # spreads). H200, 8 x 4096 (run12a): 1.72 + 0.06 ms against 1.87 with both paths in one kernel. (The fast path
 # by 16-column blocks, each side over the blocks where dP is nonzero only, 5/8 of the exps, loads and products,
 # each block behind a `lax.cond`: 1.92 ms in run12a; removed. One program per chunk over its four row blocks in
-# turn, each side over its triangle: 5.87 / 3.85 / 2.68 ms with 2 / 4 / 8 warps in run15b; removed.)
+# turn, each side over its triangle: 5.87 / 3.85 / 2.68 ms with 2 / 4 / 8 warps in run15b; removed. Two programs
+# per 16-row block over halves of K: 1.815 + 0.111 ms against 1.717 + 0.057 in run16a; removed.)
 GRADS_SPLIT = True
-# GRADS_K_SPLIT: each 16-row block's Gram gradients as that many programs over K / GRADS_K_SPLIT channels each
-# (every output of the kernel is per channel: dq, dk, dG and the Kg * dKg sums; the block's dM, dKK rows and
-# columns are read by each): more, smaller programs for a latency-bound kernel (one K tile of 128 in one program
-# took 1.87 ms against 2.05 for two tiles of 64 in turn, run10b). Opt-in, not yet timed on the H200.
-GRADS_K_SPLIT = 1
 GRADS_SCALAR_WARPS = 4  # the scalar-gate Gram gradients (`gram_grads_scalar`; run9a, GDN 8 x 4096: 1.58 ms)
 # dq, dk and dG are formed inside the Gram-gradient kernel, row by row, and `_dg_kernel` takes dg's reverse
 # cumsum. (A separate combine kernel reading four fp32 Gram gradients back was slower on the H200, run8a: 1.62 +
@@ -212,19 +208,18 @@ def _gram_grad_exact_loop(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, *, scale,
     return jax.lax.fori_loop(0, s, step, (xq, xk, kq, kk))
 
 
-def _gram_bwd_kernel(*refs, C, scale, prec, bk, delta=True, paths="both", k_split=1):
+def _gram_bwd_kernel(*refs, C, scale, prec, bk, delta=True, paths="both"):
     """The Gram gradients of one 16-row block with the row-local combine: from the block's rows of dQin, dKg,
     dKin [16, K], the outputs dq, dk (the inputs' layout), dG [16, K] and the block's column sum of Kg * dKg
     [1, K] (`_combine_rows`; `_dg_kernel` then takes the in-chunk reverse cumsum). paths: "both" (the fast path
     where the block's spread allows it, else the exact one), "fast" (the fast path only), or "exact" (the exact
-    path, only in the chunks flagged by a leading flag ref, the outputs aliased to four trailing inputs).
-    k_split: programs per block, each over the channels its refs hold (GRADS_K_SPLIT)."""
+    path, only in the chunks flagged by a leading flag ref, the outputs aliased to four trailing inputs)."""
     if paths == "exact":
         flag_ref, *refs = refs
         refs = refs[:8] + refs[12:]  # (the aliased outputs' input copies are not read)
     q_ref, k_ref, G_ref, dm_ref, dkk_ref, dqin_ref, dkg_ref, dkin_ref, dq_ref, dk_ref, dG_ref, r_ref = refs
     s = SUB
-    a = (pl.program_id(2) // k_split) % (C // s)
+    a = pl.program_id(2) % (C // s)
     r0 = a * s
     K = k_ref.shape[-1]
     blk = pl.ds(r0, s)
@@ -265,28 +260,23 @@ def gram_grads_fused(q, k, G, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, inte
     every block, then a second one rewrites the chunks flagged beyond LIMIT by the exact path."""
     B, Tp, H, K = q.shape
     N, nb = Tp // C, C // SUB
-    nk = max(1, min(GRADS_K_SPLIT, K // 16))  # programs per 16-row block, each over K / nk channels
-    Kt = K // nk
-    # the grid's last axis: 16-row block i // nk, channel tile i % nk (the default's launch order when nk = 1)
-    chunk_tok = pl.BlockSpec((None, C, None, Kt), lambda b, h, i: (b, i // (nb * nk), h, i % nk))
-    chunk_mat = pl.BlockSpec((None, None, C, C), lambda b, h, i: (b, h, i // (nb * nk), 0))
-    rows = pl.BlockSpec((None, None, SUB, Kt), lambda b, h, i: (b, h, i // nk, i % nk))
-    tok_rows = pl.BlockSpec((None, SUB, None, Kt), lambda b, h, i: (b, i // nk, h, i % nk))
+    chunk_tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
+    chunk_mat = pl.BlockSpec((None, None, C, C), lambda b, h, i: (b, h, i // nb, 0))
+    rows = pl.BlockSpec((None, None, SUB, K), lambda b, h, i: (b, h, i, 0))
+    tok_rows = pl.BlockSpec((None, SUB, None, K), lambda b, h, i: (b, i, h, 0))
     prec = "ieee" if exact else "tf32"  # (bf16 products: dg's error 1.3e-2 against 1.8e-3, CPU, T = 512)
-    out_specs = [tok_rows, tok_rows, rows, pl.BlockSpec((None, None, 1, Kt), lambda b, h, i: (b, h, i // nk, i % nk))]
+    out_specs = [tok_rows, tok_rows, rows, pl.BlockSpec((None, None, 1, K), lambda b, h, i: (b, h, i, 0))]
     out_shape = [jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
                  jax.ShapeDtypeStruct((B, H, Tp, K), f32), jax.ShapeDtypeStruct((B, H, N * nb, K), f32)]
-    in_specs = [chunk_tok, chunk_tok, chunk_tok, chunk_mat, chunk_mat, rows, rows, rows]
+    in_specs = [chunk_tok(K), chunk_tok(K), chunk_tok(K), chunk_mat, chunk_mat, rows, rows, rows]
     args = (q, k, G, dM, dKK, dQin, dKg, dKin)
 
     def call(paths, name, flags=None, fast=()):
         """The kernel with `paths`; for "exact": the chunk flags first and the fast outputs last (aliased)."""
-        lead = [] if flags is None else [pl.BlockSpec((None, None, None, nb),
-                                                      lambda b, h, i: (b, h, i // (nb * nk), 0))]
+        lead = [] if flags is None else [pl.BlockSpec((None, None, None, nb), lambda b, h, i: (b, h, i // nb, 0))]
         return pl.pallas_call(
-            functools.partial(_gram_bwd_kernel, C=C, scale=scale, prec=prec, bk=min(bk, Kt), delta=delta, paths=paths,
-                              k_split=nk),
-            grid=(B, H, N * nb * nk), in_specs=lead + in_specs + (out_specs if fast else []), out_specs=out_specs,
+            functools.partial(_gram_bwd_kernel, C=C, scale=scale, prec=prec, bk=min(bk, K), delta=delta, paths=paths),
+            grid=(B, H, N * nb), in_specs=lead + in_specs + (out_specs if fast else []), out_specs=out_specs,
             out_shape=out_shape, input_output_aliases={9 + i: i for i in range(len(fast))}, interpret=interpret,
             name=name, compiler_params=compiler_params(num_warps=warps, num_stages=1),
         )(*([] if flags is None else [flags]), *args, *fast)

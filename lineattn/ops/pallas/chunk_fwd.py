@@ -87,19 +87,17 @@ def keys_toward(k, G, Gr, limit=LIMIT):
     return k.astype(f32) * jnp.exp(jnp.minimum(Gr - G, limit))
 
 
-def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delta, bk, q0=0, keys=None):
-    """[16, n] rows of (scale q) and k against the keys `keys` (a pl.ds of n rows; default all C), factored
-    through the reference row ref_row (the block's queries at rows q0.. of q_ref: 0 for a 16-row block, r0 for a
-    whole chunk)."""
-    s, K = SUB, k_ref.shape[-1]
-    keys = keys or pl.ds(0, k_ref.shape[0])
+def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delta, bk, q0=0):
+    """[16, C] rows of (scale q) and k against all keys, factored through the reference row ref_row (the block's
+    queries at rows q0.. of q_ref: 0 for a 16-row block, r0 for a whole chunk)."""
+    s, C, K = SUB, k_ref.shape[0], k_ref.shape[-1]
     blk = pl.ds(r0, s)
-    Mx, Ax = jnp.zeros((s, keys.size), f32), jnp.zeros((s, keys.size), f32)
+    Mx, Ax = jnp.zeros((s, C), f32), jnp.zeros((s, C), f32)
     for t in range(K // bk):
         d = pl.ds(t * bk, bk)
         Gr = G_ref[pl.ds(ref_row, 1), d]
         xr = jnp.exp(G_ref[blk, d] - Gr)
-        kc = keys_toward(k_ref[keys, d], G_ref[keys, d], Gr, limit)
+        kc = keys_toward(k_ref[:, d], G_ref[:, d], Gr, limit)
         Mx = Mx + dot(q_ref[pl.ds(q0, s), d].astype(f32) * (scale * xr), kc, prec, trans_b=True)
         if delta:
             Ax = Ax + dot(k_ref[blk, d].astype(f32) * xr, kc, prec, trans_b=True)
@@ -132,67 +130,30 @@ def _gram_exact(q_ref, k_ref, G_ref, r0, *, scale, prec, delta, bk, q0=0):
     return Mx, Ax
 
 
-def _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, o0=0, c0=0):
-    """The block's rows of M (j <= i) and A (j < i, times beta_i), from its products Mx, Ax [16, n] (the columns
-    from c0 on), into rows o0.. of m_ref, a_ref (beta_ref's rows o0..)."""
-    rows, cols = _iota(Mx.shape, 0) + r0, _iota(Mx.shape, 1) + c0
+def _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, o0=0):
+    """The block's rows of M (j <= i) and A (j < i, times beta_i), from its products Mx, Ax [16, C], into rows
+    o0.. of m_ref, a_ref (beta_ref's rows o0..)."""
+    rows, cols = _iota(Mx.shape, 0) + r0, _iota(Mx.shape, 1)
     out = pl.ds(o0, SUB)
     m_ref[out, :] = jnp.where(cols <= rows, Mx, 0.0).astype(m_ref.dtype)
     if delta:
         a_ref[out, :] = jnp.where(cols < rows, beta_ref[out].astype(f32)[:, None] * Ax, 0.0)
 
 
-def kin_rows(beta_ref, k, eG):
-    """Kin = Diag(beta) k e^G in fp32 for rows of k with e^G (KIN_FROM_GRAM), in the order of the Mosaic solve's own
-    products, (beta k) e^G, so that its bf16 rounding matches."""
-    return (beta_ref[...].astype(f32)[:, None] * k.astype(f32)) * eG
-
-
-def _gram_rows_kernel(*refs, C, scale, prec, delta, bk, fast_only=False, kin=False, col_split=1):
+def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta, bk,
+                      fast_only=False):
     """One 16-row block: Qin, Kg and the rows of M and A, the exact path taken by a block-uniform `lax.cond` (or
-    left to `gram_exact_chunks`: fast_only); kin: also Kin = Diag(beta) k e^G (the solve's right operand for W)
-    from a second beta input. col_split (fast_only): the block's columns in that many programs, each [16,
-    C / col_split] of M and A (zeros without products where they lie above the diagonal); the first writes Qin,
-    Kg (and Kin)."""
-    if kin:
-        q_ref, k_ref, G_ref, beta_ref, kin_beta_ref, m_ref, a_ref, qin_ref, kg_ref, kin_ref = refs
-    else:
-        (q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref), kin_ref = refs, None
+    left to `gram_exact_chunks`: fast_only)."""
     s = SUB
-    i = pl.program_id(2)
-    r0 = ((i // col_split) % (C // s)) * s
+    r0 = (pl.program_id(2) % (C // s)) * s
     K = k_ref.shape[-1]
     blk = pl.ds(r0, s)
-
-    def row_terms():
-        for t in range(K // bk):
-            d = pl.ds(t * bk, bk)
-            Ga = G_ref[blk, d]
-            eGa = jnp.exp(Ga)
-            qin_ref[:, d] = (q_ref[:, d].astype(f32) * scale * eGa).astype(qin_ref.dtype)
-            kg_ref[:, d] = (k_ref[blk, d].astype(f32) * jnp.exp(G_ref[pl.ds(C - 1, 1), d] - Ga)).astype(kg_ref.dtype)
-            if kin:
-                kin_ref[:, d] = kin_rows(kin_beta_ref, k_ref[blk, d], eGa).astype(kin_ref.dtype)
-
+    for t in range(K // bk):
+        d = pl.ds(t * bk, bk)
+        Ga = G_ref[blk, d]
+        qin_ref[:, d] = (q_ref[:, d].astype(f32) * scale * jnp.exp(Ga)).astype(qin_ref.dtype)
+        kg_ref[:, d] = (k_ref[blk, d].astype(f32) * jnp.exp(G_ref[pl.ds(C - 1, 1), d] - Ga)).astype(kg_ref.dtype)
     kw = dict(scale=scale, prec=prec, delta=delta, bk=bk)
-    if col_split > 1:
-        assert fast_only, "col_split needs the exact path left to gram_exact_chunks"
-        w = C // col_split
-        c0 = (i % col_split) * w
-        pl.when(i % col_split == 0)(row_terms)
-
-        @pl.when(c0 < r0 + s)  # the window reaches the diagonal
-        def _():
-            Mx, Ax = _gram_products(q_ref, k_ref, G_ref, r0, r0 + s // 2, LIMIT, keys=pl.ds(c0, w), **kw)
-            _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, c0=c0)
-
-        @pl.when(c0 >= r0 + s)
-        def _():
-            m_ref[...] = jnp.zeros(m_ref.shape, m_ref.dtype)
-            if delta:
-                a_ref[...] = jnp.zeros(a_ref.shape, a_ref.dtype)
-        return
-    row_terms()
     fast = lambda: _gram_products(q_ref, k_ref, G_ref, r0, r0 + s // 2, LIMIT, **kw)
     if fast_only:
         Mx, Ax = fast()
@@ -209,30 +170,26 @@ def _gram_outputs(B, H, Tp, C, K, store, a_dtype):
 
 
 def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, a_dtype=f32, bk=64,
-              fast_only=False, kin_beta=None, col_split=1):
+              fast_only=False):
     """M, A (= Diag(beta) KK, strictly lower), Qin, Kg as [B, H, Tp, .] from q, k [B, Tp, H, K], the in-chunk
     cumsum G (fp32) and beta [B, Tp, H] (see `_gram_rows_kernel`; fast_only: without the exact path, for
-    `gram_exact_chunks` to complete; col_split: programs per 16-row block, GRAM_COL_SPLIT). kin_beta [B, Tp, H]:
-    also Kin = Diag(kin_beta) k e^G [B, H, Tp, K] in `store` (KIN_FROM_GRAM)."""
+    `gram_exact_chunks` to complete)."""
     B, Tp, H, K = q.shape
-    N, nb, nc = Tp // C, C // SUB, col_split
-    sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i // nc, h, 0))
-    whole = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // (nb * nc), h, 0))
-    row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, i // nc, 0))
-    window = pl.BlockSpec((None, None, SUB, C // nc), lambda b, h, i: (b, h, i // nc, i % nc))
-    beta_rows = pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i // nc, h))
-    kin = kin_beta is not None
+    N, nb = Tp // C, C // SUB
+    sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i, h, 0))
+    whole = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
+    row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, i, 0))
     return pl.pallas_call(
         functools.partial(_gram_rows_kernel, C=C, scale=scale, prec=prec, delta=delta, bk=min(bk, K),
-                          fast_only=fast_only, kin=kin, col_split=nc),
-        grid=(B, H, N * nb * nc),
-        in_specs=[sub(K), whole(K), whole(K), beta_rows] + [beta_rows] * kin,
-        out_specs=[window, window, row_out(K), row_out(K)] + [row_out(K)] * kin,
-        out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype) + [jax.ShapeDtypeStruct((B, H, Tp, K), store)] * kin,
+                          fast_only=fast_only),
+        grid=(B, H, N * nb),
+        in_specs=[sub(K), whole(K), whole(K), pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i, h))],
+        out_specs=[row_out(C), row_out(C), row_out(K), row_out(K)],
+        out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype),
         compiler_params=compiler_params(num_warps=warps, num_stages=1),
         interpret=interpret,
-        name="lineattn_chunk_gram_kin" if kin else "lineattn_chunk_gram",
-    )(q, k, G, beta, *([kin_beta] if kin else []))
+        name="lineattn_chunk_gram",
+    )(q, k, G, beta)
 
 
 def _gram_exact_chunk_kernel(flag_ref, q_ref, k_ref, G_ref, beta_ref, m_in_ref, a_in_ref, m_ref, a_ref, *, C,
@@ -295,23 +252,17 @@ def scalar_decay(g_ref):
     return Gs[:, None], decay, jnp.sum(g)
 
 
-def _gram_scalar_kernel(*refs, C, scale, prec, delta, bk, kin=False):
-    """One chunk (kin: also Kin = Diag(beta) k e^G from a second beta input, as `_gram_rows_kernel`)."""
-    if kin:
-        q_ref, k_ref, g_ref, beta_ref, kin_beta_ref, m_ref, a_ref, qin_ref, kg_ref, kin_ref = refs
-    else:
-        (q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref), kin_ref = refs, None
+def _gram_scalar_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta,
+                        bk):
     i, j = _iota((C, C), 0), _iota((C, C), 1)
     G, decay, G_end = scalar_decay(g_ref)
-    to_end, eG = jnp.exp(G_end - G), jnp.exp(G)
+    to_end = jnp.exp(G_end - G)
     QK, KK = jnp.zeros((C, C), f32), jnp.zeros((C, C), f32)
     for t in range(k_ref.shape[-1] // bk):
         d = pl.ds(t * bk, bk)
         q, k = q_ref[:, d], k_ref[:, d]
-        qin_ref[:, d] = (q.astype(f32) * (scale * eG)).astype(qin_ref.dtype)
+        qin_ref[:, d] = (q.astype(f32) * (scale * jnp.exp(G))).astype(qin_ref.dtype)
         kg_ref[:, d] = (k.astype(f32) * to_end).astype(kg_ref.dtype)
-        if kin:
-            kin_ref[:, d] = kin_rows(kin_beta_ref, k, eG).astype(kin_ref.dtype)
         QK = QK + dot(q, k, prec, trans_b=True)
         if delta:
             KK = KK + dot(k, k, prec, trans_b=True)
@@ -320,26 +271,25 @@ def _gram_scalar_kernel(*refs, C, scale, prec, delta, bk, kin=False):
         a_ref[...] = jnp.where(j < i, beta_ref[...].astype(f32)[:, None] * KK * decay, 0.0)
 
 
-def gram_scalar(q, k, g, beta, *, C, scale, store, exact, delta, interpret, a_dtype=f32, bk=64, kin_beta=None):
-    """`gram_rows`'s outputs (M, A, Qin, Kg [B, H, Tp, .]; with kin_beta also Kin) for a gate equal across K, by
-    `_gram_scalar_kernel`; g [B, Tp, H] fp32 is the scalar log gate (its in-chunk cumsum is taken in the kernel)."""
+def gram_scalar(q, k, g, beta, *, C, scale, store, exact, delta, interpret, a_dtype=f32, bk=64):
+    """`gram_rows`'s outputs (M, A, Qin, Kg [B, H, Tp, .]) for a gate equal across K, by `_gram_scalar_kernel`;
+    g [B, Tp, H] fp32 is the scalar log gate (its in-chunk cumsum is taken in the kernel)."""
     B, Tp, H, K = q.shape
-    kin = kin_beta is not None
     kernel = functools.partial(_gram_scalar_kernel, C=C, scale=scale, prec="ieee" if exact else "bf16", delta=delta,
-                               bk=min(bk, K), kin=kin)
+                               bk=min(bk, K))
     tok = pl.BlockSpec((None, C, None, K), lambda b, h, n: (b, n, h, 0))
     tok1 = pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
     out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
     return pl.pallas_call(
         kernel,
         grid=(B, H, Tp // C),
-        in_specs=[tok, tok, tok1, tok1] + [tok1] * kin,
-        out_specs=[out(C), out(C), out(K), out(K)] + [out(K)] * kin,
-        out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype) + [jax.ShapeDtypeStruct((B, H, Tp, K), store)] * kin,
+        in_specs=[tok, tok, tok1, tok1],
+        out_specs=[out(C), out(C), out(K), out(K)],
+        out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype),
         compiler_params=compiler_params(num_warps=GRAM_SCALAR_WARPS, num_stages=1),
         interpret=interpret,
-        name="lineattn_chunk_gram_scalar_kin" if kin else "lineattn_chunk_gram_scalar",
-    )(q, k, g, beta, *([kin_beta] if kin else []))
+        name="lineattn_chunk_gram_scalar",
+    )(q, k, g, beta)
 
 
 # ---- Gate cumsum as a kernel (XLA's cumsum over the chunk axis took 0.6 ms at 8 x 4096 x 16 x 128) ----
@@ -419,18 +369,12 @@ SOLVE_IMPL = "auto"
 # path by 16-column blocks up to the diagonal only, under a `pl.when` per block: 1.18 ms in run12a, for 5/8 of
 # the exps, loads and products; and one program per chunk, its four row blocks in turn, each against the keys
 # up to its diagonal block (16, 32, 64, 64): 2.05 / 2.35 / 2.57 ms with 2 / 4 / 8 warps in run15b: the kernel is
-# latency-bound, and 4x more programs win.)
+# latency-bound, and 4x more programs win. Run16a: each 16-row block as 2 or 4 programs over column windows, those
+# above the diagonal writing zeros without products: 0.835 / 1.229 ms against 0.786; and the Gram kernel also
+# writing Kin = Diag(beta) k e^G in bf16 for the Mosaic solve to read in place of k and G (48 KB of SMEM a CTA
+# instead of 80): solve 0.372 against 0.415 but Gram 0.834 against 0.786, the forward 1.602 against 1.595: both
+# removed.)
 GRAM_IMPL = "triton-fast"
-# KIN_FROM_GRAM: where the Mosaic solve runs after the split (or the scalar-gate) Gram stage, the Gram kernel also
-# writes Kin = Diag(beta) k e^G (bf16, the same products in the same order as the solve's), and the solve reads it
-# in place of k and G (fp32): 29 % less for the solve to read at K = V = 128 and 48 KB of SMEM a CTA instead of 80
-# (three CTAs an SM where registers allow, against two). Opt-in, not yet timed on the H200.
-KIN_FROM_GRAM = False
-# GRAM_COL_SPLIT: with the split Gram stage, each 16-row block's M and A columns in that many programs (1, 2 or 4;
-# at most C / 16), the windows above the diagonal written as zeros without products: more, smaller programs (the
-# Gram kernel is latency-bound: 4x fewer took 2-3x longer, run15b) and 3/4 (2) or 5/8 (4) of the key-side exps,
-# loads and products. Opt-in, not yet timed on the H200.
-GRAM_COL_SPLIT = 1
 
 
 def split_gram(scalar: bool, delta: bool) -> bool:
@@ -509,19 +453,14 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     split = split_gram(scalar, delta)
     G, dend, *spreads = gate_cumsum(g, C=C, K=K, interpret=interpret, spreads=split)
     gram_beta = jnp.ones_like(beta) if save else beta
-    mosaic = delta and mosaic_solve(exact, C, K, v.shape[-1], interpret)
-    kin = []  # [Kin] where the Gram kernel writes it (KIN_FROM_GRAM)
-    kin_beta = beta if KIN_FROM_GRAM and mosaic else None
     if split:
-        m, A, qin, kg, *kin = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store,
-                                        prec=prec if exact else GRAM_PREC, delta=True, warps=warps,
-                                        interpret=interpret, bk=GRAM_BK, fast_only=True, kin_beta=kin_beta,
-                                        col_split=max(1, min(GRAM_COL_SPLIT, C // SUB)))
+        m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=prec if exact else GRAM_PREC,
+                                  delta=True, warps=warps, interpret=interpret, bk=GRAM_BK, fast_only=True)
         m, A = gram_exact_chunks(spreads[0], q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret,
                                  prec=prec if exact else GRAM_PREC)
     elif scalar:
-        m, A, qin, kg, *kin = gram_scalar(q, k, g, gram_beta, C=C, scale=scale, store=store, exact=exact,
-                                          delta=delta, interpret=interpret, kin_beta=kin_beta)
+        m, A, qin, kg = gram_scalar(q, k, g, gram_beta, C=C, scale=scale, store=store, exact=exact,
+                                    delta=delta, interpret=interpret)
     else:
         m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store,
                                   prec=prec if exact else GRAM_PREC, delta=delta, warps=warps, interpret=interpret,
@@ -529,9 +468,8 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     if not delta:
         return (qin, kg, None, None, m, dend) + ((None, None) if save else ())
     inv_prec = "ieee" if exact else SOLVE_PREC
-    if mosaic:
-        out = solve_mgpu.solve_mosaic(A, k, v, G, beta, C=C, store=store, with_r=save, kk=save, interpret=interpret,
-                                      kin=kin[0] if kin else None)
+    if mosaic_solve(exact, C, K, v.shape[-1], interpret):
+        out = solve_mgpu.solve_mosaic(A, k, v, G, beta, C=C, store=store, with_r=save, kk=save, interpret=interpret)
     else:
         out = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec if exact else UW_PREC, inv_prec=inv_prec,
                          warps=SOLVE_WARPS, interpret=interpret, with_r=save, kk=save)
