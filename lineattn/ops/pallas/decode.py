@@ -103,12 +103,11 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
     if block_v is None:
         block_v = 64 if B * H * max(V // 64, 1) >= 128 else 32
     mosaic_takes = (not output_states and readout != "decayed"
-                    and decode_mgpu.fits(T, H, K, V, min(block_v, V), beta.dtype))
+                    and decode_mgpu.fits(T, H, K, V, min(block_v, V)))
     if impl == "mosaic" and not mosaic_takes:
         raise ValueError(f"decode_step's impl 'mosaic' takes no output_states, readout 'updated' (or None), K 64 or "
-                         f"128, block_v in {decode_mgpu.V_TILES} dividing V and T H betas a multiple of 16 bytes; "
-                         f"got output_states={output_states}, readout={readout!r}, K={K}, V={V}, "
-                         f"block_v={block_v}, T={T}, H={H}, beta {beta.dtype}")
+                         f"128, V >= 64 and block_v in {decode_mgpu.V_TILES} dividing V; got "
+                         f"output_states={output_states}, readout={readout!r}, K={K}, V={V}, block_v={block_v}")
     if impl == "mosaic" or (impl == "auto" and mosaic_takes and hopper() and not interpret_mode(interpret)):
         return decode_mgpu.decode_step_mosaic(q, k, v, g, beta if delta else None, state, scale=float(scale),
                                               block_v=min(block_v, V), programs=programs, stages=stages,

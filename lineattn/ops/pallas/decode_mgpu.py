@@ -27,11 +27,11 @@ _COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column of a WGMMA-layout ar
 V_TILES = (16, 32, 64)
 
 
-def fits(T: int, H: int, K: int, V: int, block_v: int, beta_dtype) -> bool:
-    """Whether the kernel takes these sizes: K 64 or 128 (a warpgroup's rows), a V tile in V_TILES dividing V, and
-    one batch row of beta ([T H], a TMA block) a multiple of 16 bytes."""
-    return (K in (64, 128) and block_v in V_TILES and V % block_v == 0
-            and (T * H * jnp.dtype(beta_dtype).itemsize) % 16 == 0)
+def fits(T: int, H: int, K: int, V: int, block_v: int) -> bool:
+    """Whether the kernel takes these sizes: K 64 or 128 (a warpgroup's rows), V at least 64 and a V tile in
+    V_TILES dividing it (TMA copies of at least 128 bytes a pipeline slot)."""
+    del T, H
+    return K in (64, 128) and V >= 64 and block_v in V_TILES and V % block_v == 0
 
 
 def _programs(tiles: int, programs: int) -> int:
@@ -53,15 +53,17 @@ def decode_step_mosaic(q, k, v, g, beta, state, *, scale: float, block_v: int = 
     V, bv = v.shape[-1], block_v
     delta = beta is not None
     if beta is None:
-        beta = jnp.zeros((B, T, H), f32)  # (read by TMA, unused: as the Triton kernel)
-    if not fits(T, H, K, V, bv, beta.dtype):
-        raise ValueError(f"decode_step_mosaic takes K 64 or 128, block_v in {V_TILES} dividing V and T H "
-                         f"{beta.dtype} betas a multiple of 16 bytes; got K={K}, V={V}, block_v={bv}, T={T}, H={H}")
+        beta = jnp.zeros((B, T, H), f32)  # (unused: as the Triton kernel)
+    if not fits(T, H, K, V, bv):
+        raise ValueError(f"decode_step_mosaic takes K 64 or 128, V >= 64 and block_v in {V_TILES} dividing V; got "
+                         f"K={K}, V={V}, block_v={bv}")
     nj = V // bv
     tiles = B * H * nj
     P = _programs(tiles, programs)
     steps = tiles // P
     state_smem = _smem((K, bv), f32)
+    # o leaves by TMA one token row at a time from rows of at least 128 bytes (a TMA copy's SMEM alignment)
+    o_row = max(bv, 128 // q.dtype.itemsize)
 
     def body(q_g, k_g, v_g, g_g, beta_g, s_g, o_g, o_s, st_s):
         p = jax.lax.axis_index("p")
@@ -70,46 +72,47 @@ def decode_step_mosaic(q, k, v, g, beta, state, *, scale: float, block_v: int = 
             t = i * P + p
             return t // (H * nj), (t // nj) % H, t % nj
 
-        def step(idx, q_s, k_s, v_s, g_s, beta_s, s_s):
+        def step(idx, q_s, k_s, v_s, g_s, s_s):
             i = idx[0]
             b, h, j = tile(i)
             slot = i % 2
-            # this slot's copies out (two tiles back) must have read it: the last tile's two may still be in flight
-            plgpu.wait_smem_to_gmem(2, wait_read_only=True)
+            cols = pl.ds(j * bv, bv)
+            # this slot's copies out (two tiles back) must have read it: the last tile's may still be in flight
+            plgpu.wait_smem_to_gmem(T + 1, wait_read_only=True)
             rows = lambda ref, t: jax.lax.broadcast_in_dim(
                 plgpu.load(ref.at[t], layout=_ROW, optimized=False).astype(f32), (K, bv), [0])
             S = _load(s_s)
             for t in range(T):  # T is small (1 token, or a few draft tokens)
                 S = S * jnp.exp(rows(g_s, t))
                 k_t = rows(k_s, t)
-                r = plgpu.load(v_s.at[t], layout=_COL, optimized=False).astype(f32)
-                if delta:
-                    r = beta_s[t * H + h].astype(f32) * (r - jnp.sum(S * k_t, axis=0))
+                r = plgpu.load(v_s.at[t, cols], layout=_COL, optimized=False).astype(f32)
+                if delta:  # (beta: one scalar from GMEM; a TMA block of it would be under 128 bytes)
+                    r = beta_g[b, t, h].astype(f32) * (r - jnp.sum(S * k_t, axis=0))
                 S = S + k_t * jax.lax.broadcast_in_dim(r, (K, bv), [1])
-                o_s.at[slot, t][...] = (scale * jnp.sum(S * rows(q_s, t), axis=0)).astype(o_s.dtype)
+                o_s.at[slot * T + t, pl.ds(0, bv)][...] = (scale * jnp.sum(S * rows(q_s, t), axis=0)).astype(o_s.dtype)
             st_s.at[slot][...] = S
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(st_s.at[slot], s_g.at[b, h, :, pl.ds(j * bv, bv)])
-            plgpu.copy_smem_to_gmem(o_s.at[slot], o_g.at[b, :, h, pl.ds(j * bv, bv)])
+            plgpu.copy_smem_to_gmem(st_s.at[slot], s_g.at[b, h, :, cols])
+            for t in range(T):
+                plgpu.copy_smem_to_gmem(o_s.at[slot * T + t, pl.ds(0, bv)], o_g.at[b, t, h, cols])
 
         at = lambda f: lambda i: f(*tile(i))
         token_rows = lambda D: plgpu.BlockSpec((None, T, None, D), at(lambda b, h, j: (b, 0, h, 0)))
-        in_specs = [token_rows(K), token_rows(K),
-                    plgpu.BlockSpec((None, T, None, bv), at(lambda b, h, j: (b, 0, h, j))), token_rows(K),
-                    plgpu.BlockSpec((None, T * H), at(lambda b, h, j: (b, 0))),
+        # (v's whole row [T, V], the tile's columns read from SMEM: a slot of 128 bytes at least)
+        in_specs = [token_rows(K), token_rows(K), token_rows(V), token_rows(K),
                     plgpu.BlockSpec((None, None, K, bv), at(lambda b, h, j: (b, h, 0, j)),
                                     transforms=state_smem.transforms)]
         plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs, max_concurrent_steps=stages)(
-            q_g, k_g, v_g, g_g, beta_g, s_g)
+            q_g, k_g, v_g, g_g, s_g)
         plgpu.wait_smem_to_gmem(0)
 
-    # SMEM at K = 128, block_v = 64, T = 1, stages = 2: two input slots of (state 32 KB, q, k, g, v, beta: 1.2 KB)
+    # SMEM at K = 128, block_v = 64, T = 1, stages = 2: two input slots of (state 32 KB, q, k, g, v: 1.3 KB)
     # and two output slots of (state, o): 131 KB, one CTA an SM; block_v = 32: 66 KB, three.
     kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((B, T, H, V), q.dtype), grid=(P,), grid_names=("p",),
-                          scratch_types=[plgpu.SMEM((2, T, bv), q.dtype), _smem((2, K, bv), f32)],
+                          scratch_types=[plgpu.SMEM((2 * T, o_row), q.dtype), _smem((2, K, bv), f32)],
                           interpret=_interpret_params(interpret), kernel_name="lineattn_decode_mosaic")
     # the state as a mutable ref: the kernel writes its tiles back into the buffer it read them from
     state_ref = jax.new_ref(state)
-    o = kernel(q, k, v, g.astype(f32), beta.reshape(B, T * H), state_ref)
+    o = kernel(q, k, v, g.astype(f32), beta, state_ref)
     return o, jax.freeze(state_ref)
 
