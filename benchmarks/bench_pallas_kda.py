@@ -188,11 +188,8 @@ def bench_decode(a, B=256, tokens=1):
                                  backend="recurrent")
     steps = 50
     for block_v, warps, flags in a.decode_configs:
-        if "m" in flags:  # the Mosaic GPU kernel: block_v x programs, 3 tiles in flight with t (else 2)
-            opts = dict(impl="mosaic", block_v=block_v, programs=warps, stages=3 if "t" in flags else 2)
-        else:
-            opts = dict(block_v=block_v, num_warps=warps, v_fastest="f" in flags,
-                        readout="updated" if "u" in flags else "decayed")
+        opts = dict(block_v=block_v, num_warps=warps, v_fastest="f" in flags,
+                    readout="updated" if "u" in flags else "decayed")
         if "c" in flags:  # the copy ceiling of this tiling: the same grid, the state read and written, no math
             step = lambda q, k, v, g, b, s, opts=opts: (None, copy_state(s, opts["block_v"], opts["num_warps"]))
         else:
@@ -217,13 +214,10 @@ def bench_decode(a, B=256, tokens=1):
             with jax.profiler.trace(tmp):
                 s = jax.block_until_ready(many(s))
             times_ns = kernel_times(tmp)
-            kernel_ns = [t for n, t in times_ns.items() if n.startswith(("lineattn_decode", "copy_state"))]
-            kernel_ms = (sum(kernel_ns) if kernel_ns else float("nan")) / steps / 1e6
-        if "m" in flags:
-            name = f"lineattn-pallas-decode-mosaic-bv{block_v}-p{warps}-s{opts['stages']}"
-        else:
-            name = (f"lineattn-pallas-decode-bv{block_v}-w{warps}" + ("-vfirst" if opts["v_fastest"] else "")
-                    + ("-updated" if "u" in flags else "") + ("-copy" if "c" in flags else ""))
+            kernel_ms = times_ns.get("lineattn_decode_step", times_ns.get("copy_state", float("nan"))) / steps / 1e6
+        name = (f"lineattn-pallas-decode-bv{block_v}-w{warps}" + ("-vfirst" if opts["v_fastest"] else "")
+                + ("-updated" if "u" in flags else "")
+                + ("-copy" if "c" in flags else ""))
         record(a.out, op="kda", impl=name, mode="decode", B=B, T=tokens, H=H, K=K, V=V, ms=ms,
                state_TBps=2 * state_bytes / (ms * 1e-3) / 1e12, kernel_ms=kernel_ms,
                kernel_state_TBps=2 * state_bytes / (kernel_ms * 1e-3) / 1e12, **errs)
@@ -294,14 +288,13 @@ def main():
     p.add_argument("--gdn", action="store_true")
     p.add_argument("--decode", default="64x4f,64x4fu,64x8f,32x4f,64x4fc",
                    help="decode block_v x num_warps configs, then letters: f the V tiles first in the launch order, "
-                        "u o read from the updated state (readout='updated'), c a plain copy of the state; "
-                        "m the Mosaic GPU kernel (block_v x programs; t: 3 tiles in flight)")
+                        "u o read from the updated state (readout='updated'), c a plain copy of the state")
     p.add_argument("--long", type=int, default=0, help="also time one sequence of this length (0: no)")
     p.add_argument("--tune", action="store_true", help="time the forward's kernels apart and launch settings")
     p.add_argument("--warps", default="4x4,8x4,4x8,8x8")
     p.add_argument("--block-vs", default="0,16,32,64", help="V tiles of the state pass (0: the default rule)")
     a = p.parse_args()
-    a.decode_configs = [(int(bv), int(rest.rstrip("fucmt")), rest.lstrip("0123456789"))
+    a.decode_configs = [(int(bv), int(rest.rstrip("fuc")), rest.lstrip("0123456789"))
                         for bv, rest in (c.split("x") for c in a.decode.split(",") if c)]
     fla_modes = [m for m in a.fla.split(",") if m]
     a.warps = [tuple(map(int, w.split("x"))) for w in a.warps.split(",") if w]

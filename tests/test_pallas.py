@@ -409,25 +409,6 @@ def test_decode_step_matches_oracle(rule):
         decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), x["initial_state"], readout="after")
 
 
-@pytest.mark.parametrize("rule", ["kda", "gdn", "deltanet", "gla"])
-def test_decode_step_mosaic_matches_oracle(rule):
-    # The Mosaic GPU decode kernel (here in its interpreter): two tokens for each of 3 requests, H = 4, K = 64,
-    # V tiles of 16 (48 tiles) walked by 5 CTAs' worth of programs (rounded to 4, a divisor: 12 tiles each), the
-    # state donated and updated in place; GDN's head gate broadcast, DeltaNet's no gate, GLA's additive write.
-    x = make_inputs(rule, B=3, T=2, H=4, K=64, V=64, seed=14)
-    o_ref, ht_ref = recurrent(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=64**-0.5,
-                              initial_state=x["initial_state"])
-    step = jax.jit(lambda q, k, v, g, b, s: decode_step(q, k, v, g, b, s, impl="mosaic", block_v=16, programs=5),
-                   donate_argnums=5)
-    o, ht = step(x["q"], x["k"], x["v"], x["g"], x["beta"], jnp.array(x["initial_state"]))
-    assert_close({"o": o, "ht": ht}, {"o": o_ref, "ht": ht_ref}, TOL, f"{rule}/mosaic decode")
-    args = tuple(x[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
-    with pytest.raises(ValueError, match="output_states"):
-        decode_step(*args, impl="mosaic", output_states=True)
-    with pytest.raises(ValueError, match="impl"):
-        decode_step(*args, impl="cuda")
-
-
 def test_pallas_backend_selection_and_errors():
     kda = ops.RULES["kda"]
     if not on_gpu():

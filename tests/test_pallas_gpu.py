@@ -6,7 +6,6 @@ the same rounded inputs (itself tested against the oracle to 1e-4). Relative RMS
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -103,17 +102,3 @@ def test_decode_step_head_dim_128(B, v_fastest, variant):
                                 v_fastest=v_fastest, **variant)
     for got, want in ((o, o_ref), (ht, ht_ref), (states[:, -1], ht_ref)):
         assert _rel_rms(got, want) < 1e-5
-
-
-@pytest.mark.parametrize("rule,T,block_v,programs", [("kda", 1, 64, 128), ("kda", 4, 32, 132), ("gdn", 2, 64, 256)])
-def test_decode_step_mosaic_head_dim_128(rule, T, block_v, programs):
-    # The Mosaic GPU decode kernel compiled: B = 64, H = 4, K = V = 128, the CTAs walking the tiles in parallel
-    # (132: rounded down to a divisor of the tile count), the state donated (updated in place).
-    x = make_inputs(rule, B=64, T=T, H=4, K=128, V=128, seed=15)
-    o_ref, ht_ref = ops.linear_attention(rule, x["q"], x["k"], x["v"], x["g"], x["beta"],
-                                         initial_state=x["initial_state"], output_final_state=True,
-                                         backend="recurrent")
-    step = jax.jit(lambda q, k, v, g, b, s: decode_step(q, k, v, g, b, s, impl="mosaic", block_v=block_v,
-                                                        programs=programs), donate_argnums=5)
-    o, ht = step(x["q"], x["k"], x["v"], x["g"], x["beta"], jnp.array(x["initial_state"]))
-    assert _rel_rms(o, o_ref) < 1e-5 and _rel_rms(ht, ht_ref) < 1e-5

@@ -1,11 +1,14 @@
 """Decode step kernel: a few new tokens for each of B requests, updating the fp32 state in place.
 
-Triton (`impl="triton"`): one program per (request, head, V tile) reads its `[K, BV]` slice of the state once,
-applies each token in turn (gate, delta or additive write, read-out) in fp32 registers, and writes the slice back
-into the same buffer (`input_output_aliases`; under `jax.jit` with the state donated no copy is made). With
-`output_states=True` it also writes the state after every token, `[B, T, H, K, V]` (for speculative decoding: roll
-back to any token). Mosaic GPU (`impl="mosaic"`, Hopper; `decode_mgpu`): a fixed number of CTAs stream the tiles
-through a TMA pipeline, also in place; without `output_states`.
+One program per (request, head, V tile) reads its `[K, BV]` slice of the state once, applies each token in turn
+(gate, delta or additive write, read-out) in fp32 registers, and writes the slice back into the same buffer
+(`input_output_aliases`; under `jax.jit` with the state donated no copy is made). With `output_states=True` it
+also writes the state after every token, `[B, T, H, K, V]` (for speculative decoding: roll back to any token).
+
+(A Mosaic GPU form, a fixed number of CTAs each streaming its share of the tiles through a TMA pipeline, the state
+a mutable ref updated in place, was correct on the H200 but slower, run16c at B = 256, H = 16, K = V = 128: kernel
+time 3.24 TB/s of state read + write with V tiles of 64 on 128 CTAs, 3.51-3.54 with 32 on 256, 2.22 with 16 on 512,
+against 3.77 for this kernel and 4.11 for a plain copy on its grid: removed; it is in the history at 0f60cc7.)
 """
 
 from __future__ import annotations
@@ -16,8 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lineattn.ops.pallas import decode_mgpu
-from lineattn.ops.pallas.common import compiler_params, hopper, interpret_mode, is_pow2
+from lineattn.ops.pallas.common import compiler_params, interpret_mode, is_pow2
 
 f32 = jnp.float32
 
@@ -49,11 +51,10 @@ def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_states", "interpret", "block_v", "num_warps",
-                                             "v_fastest", "readout", "impl", "programs", "stages"))
+                                             "v_fastest", "readout"))
 def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_states: bool = False,
                 interpret: bool | None = None, block_v: int | None = None, num_warps: int = 4,
-                v_fastest: bool = True, readout: str | None = None, impl: str = "triton",
-                programs: int = 128, stages: int = 2):
+                v_fastest: bool = True, readout: str = "decayed"):
     """T new tokens per request through the recurrence, from `state`.
 
     Args:
@@ -69,26 +70,19 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
         instead of the requests (default; H200 run8c, B = 256: 3.35 TB/s with V tile 64 x 4 warps against 3.13
         without, 3.22 against 2.79 with V tile 32; run9c: 3.41 against 3.33, 2 warps and V tile 16 slower; FLA's
         decode kernel orders its grid the same way).
-      readout: (Triton) "decayed" (the default) takes both reductions on the decayed state S' before the write,
+      readout: "decayed" (default) takes both reductions on the decayed state S' before the write,
         o = q^T S' + (q . k) r with r the written row; "updated" reads o from the updated state, q^T S_t (the
         same value; one more dependent pass before the state's store). H200, B = 256 (run13b-c, kernel time of
         3 runs each): 0.1427-0.1445 ms against 0.1443-0.1461, 3.72-3.76 TB/s of state read + write against
         3.68-3.72; the evict-first cache policy on the state's load and store changed nothing (0.1440 ms).
-        The Mosaic kernel reads o from the updated state ("updated", its only form).
-      impl: "triton" (default), "mosaic" (`decode_mgpu.decode_step_mosaic`: Hopper, or its interpreter on the
-        CPU; K 64 or 128, block_v 16, 32 or 64, without output_states), or "auto" (Mosaic on a Hopper GPU where
-        it takes the call, else Triton).
-      programs, stages: (Mosaic) the CTAs and the tiles in flight in each.
 
     Returns:
       (o [B, T, H, V] in q's dtype, new state [B, H, K, V] fp32[, states [B, T, H, K, V]]).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
-    if readout not in (None, "updated", "decayed"):
+    if readout not in ("updated", "decayed"):
         raise ValueError(f"decode_step's readout must be 'updated' or 'decayed', got {readout!r}")
-    if impl not in ("auto", "triton", "mosaic"):
-        raise ValueError(f"decode_step's impl must be 'auto', 'triton' or 'mosaic', got {impl!r}")
     if not (is_pow2(K) and is_pow2(V)) or state.shape != (B, H, K, V) or state.dtype != f32:
         raise ValueError(f"decode_step needs K, V powers of two and an fp32 state [B, H, K, V] = "
                          f"[{B}, {H}, {K}, {V}], got K={K}, V={V}, state {state.dtype} {tuple(state.shape)}")
@@ -102,17 +96,6 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
         beta = jnp.zeros((B, T, H), f32)
     if block_v is None:
         block_v = 64 if B * H * max(V // 64, 1) >= 128 else 32
-    mosaic_takes = (not output_states and readout != "decayed"
-                    and decode_mgpu.fits(T, H, K, V, min(block_v, V)))
-    if impl == "mosaic" and not mosaic_takes:
-        raise ValueError(f"decode_step's impl 'mosaic' takes no output_states, readout 'updated' (or None), K 64 or "
-                         f"128, V >= 64 and block_v in {decode_mgpu.V_TILES} dividing V; got "
-                         f"output_states={output_states}, readout={readout!r}, K={K}, V={V}, block_v={block_v}")
-    if impl == "mosaic" or (impl == "auto" and mosaic_takes and hopper() and not interpret_mode(interpret)):
-        return decode_mgpu.decode_step_mosaic(q, k, v, g, beta if delta else None, state, scale=float(scale),
-                                              block_v=min(block_v, V), programs=programs, stages=stages,
-                                              interpret=interpret)
-    readout = readout or "decayed"
     BV = min(block_v, V)
     grid = (B, H, V // BV)
     if v_fastest:  # the grid's first axis varies fastest in the launch order
