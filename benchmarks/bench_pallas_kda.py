@@ -286,6 +286,7 @@ def main():
     p.add_argument("--fla-shapes", default="8x4096,1x32768", help="shapes at which FLA is timed")
     p.add_argument("--tune-shapes", default="8x4096,1x32768")
     p.add_argument("--gdn", action="store_true")
+    p.add_argument("--no-kda", action="store_true", help="time GDN (--gdn) at --shapes without KDA there")
     p.add_argument("--decode", default="64x4f,64x4fu,64x8f,32x4f,64x4fc",
                    help="decode block_v x num_warps configs, then letters: f the V tiles first in the launch order, "
                         "u o read from the updated state (readout='updated'), c a plain copy of the state")
@@ -301,7 +302,7 @@ def main():
     a.block_vs = [int(b) or None for b in a.block_vs.split(",") if b]
     print(f"{jax.devices()[0].device_kind}; {versions()}", flush=True)
     shapes = [s for s in a.shapes.split(",") if s]    # --shapes= (empty): e.g. only --long
-    for shape in shapes:
+    for shape in [] if a.no_kda else shapes:
         B, T = map(int, shape.split("x"))
         bench_shape("kda", B, T, a, a.skip, fla_modes if shape in a.fla_shapes.split(",") else [])
     if a.decode_configs:
