@@ -9,7 +9,8 @@ also writes the state after every token, `[B, T, H, K, V]` (for speculative deco
 a mutable ref updated in place, was correct on the H200 but slower, run16c/f at B = 256, H = 16, K = V = 128: kernel
 time 3.24-3.34 TB/s of state read + write with V tiles of 64 on 128-132 CTAs, 3.51-3.59 with 32 on 256-264, 3.40
 with 32 on 396 (three CTAs an SM), 2.05-2.22 with 16 on 512-792, against 3.77 for this kernel and 4.11 for a plain
-copy on its grid: removed; it is in the history at 0f60cc7.)
+copy on its grid: removed; it is in the history at 0f60cc7, whose CTAs take equal tile counts: run16f's gave each
+CTA its own, a traced `emit_pipeline` grid.)
 """
 
 from __future__ import annotations
