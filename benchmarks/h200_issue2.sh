@@ -25,8 +25,8 @@
 #   won every time), the Gram gradients (1.72), the state passes at 1 x 32768 (1.5 us a chunk step either way),
 #   GDN's path (2.2-2.4x jla: jla fuses solve, state pass and output in one kernel). Run16a: Kin from the Gram
 #   kernel (solve -0.04 ms, Gram +0.05), the Gram kernel over column windows and the Gram gradients over K halves
-#   were no faster (removed). Run16c: a Mosaic GPU decode kernel (CTAs streaming tiles through a TMA pipeline)
-#   reached 3.54 TB/s at best against Triton's 3.77 (removed; history 0f60cc7): one warpgroup's compute per tile
+#   were no faster (removed). Run16c/f: a Mosaic GPU decode kernel (CTAs streaming tiles through a TMA pipeline)
+#   reached 3.59 TB/s at best against Triton's 3.77 (removed; history 0f60cc7): one warpgroup's compute per tile
 #   (reductions over K across its 4 warps) is not hidden behind the copies.
 #   The long GPU tests take ~30 s each (19 of them): a subset fits a call beside a bench part, e.g.
 #     TEST_TIMEOUT=200 TESTS_K="long_bf16 and default" SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
