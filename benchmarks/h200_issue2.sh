@@ -55,6 +55,14 @@ if [ -z "${SKIP_TESTS:-}" ]; then  # SHARDS=n: n pytest processes side by side o
   grep -E "(^|\.)(kda|gdn|deltanet|gla) |passed|failed|^FAILED|^E  " $OUT/gpu_tests.log | cut -c1-300 | tail -40
 fi
 [ -n "${SKIP_BENCH:-}" ] && exit 0
+if [ -n "${NCU:-}" ]; then  # Nsight Compute's counters for each kernel (NCU_KERNELS: a name regex; PROFILE_ARGS)
+  timeout ${BENCH_TIMEOUT:-400} ncu --clock-control none -k "regex:${NCU_KERNELS:-lineattn|vg_|fused_recurrent}" \
+    --launch-count ${NCU_COUNT:-60} --section SpeedOfLight --section Occupancy --section LaunchStats \
+    --section WarpStateStats --section MemoryWorkloadAnalysis \
+    python3 benchmarks/profile_pallas_kda.py --out $OUT --ncu ${PROFILE_ARGS:-} > $OUT/ncu.log 2>&1
+  echo "ncu rc=$?"; grep -E "^  [a-z_]+.*\(|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Memory Throughput|Shared Memory Configuration Size|Dynamic Shared|Static Shared|Stall|ncu:" $OUT/ncu.log | cut -c1-160 | head -400
+  exit 0
+fi
 if [ -n "${PROFILE:-}" ]; then  # per-kernel device times from a profiler trace (PROFILE_ARGS: its flags)
   timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/profile_pallas_kda.py --out $OUT ${PROFILE_ARGS:-} 2>&1 \
     | grep --line-buffered -v "slow_operation_alarm\|Constant folding\|^$" | tee $OUT/profile.log

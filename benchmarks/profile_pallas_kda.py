@@ -13,6 +13,9 @@ Kernels named by lineattn (`name=` of its `pallas_call`s: `lineattn_chunk_gram`,
 transposes, sums) appear under their own names. Writes
 <out>/<date>-h200-kda-profile.json: {impl: {mode: {"per_call_ms": {kernel: ms}, "total_ms": ..., "wall_ms": ...,
 "idle_before_ms": {kernel: ms the stream stood idle just before it, per call}, "idle_ms": ...}}}.
+--ncu runs each implementation's forward and forward+backward once (and with --decode B one decode step of B
+requests: lineattn's kernel with each --readouts and FLA's `fused_recurrent_kda`), with no trace and no JSON, for
+Nsight Compute to read the kernels' counters: `NCU=1 bash benchmarks/h200_issue2.sh` wraps it in `ncu`.
 """
 
 from __future__ import annotations
@@ -72,7 +75,12 @@ def main():
     p.add_argument("--configs", default="default", help="';'-separated lineattn configurations (see above)")
     p.add_argument("--check", action="store_true", help="compare with the XLA chunk form in fp32 first")
     p.add_argument("--rule", default="kda", choices=["kda", "gdn"])
+    p.add_argument("--ncu", action="store_true", help="run each mode once, for Nsight Compute (see above)")
+    p.add_argument("--decode", type=int, default=0, help="with --ncu: also one decode step of this batch")
+    p.add_argument("--readouts", default="decayed,folded", help="with --decode: the decode kernel's read-outs")
     a = p.parse_args()
+    if a.ncu:
+        return run_once_for_ncu(a)
     B, T = map(int, a.shape.split("x"))
     H, K = 16, 128
     x, _ = make_inputs(B, T, H, K, K, "bfloat16")
@@ -132,6 +140,54 @@ def main():
             result.setdefault(name, {})["error"] = str(err)[:300]
             print(f"{name}: failed: {str(err)[:300]}")
             path.write_text(json.dumps(result, indent=1))
+
+
+def run_once_for_ncu(a):
+    """Each implementation's modes once (compiled first: XLA launches nothing while compiling a Pallas kernel)."""
+    B, T = map(int, a.shape.split("x"))
+    H, K = 16, 128
+    x, _ = make_inputs(B, T, H, K, K, "bfloat16")
+    bf = lambda n: jnp.asarray(x[n], jnp.bfloat16)
+    args = (bf("q"), bf("k"), bf("v"), jnp.asarray(x["g"] if a.rule == "kda" else x["g"][..., 0]), bf("beta"))
+    h0 = jnp.zeros((B, H, K, K), f32)
+    fns = {}
+    if "lineattn" in a.impls:
+        fns["lineattn"] = lambda q, k, v, g, b: chunk_pallas(q, k, v, api._kernel_gate(g, q.shape), b, h0, K**-0.5,
+                                                             64, None, api.BACKWARD)[0]
+    if "jla" in a.impls:
+        import jla.ops as jla_ops
+
+        kind = "kda" if a.rule == "kda" else "gated_deltanet"
+        fns["jla"] = lambda q, k, v, g, b: jla_ops.linear_attention(kind, q, k, v, g=g, beta=b, impl="mosaic_gpu")[0]
+    for name, fwd in fns.items():
+        for mode, fn in (("fwd", jax.jit(fwd)), ("fwdbwd", jax.jit(forward_backward(fwd, bf("do"))))):
+            compiled = fn.lower(*args).compile()
+            print(f"ncu: {name} {mode}", flush=True)
+            jax.block_until_ready(compiled(*args))
+    if a.decode:
+        from lineattn.ops.pallas.decode import decode_step
+
+        x, _ = make_inputs(a.decode, 1, H, K, K, "bfloat16", seed=3)
+        step_args = [jnp.asarray(x[n], jnp.bfloat16) for n in ("q", "k", "v")] + [jnp.asarray(x["g"]),
+                                                                              jnp.asarray(x["beta"], jnp.bfloat16)]
+        state = jnp.zeros((a.decode, H, K, K), f32)
+        for readout in a.readouts.split(","):
+            step = jax.jit(lambda *xs, r=readout: decode_step(*xs, readout=r))
+            compiled = step.lower(*step_args, state).compile()
+            print(f"ncu: decode readout={readout}", flush=True)
+            jax.block_until_ready(compiled(*step_args, state))
+        try:
+            import torch
+            from fla.ops.kda import fused_recurrent_kda
+        except ImportError as err:
+            print(f"FLA decode unavailable: {err}")
+            return
+        tt = lambda n, dt: torch.tensor(np.asarray(x[n], np.float32), device="cuda", dtype=dt)
+        print("ncu: fla fused_recurrent_kda", flush=True)
+        fused_recurrent_kda(tt("q", torch.bfloat16), tt("k", torch.bfloat16), tt("v", torch.bfloat16),
+                            tt("g", torch.float32), tt("beta", torch.bfloat16),
+                            initial_state=torch.zeros((a.decode, H, K, K), device="cuda"), output_final_state=True)
+        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":
