@@ -57,8 +57,8 @@ fi
 [ -n "${SKIP_BENCH:-}" ] && exit 0
 if [ -n "${NCU:-}" ]; then  # Nsight Compute's counters for each kernel (NCU_KERNELS: a name regex; PROFILE_ARGS)
   timeout ${BENCH_TIMEOUT:-400} ncu --clock-control none -k "regex:${NCU_KERNELS:-lineattn|vg_|fused_recurrent}" \
-    --launch-count ${NCU_COUNT:-60} --section SpeedOfLight --section Occupancy --section LaunchStats \
-    --section WarpStateStats --section MemoryWorkloadAnalysis \
+    --launch-count ${NCU_COUNT:-60} ${NCU_SECTIONS:---section SpeedOfLight --section Occupancy --section LaunchStats \
+    --section WarpStateStats --section MemoryWorkloadAnalysis} \
     python3 benchmarks/profile_pallas_kda.py --out $OUT --ncu ${PROFILE_ARGS:-} > $OUT/ncu.log 2>&1
   echo "ncu rc=$?"; grep -E "^  [a-z_]+.*\(|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Memory Throughput|Shared Memory Configuration Size|Dynamic Shared|Static Shared|Stall|ncu:" $OUT/ncu.log | cut -c1-160 | head -400
   exit 0

@@ -13,7 +13,7 @@ Kernels named by lineattn (`name=` of its `pallas_call`s: `lineattn_chunk_gram`,
 transposes, sums) appear under their own names. Writes
 <out>/<date>-h200-kda-profile.json: {impl: {mode: {"per_call_ms": {kernel: ms}, "total_ms": ..., "wall_ms": ...,
 "idle_before_ms": {kernel: ms the stream stood idle just before it, per call}, "idle_ms": ...}}}.
---ncu runs each implementation's forward and forward+backward once (and with --decode B one decode step of B
+--ncu runs each implementation's forward and forward+backward once (each of --configs for lineattn; and with --decode B one decode step of B
 requests: lineattn's kernel with each --readouts and FLA's `fused_recurrent_kda`), with no trace and no JSON, for
 Nsight Compute to read the kernels' counters: `NCU=1 bash benchmarks/h200_issue2.sh` wraps it in `ncu`.
 """
@@ -77,6 +77,7 @@ def main():
     p.add_argument("--rule", default="kda", choices=["kda", "gdn"])
     p.add_argument("--ncu", action="store_true", help="run each mode once, for Nsight Compute (see above)")
     p.add_argument("--decode", type=int, default=0, help="with --ncu: also one decode step of this batch")
+    p.add_argument("--modes", default="fwd,fwdbwd", help="with --ncu: the modes run")
     p.add_argument("--readouts", default="decayed,folded", help="with --decode: the decode kernel's read-outs")
     a = p.parse_args()
     if a.ncu:
@@ -152,18 +153,22 @@ def run_once_for_ncu(a):
     h0 = jnp.zeros((B, H, K, K), f32)
     fns = {}
     if "lineattn" in a.impls:
-        fns["lineattn"] = lambda q, k, v, g, b: chunk_pallas(q, k, v, api._kernel_gate(g, q.shape), b, h0, K**-0.5,
-                                                             64, None, api.BACKWARD)[0]
+        for config in a.configs.split(";"):
+            fns[f"lineattn [{config}]"] = (lambda q, k, v, g, b: chunk_pallas(
+                q, k, v, api._kernel_gate(g, q.shape), b, h0, K**-0.5, 64, None, api.BACKWARD)[0], config)
     if "jla" in a.impls:
         import jla.ops as jla_ops
 
         kind = "kda" if a.rule == "kda" else "gated_deltanet"
-        fns["jla"] = lambda q, k, v, g, b: jla_ops.linear_attention(kind, q, k, v, g=g, beta=b, impl="mosaic_gpu")[0]
-    for name, fwd in fns.items():
-        for mode, fn in (("fwd", jax.jit(fwd)), ("fwdbwd", jax.jit(forward_backward(fwd, bf("do"))))):
-            compiled = fn.lower(*args).compile()
-            print(f"ncu: {name} {mode}", flush=True)
-            jax.block_until_ready(compiled(*args))
+        fns["jla"] = (lambda q, k, v, g, b: jla_ops.linear_attention(kind, q, k, v, g=g, beta=b,
+                                                                     impl="mosaic_gpu")[0], "default")
+    for name, (fwd, config) in fns.items():
+        with tuning.override(tuning.parse(config)):
+            for mode in a.modes.split(","):
+                fn = jax.jit(fwd if mode == "fwd" else forward_backward(fwd, bf("do")))
+                compiled = fn.lower(*args).compile()
+                print(f"ncu: {name} {mode}", flush=True)
+                jax.block_until_ready(compiled(*args))
     if a.decode:
         from lineattn.ops.pallas.decode import decode_step
 

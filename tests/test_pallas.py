@@ -355,11 +355,15 @@ def test_pallas_kernel_tiles(monkeypatch):
     # The column tiles as module constants (for sweeps): the backward's (`chunk_bwd.WY_BT`, `CHUNK_GRADS_BK`,
     # `CHUNK_GRADS_BV`) 16 wide loop over K = 32 and V = 64 in pieces; the gate cumsum's K tile of 16
     # (`chunk_fwd.CUMSUM_BK`: two tiles of block spreads) and the state passes' whole V = 128 as one tile
-    # (`PASS_MAX_BV`, with PASS_MIN_PROGRAMS low enough to keep it). Outputs and gradients still match the oracle.
+    # (`PASS_MAX_BV`, with PASS_MIN_PROGRAMS low enough to keep it); the Gram gradients' fast path over the
+    # chunk's rows in 2 parts (`GRADS_ROW_SPLIT`; 4 asked at chunk 32 gives 2: parts of 16 rows at least), then
+    # in 4 at chunk 64. Outputs and gradients still match the oracle.
     from lineattn.ops.pallas import chunk_bwd, chunk_fwd
     for name in ("WY_BT", "CHUNK_GRADS_BK", "CHUNK_GRADS_BV"):
         monkeypatch.setattr(chunk_bwd, name, 16)
+    monkeypatch.setattr(chunk_bwd, "GRADS_ROW_SPLIT", 4)
     _compare("kda", make_inputs("kda", B=1, T=80, H=2, K=32, V=64, seed=19))
+    _compare("kda", make_inputs("kda", B=1, T=80, H=2, K=32, V=32, seed=21), chunk_size=64)
     monkeypatch.setattr(chunk_fwd, "CUMSUM_BK", 16)
     monkeypatch.setattr(chunk_fwd, "PASS_MAX_BV", 128)
     monkeypatch.setattr(chunk_fwd, "PASS_MIN_PROGRAMS", 1)

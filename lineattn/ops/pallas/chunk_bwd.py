@@ -67,6 +67,10 @@ GRADS_BK = 128
 # turn, each side over its triangle: 5.87 / 3.85 / 2.68 ms with 2 / 4 / 8 warps in run15b; removed. Two programs
 # per 16-row block over halves of K: 1.815 + 0.111 ms against 1.717 + 0.057 in run16a; removed.)
 GRADS_SPLIT = True
+# GRADS_ROW_SPLIT: the parts in which the fast path contracts over the chunk's rows (1: the whole [C, K tile]
+# operands at once). Nsight Compute, H200, 8 x 4096 (run17a): with 1, the Gram-gradient kernel used 255 registers
+# a thread and spilled (19.4 M local-memory requests), 2 blocks of 4 warps an SM.
+GRADS_ROW_SPLIT = 1
 GRADS_SCALAR_WARPS = 4  # the scalar-gate Gram gradients (`gram_grads_scalar`; run9a, GDN 8 x 4096: 1.58 ms)
 # dq, dk and dG are formed inside the Gram-gradient kernel, row by row, and `_dg_kernel` takes dg's reverse
 # cumsum. (A separate combine kernel reading four fp32 Gram gradients back was slower on the H200, run8a: 1.62 +
@@ -153,15 +157,25 @@ def _pass_setup(terms: ChunkTerms, block_v, nseg):
 
 def _gram_grad_fast(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, *, scale, prec):
     """The fast path for the 16-row block at r0 and channels d: (dXq, dXk, dKq, dKk) as [16, |d|] values (dXq
-    with respect to scale * q)."""
+    with respect to scale * q). Both sides contract over the chunk's rows, in GRADS_ROW_SPLIT parts (each part's
+    [C / split, |d|] operands live only while its products run)."""
     blk = pl.ds(r0, SUB)
-    Gr, Ga, G = G_ref[pl.ds(r0 + SUB // 2, 1), d], G_ref[blk, d], G_ref[:, d]
-    kc = keys_toward(k_ref[:, d], G, Gr)
-    up = jnp.exp(jnp.minimum(G - Gr, LIMIT))
+    C = k_ref.shape[0]
+    Gr, Ga = G_ref[pl.ds(r0 + SUB // 2, 1), d], G_ref[blk, d]
+    parts = max(1, min(GRADS_ROW_SPLIT, C // SUB))  # (parts of 16 rows at least: the tensor cores' unit)
+    n = C // parts
+    xq, xk, kq, kk = (jnp.zeros((SUB, Ga.shape[1]), f32) for _ in range(4))
+    for part in range(parts):
+        rows = pl.ds(part * n, n)
+        G = G_ref[rows, d]
+        kc = keys_toward(k_ref[rows, d], G, Gr)
+        xq = xq + dot(dm_ref[blk, rows], kc, prec)
+        xk = xk + dot(dkk_ref[blk, rows], kc, prec)
+        up = jnp.exp(jnp.minimum(G - Gr, LIMIT))
+        kq = kq + dot(dm_ref[rows, blk], q_ref[rows, d].astype(f32) * (scale * up), prec, trans_a=True)
+        kk = kk + dot(dkk_ref[rows, blk], k_ref[rows, d].astype(f32) * up, prec, trans_a=True)
     row, col = jnp.exp(Ga - Gr), jnp.exp(Gr - Ga)
-    return (row * dot(dm_ref[blk, :], kc, prec), row * dot(dkk_ref[blk, :], kc, prec),
-            col * dot(dm_ref[:, blk], q_ref[:, d].astype(f32) * (scale * up), prec, trans_a=True),
-            col * dot(dkk_ref[:, blk], k_ref[:, d].astype(f32) * up, prec, trans_a=True))
+    return row * xq, row * xk, col * kq, col * kk
 
 
 def _exact_operands(dm_ref, dkk_ref, r0):
