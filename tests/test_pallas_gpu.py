@@ -91,8 +91,7 @@ def test_pallas_mosaic_state_passes_head_dim_128(rule):
 
 
 @pytest.mark.parametrize("B,v_fastest,variant", [(8, False, {}), (64, False, {}), (64, True, {}),
-                                                 (64, True, dict(readout="updated")),
-                                                 (64, True, dict(readout="folded"))])
+                                                 (64, True, dict(readout="updated"))])
 def test_decode_step_head_dim_128(B, v_fastest, variant):
     # B = 8: 64 programs, V tile 32; B = 64: V tile 64 (the large-batch default), also with the V tiles first, and
     # with o read from the updated state.

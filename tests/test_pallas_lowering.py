@@ -77,8 +77,7 @@ def test_segmented_state_passes_lower_for_sm90(fake_h200, monkeypatch):
     assert text.count("__gpu$xla.gpu.triton") == 5 + 7 + 1
 
 
-@pytest.mark.parametrize("v_fastest,variant", [(False, {}), (True, {}), (True, dict(readout="updated")),
-                                               (True, dict(readout="folded"))])
+@pytest.mark.parametrize("v_fastest,variant", [(False, {}), (True, {}), (True, dict(readout="updated"))])
 def test_decode_kernel_lowers_for_sm90(fake_h200, v_fastest, variant):
     B, T, H, K, V = 4, 2, 2, 128, 128
     args = (S((B, T, H, K), jnp.bfloat16), S((B, T, H, K), jnp.bfloat16), S((B, T, H, V), jnp.bfloat16),
