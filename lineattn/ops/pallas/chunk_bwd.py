@@ -553,15 +553,16 @@ def _chunk_grads_kernel(e_ref, s0_ref, ds_ref, do_ref, du_ref, dqin_ref, dm_ref,
         dd = jnp.zeros((bk,), f32)
         for c in range(V // bv):
             e = pl.ds(c * bv, bv)
-            dO, E = do_ref[:, e].astype(f32), e_ref[:, e].astype(f32)
-            S0, dS = s0_ref[d, e].astype(f32), ds_ref[d, e].astype(f32)
+            # in their stored dtype (bf16 for bf16 inputs): the products take them so, and fp32 copies of the
+            # four [C, bv] / [bk, bv] tiles spilled registers (run17b)
+            dO, E, S0, dS = do_ref[:, e], e_ref[:, e], s0_ref[d, e], ds_ref[d, e]
             if t == 0:
                 dM = dM + dot(dO, E, prec, trans_b=True)
             dqin = dqin + dot(dO, S0, prec, trans_b=True)
             dkg = dkg + dot(E, dS, prec, trans_b=True)
             if delta:
                 dw = dw - dot(du_ref[:, e], S0, prec, trans_b=True)
-            dd = dd + jnp.sum(S0 * dS, axis=1)
+            dd = dd + jnp.sum(S0.astype(f32) * dS.astype(f32), axis=1)
         dqin_ref[:, d] = dqin.astype(dqin_ref.dtype)
         dkg_ref[:, d] = dkg.astype(dkg_ref.dtype)
         if delta:
