@@ -54,8 +54,10 @@ GRADS_WARPS, WY_WARPS, CHUNK_GRADS_WARPS, DG_BK = 4, 4, 4, 64
 # Column tiles: the WY backward's V and K tiles, the chunk gradients' K and V tiles (capped at K and V). H200,
 # 8 x 4096, K = V = 128 (run12d): WY backward 0.64 ms with 128 against 0.75 with 64; chunk gradients 0.56 with a
 # V tile of 128 against 0.64 with 64 and 0.99 with 32, 0.98 with a K tile of 128; o and the five gradients'
-# errors against the fp32 XLA chunk form unchanged to two digits in each.
-WY_BT, CHUNK_GRADS_BK, CHUNK_GRADS_BV = 128, 64, 128
+# errors against the fp32 XLA chunk form unchanged to two digits in each. Run17b-c (after the chunk gradients kept
+# their loads in bf16): WY backward 0.517 ms with 64 against 0.553 with 128 (Nsight Compute: 0.2 M local-memory
+# spill requests against 5.0 M, 255 registers either way); chunk gradients 0.644 with a V tile of 64 against 0.568.
+WY_BT, CHUNK_GRADS_BK, CHUNK_GRADS_BV = 64, 64, 128
 # The Gram gradients' K tile (run10b, 8 x 4096: 1.87 ms with 128 against 2.05 with 64 and 3.18 with 32).
 GRADS_BK = 128
 # GRADS_SPLIT: the Gram-gradient kernel without its exact path (every block on the fast path), then a second
@@ -68,8 +70,12 @@ GRADS_BK = 128
 # per 16-row block over halves of K: 1.815 + 0.111 ms against 1.717 + 0.057 in run16a; removed.)
 GRADS_SPLIT = True
 # GRADS_ROW_SPLIT: the parts in which the fast path contracts over the chunk's rows (1: the whole [C, K tile]
-# operands at once). Nsight Compute, H200, 8 x 4096 (run17a): with 1, the Gram-gradient kernel used 255 registers
-# a thread and spilled (19.4 M local-memory requests), 2 blocks of 4 warps an SM.
+# operands at once). Nsight Compute, H200, 8 x 4096: the kernel as it was (run17a; each side's operands formed
+# before any product) used 255 registers a thread, spilled 19.4 M local-memory requests and took 1.70 ms; with the
+# row side's products before the column side's operands (this code, run17b) 7.3 M and 1.59 ms; in 2 parts no
+# spills but 1.61 ms, in 4 parts 1.92, in 2 parts with 8 warps (GRADS_WARPS) 128 registers, 1.58 ms (all 2 blocks
+# an SM). Profiler (run17c, kernel time): 1.601 ms with 1 part against 1.717 before (run16a), 1.615 with 2 parts,
+# 1.589 with 2 parts on 8 warps but its exact-path kernel 0.112 against 0.057.
 GRADS_ROW_SPLIT = 1
 GRADS_SCALAR_WARPS = 4  # the scalar-gate Gram gradients (`gram_grads_scalar`; run9a, GDN 8 x 4096: 1.58 ms)
 # dq, dk and dG are formed inside the Gram-gradient kernel, row by row, and `_dg_kernel` takes dg's reverse
