@@ -233,42 +233,51 @@ def _gram_bwd_kernel(*refs, C, scale, prec, bk, delta=True, paths="both"):
     dKin [16, K], the outputs dq, dk (the inputs' layout), dG [16, K] and the block's column sum of Kg * dKg
     [1, K] (`_combine_rows`; `_dg_kernel` then takes the in-chunk reverse cumsum). paths: "both" (the fast path
     where the block's spread allows it, else the exact one), "fast" (the fast path only), or "exact" (the exact
-    path, only in the chunks flagged by a leading flag ref, the outputs aliased to four trailing inputs)."""
+    path, one program per chunk, only in the chunks flagged by a leading flag ref, the outputs aliased to four
+    trailing inputs)."""
     if paths == "exact":
         flag_ref, *refs = refs
         refs = refs[:8] + refs[12:]  # (the aliased outputs' input copies are not read)
     q_ref, k_ref, G_ref, dm_ref, dkk_ref, dqin_ref, dkg_ref, dkin_ref, dq_ref, dk_ref, dG_ref, r_ref = refs
     s = SUB
-    a = pl.program_id(2) % (C // s)
-    r0 = a * s
     K = k_ref.shape[-1]
-    blk = pl.ds(r0, s)
 
-    def emit(d, xq, xk, kq, kk):
-        q, k, G = q_ref[blk, d].astype(f32), k_ref[blk, d].astype(f32), G_ref[blk, d]
-        dkin = dkin_ref[:, d] if delta else None
-        dq, dk, dG, kg_dkg = _combine_rows(q, k, G, G_ref[pl.ds(C - 1, 1), d], dqin_ref[:, d], dkg_ref[:, d],
-                                           dkin, xq, xk, kq, kk, scale)
-        dq_ref[:, d] = dq.astype(dq_ref.dtype)
-        dk_ref[:, d] = dk.astype(dk_ref.dtype)
-        dG_ref[:, d] = dG
-        r_ref[:, d] = jnp.sum(kg_dkg, axis=0, keepdims=True)
+    def block(a, o0, path):
+        """16-row block a of the chunk by `path`, its rows at o0 of the row-wise refs (a program's own block: 0;
+        the whole chunk's: a * 16)."""
+        r0 = a * s
+        blk, out = pl.ds(r0, s), pl.ds(o0, s)
 
-    def per_tile(path):
-        def run():
-            for t in range(K // bk):
-                d = pl.ds(t * bk, bk)
-                emit(d, *path(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, scale=scale, prec=prec))
-        return run
+        def emit(d, xq, xk, kq, kk):
+            q, k, G = q_ref[blk, d].astype(f32), k_ref[blk, d].astype(f32), G_ref[blk, d]
+            dkin = dkin_ref[out, d] if delta else None
+            dq, dk, dG, kg_dkg = _combine_rows(q, k, G, G_ref[pl.ds(C - 1, 1), d], dqin_ref[out, d],
+                                               dkg_ref[out, d], dkin, xq, xk, kq, kk, scale)
+            dq_ref[out, d] = dq.astype(dq_ref.dtype)
+            dk_ref[out, d] = dk.astype(dk_ref.dtype)
+            dG_ref[out, d] = dG
+            r_ref[pl.ds(o0 // s, 1), d] = jnp.sum(kg_dkg, axis=0, keepdims=True)
 
-    if paths == "exact":
-        pl.when(jnp.max(flag_ref[...]) > 0.0)(per_tile(_gram_grad_exact_loop))
-    elif paths == "fast":
-        per_tile(_gram_grad_fast)()
+        for t in range(K // bk):
+            d = pl.ds(t * bk, bk)
+            emit(d, *path(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, scale=scale, prec=prec))
+
+    if paths == "exact":  # one program per chunk: its four blocks in turn, where the chunk is flagged
+        def each_block(a, carry):
+            block(a, a * s, _gram_grad_exact_loop)
+            return carry
+
+        @pl.when(jnp.max(flag_ref[...]) > 0.0)
+        def _():
+            jax.lax.fori_loop(0, C // s, each_block, 0)
+        return
+    a = pl.program_id(2) % (C // s)
+    if paths == "fast":
+        block(a, 0, _gram_grad_fast)
     else:
-        spread = _gram_block_spread(G_ref, r0, K, bk)
-        pl.when(spread <= LIMIT)(per_tile(_gram_grad_fast))
-        pl.when(spread > LIMIT)(per_tile(_gram_grad_exact_loop))
+        spread = _gram_block_spread(G_ref, a * s, K, bk)
+        pl.when(spread <= LIMIT)(lambda: block(a, 0, _gram_grad_fast))
+        pl.when(spread > LIMIT)(lambda: block(a, 0, _gram_grad_exact_loop))
 
 
 def gram_grads_fused(q, k, G, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, interpret, warps=4, bk=64, delta=True,
@@ -291,20 +300,26 @@ def gram_grads_fused(q, k, G, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, inte
     in_specs = [chunk_tok(K), chunk_tok(K), chunk_tok(K), chunk_mat, chunk_mat, rows, rows, rows]
     args = (q, k, G, dM, dKK, dQin, dKg, dKin)
 
-    def call(paths, name, flags=None, fast=()):
+    def call(paths, name, in_specs, out_specs, grid, flags=None, fast=()):
         """The kernel with `paths`; for "exact": the chunk flags first and the fast outputs last (aliased)."""
-        lead = [] if flags is None else [pl.BlockSpec((None, None, None, nb), lambda b, h, i: (b, h, i // nb, 0))]
         return pl.pallas_call(
             functools.partial(_gram_bwd_kernel, C=C, scale=scale, prec=prec, bk=min(bk, K), delta=delta, paths=paths),
-            grid=(B, H, N * nb), in_specs=lead + in_specs + (out_specs if fast else []), out_specs=out_specs,
-            out_shape=out_shape, input_output_aliases={9 + i: i for i in range(len(fast))}, interpret=interpret,
-            name=name, compiler_params=compiler_params(num_warps=warps, num_stages=1),
+            grid=grid, in_specs=in_specs + (out_specs if fast else []), out_specs=out_specs, out_shape=out_shape,
+            input_output_aliases={9 + i: i for i in range(len(fast))}, interpret=interpret, name=name,
+            compiler_params=compiler_params(num_warps=warps, num_stages=1),
         )(*([] if flags is None else [flags]), *args, *fast)
 
     if spreads is None:
-        return call("both", "lineattn_gram_bwd_combine")
-    fast = call("fast", "lineattn_gram_bwd_combine")
-    return call("exact", "lineattn_gram_bwd_exact", chunk_fwd.chunk_flags(spreads, nb), fast)
+        return call("both", "lineattn_gram_bwd_combine", in_specs, out_specs, (B, H, N * nb))
+    fast = call("fast", "lineattn_gram_bwd_combine", in_specs, out_specs, (B, H, N * nb))
+    # the exact path over whole chunks (4x fewer programs, most of which only read their flag): chunk-sized blocks
+    tok = pl.BlockSpec((None, C, None, K), lambda b, h, n: (b, n, h, 0))
+    chunk = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
+    exact_in = [pl.BlockSpec((None, None, None, nb), lambda b, h, n: (b, h, n, 0)), tok, tok, tok, chunk(C),
+                chunk(C), chunk(K), chunk(K), chunk(K)]
+    exact_out = [tok, tok, chunk(K), pl.BlockSpec((None, None, nb, K), lambda b, h, n: (b, h, n, 0))]
+    return call("exact", "lineattn_gram_bwd_exact", exact_in, exact_out, (B, H, N),
+                chunk_fwd.chunk_flags(spreads, nb), fast)
 
 
 def _gram_scalar_bwd_kernel(q_ref, k_ref, g_ref, dm_ref, dkk_ref, dqin_ref, dkg_ref, dkin_ref, dq_ref, dk_ref, dG_ref,
