@@ -28,6 +28,10 @@
 #   were no faster (removed). Run16c/f: a Mosaic GPU decode kernel (CTAs streaming tiles through a TMA pipeline)
 #   reached 3.59 TB/s at best against Triton's 3.77 (removed; history 0f60cc7): one warpgroup's compute per tile
 #   (reductions over K across its 4 warps) is not hidden behind the copies.
+#   Run17 (session 15): Nsight Compute reads the counters here: NCU=1 [NCU_KERNELS=regex] [NCU_SECTIONS="--section
+#   ..."] PROFILE_ARGS="--impls lineattn,jla --configs 'default;chunk_bwd.WY_BT=64' --decode 256" wraps
+#   profile_pallas_kda.py --ncu (registers, occupancy, spills, DRAM throughput per kernel into ncu.log). It showed the
+#   backward's Triton kernels spilling at 255 registers; the fixes took fwd+bwd to 0.84x jla at 8 x 4096 (run17d).
 #   The long GPU tests take ~30 s each (19 of them): a subset fits a call beside a bench part, e.g.
 #     TEST_TIMEOUT=200 TESTS_K="long_bf16 and default" SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
 #   A/B wall clock of settings, interleaved (not through this script): PYTHONPATH=$PWD python3
