@@ -64,7 +64,9 @@ if [ -n "${NCU:-}" ]; then  # Nsight Compute's counters for each kernel (NCU_KER
     --launch-count ${NCU_COUNT:-60} ${NCU_SECTIONS:---section SpeedOfLight --section Occupancy --section LaunchStats \
     --section WarpStateStats --section MemoryWorkloadAnalysis} \
     python3 benchmarks/profile_pallas_kda.py --out $OUT --ncu ${PROFILE_ARGS:-} > $OUT/ncu.log 2>&1
-  echo "ncu rc=$?"; grep -E "^  [a-z_]+.*\(|Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Memory Throughput|Shared Memory Configuration Size|Dynamic Shared|Static Shared|Stall|ncu:" $OUT/ncu.log | cut -c1-160 | head -400
+  echo "ncu rc=$?"
+  keys="^  [a-z_]+.*\(|Duration|Registers Per|Occupancy  |Block Limit|Memory Throughput|Shared Memory Per|Spilling|ncu:"
+  grep -E "$keys" $OUT/ncu.log | cut -c1-160 | head -400
   exit 0
 fi
 if [ -n "${PROFILE:-}" ]; then  # per-kernel device times from a profiler trace (PROFILE_ARGS: its flags)
