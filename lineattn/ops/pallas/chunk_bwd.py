@@ -75,7 +75,8 @@ GRADS_SPLIT = True
 # row side's products before the column side's operands (this code, run17b) 7.3 M and 1.59 ms; in 2 parts no
 # spills but 1.61 ms, in 4 parts 1.92, in 2 parts with 8 warps (GRADS_WARPS) 128 registers, 1.58 ms (all 2 blocks
 # an SM). Profiler (run17c, kernel time): 1.601 ms with 1 part against 1.717 before (run16a), 1.615 with 2 parts,
-# 1.589 with 2 parts on 8 warps but its exact-path kernel 0.112 against 0.057.
+# 1.589 with 2 parts on 8 warps but its exact-path kernel 0.112 against 0.057; with the exact path on one program
+# per chunk (run17e) 1.586 (exact 0.017) against 1.573 (exact 0.032), fwd+bwd 4.831 against 4.838 ms.
 GRADS_ROW_SPLIT = 1
 GRADS_SCALAR_WARPS = 4  # the scalar-gate Gram gradients (`gram_grads_scalar`; run9a, GDN 8 x 4096: 1.58 ms)
 # dq, dk and dG are formed inside the Gram-gradient kernel, row by row, and `_dg_kernel` takes dg's reverse
