@@ -13,9 +13,10 @@ Kernels named by lineattn (`name=` of its `pallas_call`s: `lineattn_chunk_gram`,
 transposes, sums) appear under their own names. Writes
 <out>/<date>-h200-kda-profile.json: {impl: {mode: {"per_call_ms": {kernel: ms}, "total_ms": ..., "wall_ms": ...,
 "idle_before_ms": {kernel: ms the stream stood idle just before it, per call}, "idle_ms": ...}}}.
---ncu runs each implementation's forward and forward+backward once (each of --configs for lineattn; and with --decode B one decode step of B
-requests: lineattn's kernel with each --readouts and FLA's `fused_recurrent_kda`), with no trace and no JSON, for
-Nsight Compute to read the kernels' counters: `NCU=1 bash benchmarks/h200_issue2.sh` wraps it in `ncu`.
+--ncu runs each implementation's forward and forward+backward once (each of --configs for lineattn; and with --decode
+B one decode step of B requests: lineattn's kernel with each --readouts and FLA's `fused_recurrent_kda`), with no
+trace and no JSON, for Nsight Compute to read the kernels' counters: `NCU=1 bash benchmarks/h200_issue2.sh` wraps it
+in `ncu`.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def main():
     p.add_argument("--ncu", action="store_true", help="run each mode once, for Nsight Compute (see above)")
     p.add_argument("--decode", type=int, default=0, help="with --ncu: also one decode step of this batch")
     p.add_argument("--modes", default="fwd,fwdbwd", help="with --ncu: the modes run")
-    p.add_argument("--readouts", default="decayed,folded", help="with --decode: the decode kernel's read-outs")
+    p.add_argument("--readouts", default="decayed,updated", help="with --decode: the decode kernel's read-outs")
     a = p.parse_args()
     if a.ncu:
         return run_once_for_ncu(a)
