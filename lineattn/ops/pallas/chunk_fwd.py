@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from lineattn.ops.pallas.common import SUB, compiler_params, dot, hopper, interpret_mode, is_pow2
-from lineattn.ops.pallas import segments, solve_mgpu, state_mgpu
+from lineattn.ops.pallas import gram_mgpu, segments, solve_mgpu, state_mgpu
 
 f32 = jnp.float32
 
@@ -374,13 +374,24 @@ SOLVE_IMPL = "auto"
 # writing Kin = Diag(beta) k e^G in bf16 for the Mosaic solve to read in place of k and G (48 KB of SMEM a CTA
 # instead of 80): solve 0.372 against 0.415 but Gram 0.834 against 0.786, the forward 1.602 against 1.595: both
 # removed.)
+# "mosaic": `gram_mgpu.gram_solve_mosaic`, the Gram and solve stages fused in one Mosaic GPU kernel (Hopper; bf16
+# inputs, chunk 64, K and V multiples of 64) with the same fix-ups, `gram_exact_chunks` and `solve_flagged`; opt-in:
+# H200, 8 x 4096 (run18a-e), 2.66 ms against 0.79 + 0.41 for the Gram kernel and the Mosaic solve (8.3 ms at first:
+# 206 M register spills; 3.6 with channel tiles of 64; 2.66 with a loop over the row blocks), errors unchanged.
 GRAM_IMPL = "triton-fast"
 
 
 def split_gram(scalar: bool, delta: bool) -> bool:
-    """Whether the Gram stage is split, GRAM_IMPL "triton-fast" (its gate cumsum then also writes the block
-    spreads; the backward's cumsum asks for them too, so that XLA merges the two identical calls)."""
-    return GRAM_IMPL == "triton-fast" and not scalar and delta
+    """Whether the Gram stage takes the fast path everywhere and a fix-up after it, GRAM_IMPL "triton-fast" or
+    "mosaic" (its gate cumsum then also writes the block spreads; the backward's cumsum asks for them too, so that
+    XLA merges the two identical calls)."""
+    return GRAM_IMPL in ("triton-fast", "mosaic") and not scalar and delta
+
+
+def mosaic_gram(scalar: bool, delta: bool, exact: bool) -> bool:
+    """Whether the Gram and solve stages run fused as `gram_mgpu.gram_solve_mosaic` (GRAM_IMPL "mosaic"; it raises a
+    ValueError where the shapes or dtypes do not fit)."""
+    return GRAM_IMPL == "mosaic" and not scalar and delta and not exact
 
 
 def mosaic_solve(exact: bool, C: int, K: int, V: int, interpret: bool) -> bool:
@@ -443,6 +454,37 @@ def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, 
     )(A, k, v, G, beta)
 
 
+def _solve_flagged_kernel(flag_ref, a_ref, k_ref, v_ref, G_ref, beta_ref, *refs, C, prec, inv_prec):
+    """`_solve_full_kernel` (kk) on the flagged chunks only; the others keep their W, U (and R): aliased inputs."""
+    refs = refs[len(refs) // 2:]  # (the aliased inputs W, U (R), then the outputs)
+
+    @pl.when(jnp.max(flag_ref[...]) > 0.0)
+    def _():
+        _solve_full_kernel(a_ref, k_ref, v_ref, G_ref, beta_ref, *refs, C=C, prec=prec, inv_prec=inv_prec, kk=True)
+
+
+def solve_flagged(spreads, KK, k, v, G, beta, w, u, *r, C, interpret):
+    """W, U (and R when given) with the chunks that hold a 16-row block of spread > LIMIT (`chunk_flags`) solved
+    again from KK (the unscaled key Gram that `gram_exact_chunks` rewrote there), as `solve_full` at the Mosaic
+    kernels' precisions (bf16x3 doubling, bf16 W, U)."""
+    B, Tp, H, K = k.shape
+    V, N, nb = v.shape[-1], Tp // C, C // SUB
+    tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
+    mat = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
+    outs = [w, u, *r]
+    return pl.pallas_call(
+        functools.partial(_solve_flagged_kernel, C=C, prec=UW_PREC, inv_prec=SOLVE_PREC),
+        grid=(B, H, N),
+        in_specs=[pl.BlockSpec((None, None, None, nb), lambda b, h, n: (b, h, n, 0)), mat(C), tok(K), tok(V), tok(K),
+                  pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h)), mat(K), mat(V)] + [mat(C)] * len(r),
+        out_specs=[mat(K), mat(V)] + [mat(C)] * len(r),
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in outs],
+        input_output_aliases={6 + n: n for n in range(len(outs))},
+        compiler_params=compiler_params(num_warps=SOLVE_WARPS, num_stages=1),
+        interpret=interpret, name="lineattn_chunk_solve_flagged",
+    )(chunk_flags(spreads, nb), KK, k, v, G, beta, *outs)
+
+
 def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, save=False, scalar=False):
     """The intra-chunk stage's outputs (qin, kg, w, u, m, e^(G_C) as [B, H, K, N]): the gate-cumsum kernel, the
     Gram rows (or `gram_scalar`) and the whole-chunk solve. save: also the unscaled key Gram KK and
@@ -453,6 +495,13 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     split = split_gram(scalar, delta)
     G, dend, *spreads = gate_cumsum(g, C=C, K=K, interpret=interpret, spreads=split)
     gram_beta = jnp.ones_like(beta) if save else beta
+    if mosaic_gram(scalar, delta, exact):  # Gram and solve in one kernel, then the flagged chunks exactly
+        m, KK, qin, kg, w, u, *R = gram_mgpu.gram_solve_mosaic(q, k, v, G, beta, C=C, scale=scale, save=save,
+                                                               interpret=interpret)
+        m, KK = gram_exact_chunks(spreads[0], q, k, G, jnp.ones_like(beta), m, KK, C=C, scale=scale,
+                                  interpret=interpret, prec=GRAM_PREC)
+        w, u, *R = solve_flagged(spreads[0], KK, k, v, G, beta, w, u, *R, C=C, interpret=interpret)
+        return (qin, kg, w, u, m, dend) + ((KK, R[0]) if save else ())
     if split:
         m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=prec if exact else GRAM_PREC,
                                   delta=True, warps=warps, interpret=interpret, bk=GRAM_BK, fast_only=True)
@@ -556,7 +605,7 @@ def pick_block_v(programs: int, V: int) -> int:
 def _constants():
     """The module constants (upper-case names) of the modules the forward reads when traced, every one of them, so
     that none set later is missed; and whether the device is a Hopper GPU (which `mosaic_solve` asks)."""
-    modules = (sys.modules[__name__], solve_mgpu, state_mgpu, segments)
+    modules = (sys.modules[__name__], gram_mgpu, solve_mgpu, state_mgpu, segments)
     return tuple((name, value) for module in modules for name, value in sorted(vars(module).items())
                  if name.isupper() and isinstance(value, (bool, int, float, str, tuple))) + (hopper(),)
 

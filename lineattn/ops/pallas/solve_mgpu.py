@@ -60,6 +60,9 @@ def _split(x):
 # stores, 16 KB less SMEM); the Mosaic GPU interpreter takes SMEM operands only, so on the CPU they are staged
 # through SMEM either way (read when a call is traced). H200, 8 x 4096 x 16 x 128 (run11a): 0.415 ms against 0.471.
 LHS_REGS = True
+# DOUBLING_LOOP: the doubling's levels in a `fori_loop` (a smaller kernel) instead of unrolled; not yet timed on a GPU
+# (the fused Gram + solve kernel's warps stalled on instruction fetches, run18d). Read when a call is traced.
+DOUBLING_LOOP = False
 
 
 def _product(lhs, rhs, bufs, regs: bool):
@@ -82,6 +85,54 @@ def _product(lhs, rhs, bufs, regs: bool):
         return acc[...]
 
     return pl.run_scoped(scoped, plgpu.ACC((lhs.shape[0], rhs.shape[1]), f32))
+
+
+def operand_buffers(C: int, regs: bool):
+    """The doubling's bf16 [C, C] SMEM operand buffers (`_product`'s bufs): two with regs, else four."""
+    return [_smem((C, C), bf16) for _ in range(2 if regs else 4)]
+
+
+def invert_and_apply(A_, outs, sq, regs: bool, before_apply=None):
+    """R = (I + A)^-1 for a strictly lower [C, C] fp32 A_ (registers, WGMMA layout) by block doubling
+    (X_2b = X_b - X_b A_b X_b, A_b: A inside the diagonal blocks of 2b, off those of b; the products bf16x3), then
+    R x for each bf16 SMEM tile x [C, D] in outs (e.g. k and v for W and U) on the tensor cores, written back in
+    place. sq: `operand_buffers`; before_apply: called just before those products (e.g. to finish forming v).
+    Returns R (fp32 registers)."""
+    C = A_.shape[0]
+    i = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=_WG)
+    j = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=_WG)
+    zero = jnp.zeros((C, C), f32)
+    X = jnp.where(i == j, 1.0, jnp.where(((i >> 1) == (j >> 1)) & (i != j), -A_, zero))
+    if DOUBLING_LOOP:  # (i, j in one block of 2b and in two blocks of b: b <= (i ^ j) < 2b, b traced)
+        def level(n, X):
+            b = jnp.left_shift(jnp.int32(1), n)
+            A_b = jnp.where(((i ^ j) >= b) & ((i ^ j) < 2 * b), A_, zero)
+            return X - _product(_product(X, A_b, sq, regs), X, sq, regs)
+
+        X = jax.lax.fori_loop(1, C.bit_length() - 1, level, X)
+    else:
+        for shift in range(1, C.bit_length() - 1):
+            A_b = jnp.where(((i >> (shift + 1)) == (j >> (shift + 1))) & ((i >> shift) != (j >> shift)), A_, zero)
+            P = _product(X, A_b, sq, regs)
+            X = X - _product(P, X, sq, regs)
+    if regs:
+        x_op = X.astype(bf16)
+    else:
+        sq[0][...] = X.astype(bf16)
+        x_op = sq[0]
+    if before_apply is not None:
+        before_apply()
+    plgpu.commit_smem()
+
+    def apply(*accs):
+        for acc, x_s in zip(accs, outs):
+            plgpu.wgmma(acc, x_op, x_s)
+        plgpu.wgmma_wait(0)
+        return [acc[...] for acc in accs]
+
+    for x_s, y in zip(outs, pl.run_scoped(apply, *[plgpu.ACC(x_s.shape, f32) for x_s in outs])):
+        x_s[...] = y.astype(bf16)
+    return X
 
 
 def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpret: bool | None = None):
@@ -114,37 +165,7 @@ def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpre
             return A_ * row_bcast(C) if kk else A_
 
         A_ = pl.run_scoped(inputs, _smem((C, C), f32), _smem((C, K), f32))
-        i = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=_WG)
-        j = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=_WG)
-        zero = jnp.zeros((C, C), f32)
-
-        def solve(*sq):  # R by doubling, then W = R k_s, U = R v_s written back into k_s, v_s
-            X = jnp.where(i == j, 1.0, jnp.where(((i >> 1) == (j >> 1)) & (i != j), -A_, zero))
-            shift = 1
-            while (1 << shift) < C:  # X_2b = X_b - X_b A_b X_b (A_b: A inside the diagonal blocks of 2b, off b's)
-                A_b = jnp.where(((i >> (shift + 1)) == (j >> (shift + 1))) & ((i >> shift) != (j >> shift)), A_,
-                                zero)
-                P = _product(X, A_b, sq, regs)
-                X = X - _product(P, X, sq, regs)
-                shift += 1
-            if regs:
-                x_op = X.astype(bf16)
-            else:
-                sq[0][...] = X.astype(bf16)
-                x_op = sq[0]
-            plgpu.commit_smem()
-
-            def wu(acc_w, acc_u):
-                plgpu.wgmma(acc_w, x_op, k_s)
-                plgpu.wgmma(acc_u, x_op, v_s)
-                plgpu.wgmma_wait(0)
-                return acc_w[...], acc_u[...]
-
-            W, U = pl.run_scoped(wu, plgpu.ACC((C, K), f32), plgpu.ACC((C, V), f32))
-            k_s[...], v_s[...] = W.astype(bf16), U.astype(bf16)
-            return X
-
-        X = pl.run_scoped(solve, *[_smem((C, C), bf16) for _ in range(2 if regs else 4)])
+        X = pl.run_scoped(lambda *sq: invert_and_apply(A_, (k_s, v_s), sq, regs), *operand_buffers(C, regs))
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(k_s, w_g.at[b, h, rows])
         plgpu.copy_smem_to_gmem(v_s, u_g.at[b, h, rows])
