@@ -253,7 +253,7 @@ def test_mosaic_gram_solve_matches_the_triton_stages(save, settings):
     G, _ = chunk_fwd.gate_cumsum(-jnp.asarray(rng.uniform(0, 5, (B, Tp, H, K)), jnp.float32), C=C, K=K,
                                  interpret=True)
     beta = jnp.asarray(rng.uniform(0, 1, (B, Tp, H)), jnp.bfloat16)
-    scale = K**-0.5
+    scale, LIMIT = K**-0.5, chunk_fwd.LIMIT
     by_chunk = lambda x: np.asarray(x, np.float64).reshape(B, Tp // C, C, H, K)
     qc, kc, Gc = by_chunk(q), by_chunk(k), by_chunk(G)
     decay = np.exp(Gc[:, :, :, None] - Gc[:, :, None, :])  # [B, N, i, j, H, K]
@@ -261,7 +261,7 @@ def test_mosaic_gram_solve_matches_the_triton_stages(save, settings):
                              * lower).reshape(B, H, Tp, C)
     KK_ref, M_ref = gram(kc, np.tril(np.ones((C, C)), -1)), scale * gram(qc, np.tril(np.ones((C, C))))
     with tuning.override(settings):
-        got = gram_mgpu.gram_solve_mosaic(q, k, v, G, beta, C=C, scale=scale, save=save)
+        got = gram_mgpu.gram_solve_mosaic(q, k, v, G, beta, C=C, scale=scale, save=save, limit=LIMIT)
     keys_split = settings.get("gram_mgpu.KEYS_SPLIT", True)  # (False: the keys in bf16, M and KK 1e-3 apart)
     assert len(got) == 6 + save
     M, KK, qin, kg, w, u = got[:6]
@@ -276,10 +276,11 @@ def test_mosaic_gram_solve_matches_the_triton_stages(save, settings):
     for name, x, y in zip("WUR", got[4:], want):
         assert _rel_rms(x, y) <= (1e-5 if name == "R" else 1e-3), name
     with pytest.raises(ValueError, match="bf16 q, k, v"):
-        gram_mgpu.gram_solve_mosaic(q, k.astype(jnp.float32), v, G, beta, C=C, scale=scale, interpret=True)
+        gram_mgpu.gram_solve_mosaic(q, k.astype(jnp.float32), v, G, beta, C=C, scale=scale, limit=LIMIT,
+                                    interpret=True)
     with pytest.raises(ValueError, match="K, V multiples of 64"):
         gram_mgpu.gram_solve_mosaic(q[..., :32], k[..., :32], v, G[..., :32], beta, C=C, scale=scale,
-                                    interpret=True)
+                                    limit=LIMIT, interpret=True)
 
 
 def test_mosaic_state_pass_matches_the_triton_pass():

@@ -496,8 +496,8 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     G, dend, *spreads = gate_cumsum(g, C=C, K=K, interpret=interpret, spreads=split)
     gram_beta = jnp.ones_like(beta) if save else beta
     if mosaic_gram(scalar, delta, exact):  # Gram and solve in one kernel, then the flagged chunks exactly
-        m, KK, qin, kg, w, u, *R = gram_mgpu.gram_solve_mosaic(q, k, v, G, beta, C=C, scale=scale, save=save,
-                                                               interpret=interpret)
+        m, KK, qin, kg, w, u, *R = gram_mgpu.gram_solve_mosaic(q, k, v, G, beta, C=C, scale=scale, limit=LIMIT,
+                                                               save=save, interpret=interpret)
         m, KK = gram_exact_chunks(spreads[0], q, k, G, jnp.ones_like(beta), m, KK, C=C, scale=scale,
                                   interpret=interpret, prec=GRAM_PREC)
         w, u, *R = solve_flagged(spreads[0], KK, k, v, G, beta, w, u, *R, C=C, interpret=interpret)

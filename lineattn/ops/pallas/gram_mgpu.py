@@ -4,15 +4,19 @@
 One CTA (one warpgroup) per (batch, head, chunk): q, k, G, beta come in by TMA; the gated Gram matrices
     A_ij = k_i . k_j e^(G_i - G_j) (j < i),   M_ij = scale q_i . k_j e^(G_i - G_j) (j <= i)
 by the reference-point trick of `chunk_fwd._gram_products` (each 16-row block a through its middle row r_a, factors
-clamped at e^LIMIT): for each a, the keys toward r_a, R_a = k e^(min(G_ra - G, LIMIT)) (bf16, SMEM) and the rows
-of block a from r_a, L_a = x e^(min(G - G_ra, LIMIT)) (fp32 split into bf16 hi + lo parts, the other rows zero),
+clamped at e^limit): for each a, the keys toward r_a, R_a = k e^(min(G_ra - G, limit)) (bf16 hi + lo parts in
+SMEM, KEYS_SPLIT) and the rows of block a from r_a, L_a = x e^(min(G - G_ra, limit)) (bf16 hi + lo parts in
+registers, the other rows zero),
 accumulate A += (L_a^k) R_a^T and M += (L_a^q) R_a^T on the tensor cores (wgmma takes 64 rows, so each product
 spans the whole chunk with three blocks zero). Then Qin = scale q e^G, Kg = k e^(G_C - G), and the solve of
 `solve_mgpu` on A = Diag(beta) KK: R = (I + A)^-1 by block doubling, W = R Diag(beta) k e^G, U = R Diag(beta) v.
 
-Like GRAM_IMPL "triton-fast", the kernel takes the fast path in every block: the chunks that the gate-cumsum
-kernel flags (a 16-row block spread beyond LIMIT nats) are recomputed exactly afterwards by `gram_exact_chunks`
+Like GRAM_IMPL "triton-fast", the kernel takes the fast path in every block: the chunks that the gate-cumsum kernel
+flags (a 16-row block spread beyond `chunk_fwd.LIMIT` nats) are recomputed exactly afterwards by `gram_exact_chunks`
 and `chunk_fwd.solve_flagged` (KK is written for them: with save for every chunk, else only their rows are read).
+
+Opt-in: exact, but slower than the two kernels it replaces (H200, 8 x 4096 x 16 x 128: 2.66 ms against 0.79 + 0.41,
+run18e; its warps wait on instruction fetches, run18d). Without a GPU it runs in the Mosaic GPU interpreter.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ from lineattn.ops.pallas.solve_mgpu import (_ROW, _copy_in, _interpret_params, _
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 _COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column of a WGMMA-layout array
-LIMIT = 40.0  # as chunk_fwd.LIMIT (the flags that the gate-cumsum kernel writes are against it)
 # LHS_REGS: the Gram products' left operands (the bf16 parts of L_a) from registers; the interpreter takes SMEM
 # operands only (read when a call is traced).
 LHS_REGS = True
@@ -47,11 +50,12 @@ GBK, OVERLAP = 64, False
 LOOP = "blocks"
 
 
-def gram_solve_mosaic(q, k, v, G, beta, *, C, scale, save=False, interpret: bool | None = None):
+def gram_solve_mosaic(q, k, v, G, beta, *, C, scale, limit, save=False, interpret: bool | None = None):
     """(M [B, H, Tp, C], KK [B, H, Tp, C] fp32, Qin, Kg, W [B, H, Tp, K], U [B, H, Tp, V]) and, with save, R
     [B, H, Tp, C] fp32; the bf16 terms in bf16. KK is the unscaled key Gram (strictly lower), written only with
     save. q, k [B, Tp, H, K], v [B, Tp, H, V] bf16, G [B, Tp, H, K] fp32 (in-chunk cumsum), beta [B, Tp, H];
-    chunk 64, K and V multiples of 64."""
+    chunk 64, K and V multiples of 64; limit: the fast path's clamp in nats (`chunk_fwd.LIMIT`, which the flags of
+    the chunks left to the fix-ups are against)."""
     B, Tp, H, K = k.shape
     V, N = v.shape[-1], Tp // C
     if q.dtype != bf16 or k.dtype != bf16 or v.dtype != bf16:
@@ -96,13 +100,13 @@ def gram_solve_mosaic(q, k, v, G, beta, *, C, scale, save=False, interpret: bool
                     # (in this order, few [C, bk] arrays live at once: the keys leave for SMEM first)
                     Gr, G_ = G_row(a, t), _load(G_s.at[t])
                     kf = _load(k_s.at[t]).astype(f32)
-                    keys = kf * jnp.exp(jnp.minimum(Gr - G_, LIMIT))
+                    keys = kf * jnp.exp(jnp.minimum(Gr - G_, limit))
                     keys = _split(keys) if KEYS_SPLIT else (keys.astype(bf16),)
                     if OVERLAP:  # the last block's products on this tile have read its buffers
                         plgpu.wgmma_wait(6 * (nt - 1) if KEYS_SPLIT else 4 * (nt - 1))
                     for buf, part in zip((r_s.at[t], rlo_s.at[t]), keys):
                         buf[...] = part
-                    toward = jnp.where(block == a, jnp.exp(jnp.minimum(G_ - Gr, LIMIT)), 0.0)
+                    toward = jnp.where(block == a, jnp.exp(jnp.minimum(G_ - Gr, limit)), 0.0)
                     parts = (*_split(kf * toward), *_split(_load(q_s.at[t]).astype(f32) * (scale * toward)))
                     if not regs:
                         for p, part in enumerate(parts):
