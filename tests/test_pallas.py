@@ -237,7 +237,8 @@ def test_pallas_with_the_mosaic_solve(gate, setting, kernel, monkeypatch):
 
 
 @pytest.mark.parametrize("save,settings", [(False, {}), (True, {}), (True, {
-    "gram_mgpu.LOOP": "steps", "gram_mgpu.OVERLAP": True, "solve_mgpu.DOUBLING_LOOP": True}), (False, {
+    "gram_mgpu.LOOP": "steps", "gram_mgpu.OVERLAP": True, "solve_mgpu.DOUBLING_LOOP": True,
+    "solve_mgpu.APPROX_MATH": True}), (False, {
     "gram_mgpu.LOOP": "none", "gram_mgpu.KEYS_SPLIT": False})])
 def test_mosaic_gram_solve_matches_the_triton_stages(save, settings):
     # `gram_mgpu.gram_solve_mosaic` (one Mosaic GPU kernel, its interpreter here): two chunks of 64, K = 128 (two

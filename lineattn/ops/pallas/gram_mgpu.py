@@ -28,7 +28,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from lineattn.ops.pallas.common import SUB, interpret_mode
 from lineattn.ops.pallas.solve_mgpu import (_ROW, _copy_in, _interpret_params, _load, _smem, _split,
-                                            invert_and_apply, operand_buffers)
+                                            invert_and_apply, math_params, operand_buffers)
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 _COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column of a WGMMA-layout array
@@ -194,5 +194,6 @@ def gram_solve_mosaic(q, k, v, G, beta, *, C, scale, limit, save=False, interpre
     out = [mat(C, bf16), mat(C, f32), mat(K, bf16), mat(K, bf16), mat(K, bf16), mat(V, bf16)]
     out += [mat(C, f32)] if save else []
     kernel = plgpu.kernel(body, out_type=out, scratch_types=scratch, grid=(B, H, N), grid_names=("b", "h", "n"),
-                          interpret=_interpret_params(interpret), kernel_name="lineattn_gram_solve_mosaic")
+                          interpret=_interpret_params(interpret), compiler_params=math_params(),
+                          kernel_name="lineattn_gram_solve_mosaic")
     return kernel(q, k, v, G, beta_BHT)

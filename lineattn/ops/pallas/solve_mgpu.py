@@ -63,6 +63,15 @@ LHS_REGS = True
 # DOUBLING_LOOP: the doubling's levels in a `fori_loop` (a smaller kernel) instead of unrolled; not yet timed on a GPU
 # (the fused Gram + solve kernel's warps stalled on instruction fetches, run18d). Read when a call is traced.
 DOUBLING_LOOP = False
+# APPROX_MATH: the Mosaic GPU kernels' exps (here e^G of Kin; `gram_mgpu`'s Gram factors) as one multiply and an
+# ex2.approx instead of the accurate expansion (the Triton kernels call libdevice's __nv_expf); fewer instructions,
+# not yet timed (run18d: the fused Gram + solve kernel's warps waited on instruction fetches). Read when traced.
+APPROX_MATH = False
+
+
+def math_params():
+    """The Mosaic GPU compiler parameters for APPROX_MATH."""
+    return plgpu.CompilerParams(approx_math=APPROX_MATH)
 
 
 def _product(lhs, rhs, bufs, regs: bool):
@@ -188,6 +197,6 @@ def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpre
     out += [jax.ShapeDtypeStruct((B, H, Tp, C), f32)] if with_r else []
     regs = LHS_REGS and not interpret_mode(interpret)
     kernel = plgpu.kernel(body, out_type=out, scratch_types=scratch, grid=(B, H, N), grid_names=("b", "h", "n"),
-                          interpret=_interpret_params(interpret),
+                          interpret=_interpret_params(interpret), compiler_params=math_params(),
                           kernel_name="lineattn_solve_mosaic")
     return kernel(A, k, v, G, beta_BHT)
