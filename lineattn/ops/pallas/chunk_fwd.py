@@ -375,9 +375,10 @@ SOLVE_IMPL = "auto"
 # instead of 80): solve 0.372 against 0.415 but Gram 0.834 against 0.786, the forward 1.602 against 1.595: both
 # removed.)
 # "mosaic": `gram_mgpu.gram_solve_mosaic`, the Gram and solve stages fused in one Mosaic GPU kernel (Hopper; bf16
-# inputs, chunk 64, K and V multiples of 64) with the same fix-ups, `gram_exact_chunks` and `solve_flagged`; opt-in:
-# H200, 8 x 4096 (run18a-e), 2.66 ms against 0.79 + 0.41 for the Gram kernel and the Mosaic solve (8.3 ms at first:
-# 206 M register spills; 3.6 with channel tiles of 64; 2.66 with a loop over the row blocks), errors unchanged.
+# inputs, chunk 64, K and V multiples of 64) with the same fix-ups, `gram_exact_chunks` and `solve_full` on the
+# flagged chunks; opt-in: H200, 8 x 4096 (run18a-e), 2.66 ms against 0.79 + 0.41 for the Gram kernel and the Mosaic
+# solve (8.3 ms at first: 206 M register spills; 3.6 with channel tiles of 64; 2.66 with a loop over the row
+# blocks), errors unchanged.
 GRAM_IMPL = "triton-fast"
 
 
@@ -433,56 +434,47 @@ def _solve_full_kernel(a_ref, k_ref, v_ref, G_ref, beta_ref, w_ref, u_ref, *r_re
         r_ref[0][...] = X
 
 
-def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, with_r=False, kk=False):
+def _solve_flagged_kernel(flag_ref, *refs, solve):
+    """`solve` (a `_solve_full_kernel`) on the flagged chunks only; the others keep their W, U (and R): the outputs
+    alias the inputs after A, k, v, G, beta."""
+    outs = refs[5 + (len(refs) - 5) // 2:]
+
+    @pl.when(jnp.max(flag_ref[...]) > 0.0)
+    def _():
+        solve(*refs[:5], *outs)
+
+
+def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, with_r=False, kk=False, flags=None,
+               into=()):
     """W, U [B, H, Tp, .] (and R [B, H, Tp, C] fp32 when with_r) by `_solve_full_kernel`; kk: A is the unscaled
-    key Gram (A = Diag(beta) KK is formed in the kernel)."""
+    key Gram (A = Diag(beta) KK is formed in the kernel). flags [B, H, N, C / 16] (`chunk_flags`): solve the
+    flagged chunks only, the others keeping the values of `into` (W, U and R as returned before), which the outputs
+    alias."""
     B, Tp, H, K = k.shape
     V, N = v.shape[-1], Tp // C
     tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
     chunk_out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
     kernel = functools.partial(_solve_full_kernel, C=C, prec=prec, inv_prec=inv_prec, kk=kk)
+    in_specs = [chunk_out(C), tok(K), tok(V), tok(K), pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))]
+    out_specs = [chunk_out(K), chunk_out(V)] + ([chunk_out(C)] if with_r else [])
+    args, aliases, name = (A, k, v, G, beta), {}, "lineattn_chunk_solve_full"
+    if flags is not None:
+        kernel = functools.partial(_solve_flagged_kernel, solve=kernel)
+        in_specs = [pl.BlockSpec((None, None, None, C // SUB), lambda b, h, n: (b, h, n, 0))] + in_specs + out_specs
+        args, aliases = (flags, *args, *into), {6 + n: n for n in range(len(into))}
+        name = "lineattn_chunk_solve_flagged"
     return pl.pallas_call(
         kernel,
         grid=(B, H, N),
-        in_specs=[chunk_out(C), tok(K), tok(V), tok(K), pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))],
-        out_specs=[chunk_out(K), chunk_out(V)] + ([chunk_out(C)] if with_r else []),
+        in_specs=in_specs,
+        out_specs=out_specs,
         out_shape=[jax.ShapeDtypeStruct((B, H, Tp, K), store), jax.ShapeDtypeStruct((B, H, Tp, V), store)]
         + ([jax.ShapeDtypeStruct((B, H, Tp, C), f32)] if with_r else []),
+        input_output_aliases=aliases,
         compiler_params=compiler_params(num_warps=warps, num_stages=1),
         interpret=interpret,
-        name="lineattn_chunk_solve_full",
-    )(A, k, v, G, beta)
-
-
-def _solve_flagged_kernel(flag_ref, a_ref, k_ref, v_ref, G_ref, beta_ref, *refs, C, prec, inv_prec):
-    """`_solve_full_kernel` (kk) on the flagged chunks only; the others keep their W, U (and R): aliased inputs."""
-    refs = refs[len(refs) // 2:]  # (the aliased inputs W, U (R), then the outputs)
-
-    @pl.when(jnp.max(flag_ref[...]) > 0.0)
-    def _():
-        _solve_full_kernel(a_ref, k_ref, v_ref, G_ref, beta_ref, *refs, C=C, prec=prec, inv_prec=inv_prec, kk=True)
-
-
-def solve_flagged(spreads, KK, k, v, G, beta, w, u, *r, C, interpret):
-    """W, U (and R when given) with the chunks that hold a 16-row block of spread > LIMIT (`chunk_flags`) solved
-    again from KK (the unscaled key Gram that `gram_exact_chunks` rewrote there), as `solve_full` at the Mosaic
-    kernels' precisions (bf16x3 doubling, bf16 W, U)."""
-    B, Tp, H, K = k.shape
-    V, N, nb = v.shape[-1], Tp // C, C // SUB
-    tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
-    mat = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
-    outs = [w, u, *r]
-    return pl.pallas_call(
-        functools.partial(_solve_flagged_kernel, C=C, prec=UW_PREC, inv_prec=SOLVE_PREC),
-        grid=(B, H, N),
-        in_specs=[pl.BlockSpec((None, None, None, nb), lambda b, h, n: (b, h, n, 0)), mat(C), tok(K), tok(V), tok(K),
-                  pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h)), mat(K), mat(V)] + [mat(C)] * len(r),
-        out_specs=[mat(K), mat(V)] + [mat(C)] * len(r),
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in outs],
-        input_output_aliases={6 + n: n for n in range(len(outs))},
-        compiler_params=compiler_params(num_warps=SOLVE_WARPS, num_stages=1),
-        interpret=interpret, name="lineattn_chunk_solve_flagged",
-    )(chunk_flags(spreads, nb), KK, k, v, G, beta, *outs)
+        name=name,
+    )(*args)
 
 
 def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, save=False, scalar=False):
@@ -500,7 +492,9 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
                                                                save=save, interpret=interpret)
         m, KK = gram_exact_chunks(spreads[0], q, k, G, jnp.ones_like(beta), m, KK, C=C, scale=scale,
                                   interpret=interpret, prec=GRAM_PREC)
-        w, u, *R = solve_flagged(spreads[0], KK, k, v, G, beta, w, u, *R, C=C, interpret=interpret)
+        w, u, *R = solve_full(KK, k, v, G, beta, C=C, store=store, prec=UW_PREC, inv_prec=SOLVE_PREC,
+                              warps=SOLVE_WARPS, interpret=interpret, with_r=save, kk=True,
+                              flags=chunk_flags(spreads[0], C // SUB), into=(w, u, *R))
         return (qin, kg, w, u, m, dend) + ((KK, R[0]) if save else ())
     if split:
         m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=prec if exact else GRAM_PREC,

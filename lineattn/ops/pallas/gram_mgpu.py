@@ -13,7 +13,8 @@ spans the whole chunk with three blocks zero). Then Qin = scale q e^G, Kg = k e^
 
 Like GRAM_IMPL "triton-fast", the kernel takes the fast path in every block: the chunks that the gate-cumsum kernel
 flags (a 16-row block spread beyond `chunk_fwd.LIMIT` nats) are recomputed exactly afterwards by `gram_exact_chunks`
-and `chunk_fwd.solve_flagged` (KK is written for them: with save for every chunk, else only their rows are read).
+and `chunk_fwd.solve_full(flags=...)` (KK is written for them: with save for every chunk, else only their rows are
+read).
 
 Opt-in: exact, but slower than the two kernels it replaces (H200, 8 x 4096 x 16 x 128: 2.66 ms against 0.79 + 0.41,
 run18e; its warps wait on instruction fetches, run18d). Without a GPU it runs in the Mosaic GPU interpreter.
