@@ -6,13 +6,14 @@ the same rounded inputs (itself tested against the oracle to 1e-4). Relative RMS
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from conftest import grad_jaxpr, loss_and_grads, make_inputs
 from lineattn import ops
-from lineattn.ops.pallas import tuning
+from lineattn.ops.pallas import common, tuning
 from lineattn.ops.pallas.common import on_gpu
 from lineattn.ops.pallas.decode import decode_step
 
@@ -103,3 +104,24 @@ def test_decode_step_head_dim_128(B, v_fastest, variant):
                                 v_fastest=v_fastest, **variant)
     for got, want in ((o, o_ref), (ht, ht_ref), (states[:, -1], ht_ref)):
         assert _rel_rms(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("fast,interpret", [(True, False), (False, False), (True, True)])
+def test_kernel_exp_against_fp64(fast, interpret):
+    # `common.exp` inside a Triton kernel: with FAST_EXP compiled for the GPU it is PTX's ex2.approx (a multiply's
+    # rounding of x log2(e) included: relative error <= 1e-5 up to e^88); interpreted, or with FAST_EXP off,
+    # jnp.exp. Results below fp32's normal range (x < -87.3) may flush to 0; -inf gives 0.
+    x = np.concatenate([np.linspace(-87.0, 88.0, 1023), [-np.inf]]).astype(np.float32).reshape(8, 128)
+
+    def kernel(x_ref, o_ref, o0_ref):
+        o_ref[...] = common.exp(x_ref[...])
+        o0_ref[...] = jnp.broadcast_to(common.exp(jnp.sum(x_ref[4, :4])), o0_ref.shape)  # (a 0-d x)
+
+    with tuning.override({"common.FAST_EXP": fast}):
+        got, got0 = common.pallas_call(kernel, interpret=interpret, out_shape=(
+            jax.ShapeDtypeStruct(x.shape, jnp.float32), jax.ShapeDtypeStruct((16,), jnp.float32)))(jnp.asarray(x))
+    got, want = np.asarray(got, np.float64), np.exp(x.astype(np.float64))
+    assert got.ravel()[-1] == 0.0
+    assert np.allclose(np.asarray(got0), np.exp(np.sum(x[4, :4], dtype=np.float64)), rtol=1e-5, atol=0)
+    finite = np.isfinite(x)
+    assert np.max(np.abs(got[finite] / want[finite] - 1)) <= 1e-5

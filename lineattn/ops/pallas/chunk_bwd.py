@@ -27,7 +27,7 @@ from lineattn.ops.chunk import ChunkTerms, pad_to_chunks
 from lineattn.ops.pallas import chunk_fwd, state_mgpu
 from lineattn.ops.pallas.chunk_fwd import (LIMIT, _gram_block_spread, _iota, gate_cumsum, gram_rows, keys_toward,
                                            pick_block_v, solve_full)
-from lineattn.ops.pallas.common import SUB, compiler_params, dot, interpret_mode
+from lineattn.ops.pallas.common import SUB, compiler_params, dot, exp, pallas_call, interpret_mode
 from lineattn.ops.pallas.segments import block_specs, chain, pick_segments
 
 f32 = jnp.float32
@@ -178,10 +178,10 @@ def _gram_grad_fast(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, *, scale, prec)
         kc = keys_toward(k_ref[rows, d], G, Gr)
         xq = xq + dot(dm_ref[blk, rows], kc, prec)
         xk = xk + dot(dkk_ref[blk, rows], kc, prec)
-        up = jnp.exp(jnp.minimum(G - Gr, LIMIT))
+        up = exp(jnp.minimum(G - Gr, LIMIT))
         kq = kq + dot(dm_ref[rows, blk], q_ref[rows, d].astype(f32) * (scale * up), prec, trans_a=True)
         kk = kk + dot(dkk_ref[rows, blk], k_ref[rows, d].astype(f32) * up, prec, trans_a=True)
-    row, col = jnp.exp(Ga - Gr), jnp.exp(Gr - Ga)
+    row, col = exp(Ga - Gr), exp(Gr - Ga)
     return row * xq, row * xk, col * kq, col * kk
 
 
@@ -203,10 +203,10 @@ def _gram_grad_exact_loop(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, *, scale,
     dM_off, dKK_off, dMc_off, dKKc_off, dM_d, dKK_d = _exact_operands(dm_ref, dkk_ref, r0)
     Gn, Gm = G_ref[pl.ds(r0, 1), d], G_ref[pl.ds(r0 + s - 1, 1), d]
     Ga, G = G_ref[blk, d], G_ref[:, d]
-    kc = k_ref[:, d].astype(f32) * jnp.exp(jnp.minimum(Gn - G, 0.0))
-    down = jnp.exp(jnp.minimum(G - Gm, 0.0))
-    row = jnp.exp(Ga - Gn)
-    col = jnp.exp(Gm - Ga)
+    kc = k_ref[:, d].astype(f32) * exp(jnp.minimum(Gn - G, 0.0))
+    down = exp(jnp.minimum(G - Gm, 0.0))
+    row = exp(Ga - Gn)
+    col = exp(Gm - Ga)
     xq = row * dot(dM_off, kc, prec)
     xk = row * dot(dKK_off, kc, prec)
     kq = col * dot(dMc_off, q_ref[:, d].astype(f32) * (scale * down), prec, trans_a=True)
@@ -216,10 +216,10 @@ def _gram_grad_exact_loop(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, *, scale,
         xq, xk, kq, kk = acc
         r = pl.ds(r0 + j, 1)
         Gj = G_ref[r, d]
-        e_row = jnp.exp(jnp.where(rows_s1 >= j, Ga - Gj, -jnp.inf)) * k_ref[r, d].astype(f32)  # i >= j
+        e_row = exp(jnp.where(rows_s1 >= j, Ga - Gj, -jnp.inf)) * k_ref[r, d].astype(f32)  # i >= j
         xq = xq + dm_ref[blk, r] * e_row
         xk = xk + dkk_ref[blk, r] * e_row
-        e_col = jnp.exp(jnp.where(rows_s1 <= j, Gj - Ga, -jnp.inf))  # row j against columns <= j
+        e_col = exp(jnp.where(rows_s1 <= j, Gj - Ga, -jnp.inf))  # row j against columns <= j
         wq = jnp.sum(jnp.where(rows_s1 == j, dM_d, 0.0), axis=0)[:, None]  # dP[j, :] as a column
         wk = jnp.sum(jnp.where(rows_s1 == j, dKK_d, 0.0), axis=0)[:, None]
         kq = kq + wq * e_col * (q_ref[r, d].astype(f32) * scale)
@@ -303,7 +303,7 @@ def gram_grads_fused(q, k, G, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, inte
 
     def call(paths, name, in_specs, out_specs, grid, flags=None, fast=()):
         """The kernel with `paths`; for "exact": the chunk flags first and the fast outputs last (aliased)."""
-        return pl.pallas_call(
+        return pallas_call(
             functools.partial(_gram_bwd_kernel, C=C, scale=scale, prec=prec, bk=min(bk, K), delta=delta, paths=paths),
             grid=grid, in_specs=in_specs + (out_specs if fast else []), out_specs=out_specs, out_shape=out_shape,
             input_output_aliases={9 + i: i for i in range(len(fast))}, interpret=interpret, name=name,
@@ -349,7 +349,7 @@ def gram_grads_scalar(q, k, g, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, int
     B, Tp, H, K = q.shape
     tok = pl.BlockSpec((None, C, None, K), lambda b, h, n: (b, n, h, 0))
     chunk = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(_gram_scalar_bwd_kernel, C=C, scale=scale, prec="ieee" if exact else "tf32", delta=delta,
                           bk=min(bk, K)),
         grid=(B, H, Tp // C),
@@ -393,7 +393,7 @@ def _wy_bwd_kernel(r_ref, kk_ref, du_ref, dw_ref, v_ref, k_ref, G_ref, beta_ref,
         dR = dR + dot(dU, beta * v, prec, trans_b=True)
     for t in range(k_ref.shape[-1] // bt):  # the key side: dKin, and dW (bKin)^T into dR
         d = pl.ds(t * bt, bt)
-        dW, kin = dw_ref[:, d], k_ref[:, d].astype(f32) * jnp.exp(G_ref[:, d])
+        dW, kin = dw_ref[:, d], k_ref[:, d].astype(f32) * exp(G_ref[:, d])
         dBk = dot(R, dW, prec, trans_a=True)
         dkin_ref[:, d] = (beta * dBk).astype(dkin_ref.dtype)
         dbeta = dbeta + jnp.sum(dBk * kin, axis=1)
@@ -408,7 +408,7 @@ def _combine_rows(q, k, G, G_end, dQin, dKg, dKin, xq, xk, kq, kk, scale):
     Kg * dKg). dG is the gradient with respect to the in-chunk cumsum G, without the chunk-end term; dKin is None
     for the additive write."""
     dQin, dKg = dQin.astype(f32), dKg.astype(f32)
-    eG, eGk = jnp.exp(G), jnp.exp(G_end - G)
+    eG, eGk = exp(G), exp(G_end - G)
     gq = eG * dQin + xq  # the cotangent of scale * q e^G, through Qin and M
     Kg = k * eGk
     dk = eGk * dKg + kq + xk + kk
@@ -490,7 +490,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     params = compiler_params(num_warps=4, num_stages=1)
     wy_cot = f32 if exact else jnp.dtype(WY_COT_DTYPE)
     if delta:
-        dv, dbeta, dKK, dKin = pl.pallas_call(
+        dv, dbeta, dKK, dKin = pallas_call(
             functools.partial(_wy_bwd_kernel, C=C, prec="ieee" if exact else WY_PREC, bt=min(WY_BT, K, V)),
             grid=(B, H, N),
             in_specs=[chunk(C), chunk(C), chunk(V), chunk(K), tok(V), tok(K), tok(K), tok1],
@@ -518,7 +518,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
                                               warps=grads_warps or GRADS_WARPS, delta=delta, bk=GRADS_BK,
                                               spreads=spreads[0] if grads_split else None)
     nr = kg_dkg.shape[2] // N  # rows of Kg * dKg column sums per chunk (16-row blocks, or 1 per chunk)
-    dg = pl.pallas_call(
+    dg = pallas_call(
         _dg_kernel, grid=(B, H, N, K // bk),
         in_specs=[kchunk, pl.BlockSpec((None, None, nr, bk), lambda b, h, n, t: (b, h, n, t)), kn, kn],
         out_specs=ktok, out_shape=jax.ShapeDtypeStruct((B, Tp, H, K), g.dtype),
@@ -613,7 +613,7 @@ def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None,
     seg_states = lambda D: jax.ShapeDtypeStruct((B, H, nseg, K, D), f32)
 
     def run(kernel, name, stages, in_specs, out_specs, out_shape, *args, grid=grid, **kw):
-        return pl.pallas_call(
+        return pallas_call(
             functools.partial(kernel, C=C, K=K, N=Ns, prec=prec, delta=delta, **kw), grid=grid, in_specs=in_specs,
             out_specs=out_specs, out_shape=out_shape, interpret=interpret, name=name,
             compiler_params=compiler_params(num_warps=PASSES_WARPS, num_stages=stages))(*args)
@@ -655,7 +655,7 @@ def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None,
         dh0 = dS_start[:, :, 0]
     chunk = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
     kv = pl.BlockSpec((None, None, K, V), lambda b, h, n: (b, h, n, 0))
-    dqin, dm, dkg, dw, ddend = pl.pallas_call(
+    dqin, dm, dkg, dw, ddend = pallas_call(
         functools.partial(_chunk_grads_kernel, C=C, prec=prec, delta=delta, bk=min(bk, K), bv=min(bv, V)),
         grid=(B, H, N),
         in_specs=[chunk(V), kv, kv, pl.BlockSpec((None, C, None, V), lambda b, h, n: (b, n, h, 0)), chunk(V)],

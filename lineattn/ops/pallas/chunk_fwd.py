@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lineattn.ops.pallas.common import SUB, compiler_params, dot, hopper, interpret_mode, is_pow2
-from lineattn.ops.pallas import gram_mgpu, segments, solve_mgpu, state_mgpu
+from lineattn.ops.pallas.common import SUB, compiler_params, dot, exp, hopper, interpret_mode, is_pow2, pallas_call
+from lineattn.ops.pallas import common, gram_mgpu, segments, solve_mgpu, state_mgpu
 
 f32 = jnp.float32
 
@@ -84,7 +84,7 @@ def keys_toward(k, G, Gr, limit=LIMIT):
     """Keys k [n, |d|] (rows with in-chunk cumsum G) scaled by e^(min(G_r - G, limit)) toward a reference row's
     G_r [1, |d|]: the clamp keeps every factor <= e^limit (rows after the reference block only meet masked
     entries)."""
-    return k.astype(f32) * jnp.exp(jnp.minimum(Gr - G, limit))
+    return k.astype(f32) * exp(jnp.minimum(Gr - G, limit))
 
 
 def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delta, bk, q0=0):
@@ -96,7 +96,7 @@ def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delt
     for t in range(K // bk):
         d = pl.ds(t * bk, bk)
         Gr = G_ref[pl.ds(ref_row, 1), d]
-        xr = jnp.exp(G_ref[blk, d] - Gr)
+        xr = exp(G_ref[blk, d] - Gr)
         kc = keys_toward(k_ref[:, d], G_ref[:, d], Gr, limit)
         Mx = Mx + dot(q_ref[pl.ds(q0, s), d].astype(f32) * (scale * xr), kc, prec, trans_b=True)
         if delta:
@@ -120,7 +120,7 @@ def _gram_exact(q_ref, k_ref, G_ref, r0, *, scale, prec, delta, bk, q0=0):
 
         def column(j, acc, Ga=Ga, qa=qa, ka=ka, d=d):
             row = pl.ds(r0 + j, 1)
-            kd = k_ref[row, d].astype(f32) * jnp.exp(jnp.where(rows_s1 >= j, Ga - G_ref[row, d], -jnp.inf))
+            kd = k_ref[row, d].astype(f32) * exp(jnp.where(rows_s1 >= j, Ga - G_ref[row, d], -jnp.inf))
             m = jnp.where(cols == r0 + j, acc[0] + jnp.sum(qa * kd, axis=1, keepdims=True), acc[0])
             a = jnp.where(cols == r0 + j, acc[1] + jnp.sum(ka * kd, axis=1, keepdims=True), acc[1]) if delta \
                 else acc[1]
@@ -151,8 +151,8 @@ def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_r
     for t in range(K // bk):
         d = pl.ds(t * bk, bk)
         Ga = G_ref[blk, d]
-        qin_ref[:, d] = (q_ref[:, d].astype(f32) * scale * jnp.exp(Ga)).astype(qin_ref.dtype)
-        kg_ref[:, d] = (k_ref[blk, d].astype(f32) * jnp.exp(G_ref[pl.ds(C - 1, 1), d] - Ga)).astype(kg_ref.dtype)
+        qin_ref[:, d] = (q_ref[:, d].astype(f32) * scale * exp(Ga)).astype(qin_ref.dtype)
+        kg_ref[:, d] = (k_ref[blk, d].astype(f32) * exp(G_ref[pl.ds(C - 1, 1), d] - Ga)).astype(kg_ref.dtype)
     kw = dict(scale=scale, prec=prec, delta=delta, bk=bk)
     fast = lambda: _gram_products(q_ref, k_ref, G_ref, r0, r0 + s // 2, LIMIT, **kw)
     if fast_only:
@@ -179,7 +179,7 @@ def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, 
     sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i, h, 0))
     whole = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
     row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, i, 0))
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(_gram_rows_kernel, C=C, scale=scale, prec=prec, delta=delta, bk=min(bk, K),
                           fast_only=fast_only),
         grid=(B, H, N * nb),
@@ -224,7 +224,7 @@ def gram_exact_chunks(spreads, q, k, G, beta, m, A, *, C, scale, interpret, prec
     flags = chunk_flags(spreads, nb)
     tok = pl.BlockSpec((None, C, None, K), lambda b, h, n: (b, n, h, 0))
     mat = pl.BlockSpec((None, None, C, C), lambda b, h, n: (b, h, n, 0))
-    return pl.pallas_call(
+    return pallas_call(
         functools.partial(_gram_exact_chunk_kernel, C=C, scale=scale, prec=prec, bk=min(bk, K)),
         grid=(B, H, Tp // C),
         in_specs=[pl.BlockSpec((None, None, None, nb), lambda b, h, n: (b, h, n, 0)), tok, tok, tok,
@@ -248,7 +248,7 @@ def scalar_decay(g_ref):
     g = g_ref[...].astype(f32)
     Gs = jnp.cumsum(g)
     C = g.shape[0]
-    decay = jnp.exp(jnp.where(_iota((C, C), 1) <= _iota((C, C), 0), Gs[:, None] - Gs[None, :], -jnp.inf))
+    decay = exp(jnp.where(_iota((C, C), 1) <= _iota((C, C), 0), Gs[:, None] - Gs[None, :], -jnp.inf))
     return Gs[:, None], decay, jnp.sum(g)
 
 
@@ -256,12 +256,12 @@ def _gram_scalar_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg
                         bk):
     i, j = _iota((C, C), 0), _iota((C, C), 1)
     G, decay, G_end = scalar_decay(g_ref)
-    to_end = jnp.exp(G_end - G)
+    to_end = exp(G_end - G)
     QK, KK = jnp.zeros((C, C), f32), jnp.zeros((C, C), f32)
     for t in range(k_ref.shape[-1] // bk):
         d = pl.ds(t * bk, bk)
         q, k = q_ref[:, d], k_ref[:, d]
-        qin_ref[:, d] = (q.astype(f32) * (scale * jnp.exp(G))).astype(qin_ref.dtype)
+        qin_ref[:, d] = (q.astype(f32) * (scale * exp(G))).astype(qin_ref.dtype)
         kg_ref[:, d] = (k.astype(f32) * to_end).astype(kg_ref.dtype)
         QK = QK + dot(q, k, prec, trans_b=True)
         if delta:
@@ -280,7 +280,7 @@ def gram_scalar(q, k, g, beta, *, C, scale, store, exact, delta, interpret, a_dt
     tok = pl.BlockSpec((None, C, None, K), lambda b, h, n: (b, n, h, 0))
     tok1 = pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
     out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
-    return pl.pallas_call(
+    return pallas_call(
         kernel,
         grid=(B, H, Tp // C),
         in_specs=[tok, tok, tok1, tok1],
@@ -299,11 +299,11 @@ def _cumsum_kernel(g_ref, G_ref, dend_ref, *spread_ref):
     g = g_ref[...].astype(f32)
     if g.ndim == 1:  # a gate equal across K: one cumsum, broadcast over the K tile
         G_ref[...] = jnp.broadcast_to(jnp.cumsum(g)[:, None], G_ref.shape)
-        dend_ref[...] = jnp.broadcast_to(jnp.exp(jnp.sum(g)), dend_ref.shape)
+        dend_ref[...] = jnp.broadcast_to(exp(jnp.sum(g)), dend_ref.shape)
         return
     G = jnp.cumsum(g, axis=0)
     G_ref[...] = G
-    dend_ref[...] = jnp.exp(jnp.sum(g, axis=0))
+    dend_ref[...] = exp(jnp.sum(g, axis=0))
     if spread_ref:  # each 16-row block's max |G - G_r| over this K tile (r: the block's middle row)
         rows, nb = _iota(G.shape, 0), G.shape[0] // SUB
         spreads = jnp.zeros((nb,), f32)
@@ -328,7 +328,7 @@ def gate_cumsum(g, *, C, K, interpret, spreads=False):
               else pl.BlockSpec((None, C, None), lambda b, h, n, t: (b, n, h)))
     spread = ([pl.BlockSpec((None, None, None, None, C // SUB), lambda b, h, n, t: (b, h, n, t, 0))],
               [jax.ShapeDtypeStruct((B, H, N, K // bk, C // SUB), f32)]) if spreads else ([], [])
-    return pl.pallas_call(
+    return pallas_call(
         _cumsum_kernel,
         grid=(B, H, N, K // bk),
         in_specs=[g_spec],
@@ -429,7 +429,7 @@ def _solve_full_kernel(a_ref, k_ref, v_ref, G_ref, beta_ref, w_ref, u_ref, *r_re
     A = beta * a_ref[...] if kk else a_ref[...]  # kk: a_ref holds the unscaled key Gram KK (strictly lower)
     X = _invert_unit_lower(A, C, inv_prec)
     u_ref[...] = dot(X, beta * v_ref[...].astype(f32), prec).astype(u_ref.dtype)
-    w_ref[...] = dot(X, beta * k_ref[...].astype(f32) * jnp.exp(G_ref[...]), prec).astype(w_ref.dtype)
+    w_ref[...] = dot(X, beta * k_ref[...].astype(f32) * exp(G_ref[...]), prec).astype(w_ref.dtype)
     if r_ref:
         r_ref[0][...] = X
 
@@ -463,7 +463,7 @@ def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, 
         in_specs = [pl.BlockSpec((None, None, None, C // SUB), lambda b, h, n: (b, h, n, 0))] + in_specs + out_specs
         args, aliases = (flags, *args, *into), {6 + n: n for n in range(len(into))}
         name = "lineattn_chunk_solve_flagged"
-    return pl.pallas_call(
+    return pallas_call(
         kernel,
         grid=(B, H, N),
         in_specs=in_specs,
@@ -599,7 +599,7 @@ def pick_block_v(programs: int, V: int) -> int:
 def _constants():
     """The module constants (upper-case names) of the modules the forward reads when traced, every one of them, so
     that none set later is missed; and whether the device is a Hopper GPU (which `mosaic_solve` asks)."""
-    modules = (sys.modules[__name__], gram_mgpu, solve_mgpu, state_mgpu, segments)
+    modules = (sys.modules[__name__], common, gram_mgpu, solve_mgpu, state_mgpu, segments)
     return tuple((name, value) for module in modules for name, value in sorted(vars(module).items())
                  if name.isupper() and isinstance(value, (bool, int, float, str, tuple))) + (hopper(),)
 
@@ -688,7 +688,7 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     if keep:
         exported = ([per_chunk, vtile],
                     [jax.ShapeDtypeStruct((B, H, N * K, V), kept), jax.ShapeDtypeStruct((B, H, Tp, V), kept)])
-    o, ends, *s0 = pl.pallas_call(
+    o, ends, *s0 = pallas_call(
         functools.partial(_state_pass_kernel, C=C, N=N, K=K, prec=prec, delta=delta, export=export_chunks,
                           keep=keep),
         grid=(B, H, 1, V // BV),
