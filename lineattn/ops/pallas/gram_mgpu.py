@@ -47,8 +47,9 @@ GBK, OVERLAP = 64, False
 # LOOP: how the Gram's steps (row block a, channel tile t) are emitted: "none" all unrolled in Python (3.6 ms in
 # run18c; run18d's Nsight Compute reading: no spills at 250 registers, but warps stalled 8.5 of every 12.5 cycles
 # waiting for an instruction fetch), "blocks" a `fori_loop` over the row blocks (2.66 ms, run18e), "steps" one over
-# every (a, t) (not yet timed).
-LOOP = "blocks"
+# every (a, t). With APPROX_MATH (run19a-b): "blocks" 1.167 ms (1.607 with save, as in fwd+bwd), "steps" 1.186
+# (1.196 with save), "none" 2.90.
+LOOP = "steps"
 
 
 def gram_solve_mosaic(q, k, v, G, beta, *, C, scale, limit, save=False, interpret: bool | None = None):

@@ -60,13 +60,11 @@ def _split(x):
 # stores, 16 KB less SMEM); the Mosaic GPU interpreter takes SMEM operands only, so on the CPU they are staged
 # through SMEM either way (read when a call is traced). H200, 8 x 4096 x 16 x 128 (run11a): 0.415 ms against 0.471.
 LHS_REGS = True
-# DOUBLING_LOOP: the doubling's levels in a `fori_loop` (a smaller kernel) instead of unrolled; not yet timed on a GPU
-# (the fused Gram + solve kernel's warps stalled on instruction fetches, run18d). Read when a call is traced.
-DOUBLING_LOOP = False
 # APPROX_MATH: the Mosaic GPU kernels' exps (here e^G of Kin; `gram_mgpu`'s Gram factors) as one multiply and an
-# ex2.approx instead of the accurate expansion (the Triton kernels call libdevice's __nv_expf); fewer instructions,
-# not yet timed (run18d: the fused Gram + solve kernel's warps waited on instruction fetches). Read when traced.
-APPROX_MATH = False
+# ex2.approx instead of the accurate expansion (the Triton kernels' counterpart: `common.FAST_EXP`). H200, 8 x 4096
+# (run19a): the solve 0.404 ms against 0.415 (in fwd+bwd 0.425 against 0.445), the fused Gram + solve kernel 1.167
+# against 2.66; o and the gradients' errors unchanged to two digits. Read when a call is traced.
+APPROX_MATH = True
 
 
 def math_params():
@@ -112,18 +110,14 @@ def invert_and_apply(A_, outs, sq, regs: bool, before_apply=None):
     j = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=_WG)
     zero = jnp.zeros((C, C), f32)
     X = jnp.where(i == j, 1.0, jnp.where(((i >> 1) == (j >> 1)) & (i != j), -A_, zero))
-    if DOUBLING_LOOP:  # (i, j in one block of 2b and in two blocks of b: b <= (i ^ j) < 2b, b traced)
-        def level(n, X):
-            b = jnp.left_shift(jnp.int32(1), n)
-            A_b = jnp.where(((i ^ j) >= b) & ((i ^ j) < 2 * b), A_, zero)
-            return X - _product(_product(X, A_b, sq, regs), X, sq, regs)
+    # (i, j in one block of 2b and in two blocks of b: b <= (i ^ j) < 2b; a loop over the levels, b traced: less
+    # code than unrolled and no slower, H200 run19a: 0.412 ms against 0.416)
+    def level(n, X):
+        b = jnp.left_shift(jnp.int32(1), n)
+        A_b = jnp.where(((i ^ j) >= b) & ((i ^ j) < 2 * b), A_, zero)
+        return X - _product(_product(X, A_b, sq, regs), X, sq, regs)
 
-        X = jax.lax.fori_loop(1, C.bit_length() - 1, level, X)
-    else:
-        for shift in range(1, C.bit_length() - 1):
-            A_b = jnp.where(((i >> (shift + 1)) == (j >> (shift + 1))) & ((i >> shift) != (j >> shift)), A_, zero)
-            P = _product(X, A_b, sq, regs)
-            X = X - _product(P, X, sq, regs)
+    X = jax.lax.fori_loop(1, C.bit_length() - 1, level, X)
     if regs:
         x_op = X.astype(bf16)
     else:
