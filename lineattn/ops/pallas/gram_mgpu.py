@@ -16,8 +16,8 @@ flags (a 16-row block spread beyond `chunk_fwd.LIMIT` nats) are recomputed exact
 and `chunk_fwd.solve_full(flags=...)` (KK is written for them: with save for every chunk, else only their rows are
 read).
 
-Opt-in: exact, but slower than the two kernels it replaces (H200, 8 x 4096 x 16 x 128: 2.66 ms against 0.79 + 0.41,
-run18e; its warps wait on instruction fetches, run18d). Without a GPU it runs in the Mosaic GPU interpreter.
+Opt-in: exact, but no faster than the two kernels it replaces (H200, 8 x 4096 x 16 x 128, run19a-b: 1.19 ms against
+0.725 + 0.404; 2.66 with the accurate exps, run18e). Without a GPU it runs in the Mosaic GPU interpreter.
 """
 
 from __future__ import annotations
