@@ -27,7 +27,7 @@ from lineattn.ops.chunk import ChunkTerms, pad_to_chunks
 from lineattn.ops.pallas import chunk_fwd, state_mgpu
 from lineattn.ops.pallas.chunk_fwd import (LIMIT, _gram_block_spread, _iota, gate_cumsum, gram_rows, keys_toward,
                                            pick_block_v, solve_full)
-from lineattn.ops.pallas.common import SUB, compiler_params, dot, exp, pallas_call, interpret_mode
+from lineattn.ops.pallas.common import SUB, compiler_params, dot, exp, interpret_mode, pallas_call
 from lineattn.ops.pallas.segments import block_specs, chain, pick_segments
 
 f32 = jnp.float32

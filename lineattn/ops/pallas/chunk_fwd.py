@@ -376,9 +376,9 @@ SOLVE_IMPL = "auto"
 # removed.)
 # "mosaic": `gram_mgpu.gram_solve_mosaic`, the Gram and solve stages fused in one Mosaic GPU kernel (Hopper; bf16
 # inputs, chunk 64, K and V multiples of 64) with the same fix-ups, `gram_exact_chunks` and `solve_full` on the
-# flagged chunks; opt-in: H200, 8 x 4096 (run18a-e), 2.66 ms against 0.79 + 0.41 for the Gram kernel and the Mosaic
-# solve (8.3 ms at first: 206 M register spills; 3.6 with channel tiles of 64; 2.66 with a loop over the row
-# blocks), errors unchanged.
+# flagged chunks; opt-in: H200, 8 x 4096, 1.19 ms against 0.725 + 0.404 for the Gram kernel and the Mosaic solve
+# (run19a-b; run18a-e, before the exps took ex2.approx: 8.3 ms at first, 206 M register spills; 3.6 with channel
+# tiles of 64; 2.66 with a loop over the row blocks), errors unchanged.
 GRAM_IMPL = "triton-fast"
 
 

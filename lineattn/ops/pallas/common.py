@@ -35,10 +35,11 @@ def interpret_mode(interpret: bool | None) -> bool:
     return (not on_gpu()) if interpret is None else bool(interpret)
 
 
-# FAST_EXP: in the Triton kernels compiled for a GPU, exp(x) as one multiply by log2(e) and PTX ex2.approx.ftz
-# (about 2 ulp; 0 below 2^-126) in place of libdevice's __nv_expf; read when a kernel is traced. Interpreted
-# kernels keep jnp.exp. H200, 8 x 4096 x 16 x 128 (run19b): the Gram kernel 0.725 ms against 0.790, the Gram
-# gradients 1.297 against 1.587, fwd+bwd 4.464 against 4.836; o and the gradients' errors unchanged to two digits.
+# FAST_EXP: in the chunk kernels (Triton) compiled for a GPU, exp(x) as one multiply by log2(e) and PTX ex2.approx.ftz
+# (about 2 ulp; 0 below 2^-126; the decode kernel keeps jnp.exp) in place of libdevice's __nv_expf; read when a kernel
+# is traced. Interpreted kernels keep jnp.exp. H200, 8 x 4096 x 16 x 128 (run19b): the Gram kernel 0.725 ms against
+# 0.790, the Gram gradients 1.297 against 1.587, fwd+bwd 4.464 against 4.836; o and the gradients' errors unchanged to
+# two digits.
 FAST_EXP = True
 _LOG2E = 1.4426950408889634
 _asm_exp = False  # set while `pallas_call` traces a kernel that is compiled for a GPU
