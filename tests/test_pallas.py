@@ -236,8 +236,8 @@ def test_pallas_with_the_mosaic_solve(gate, setting, kernel, monkeypatch):
 
 
 @pytest.mark.parametrize("save,settings", [(False, {}), (True, {}), (True, {
-    "gram_mgpu.LOOP": "steps", "gram_mgpu.OVERLAP": True, "solve_mgpu.APPROX_MATH": False}), (False, {
-    "gram_mgpu.LOOP": "none", "gram_mgpu.KEYS_SPLIT": False})])
+    "gram_mgpu.LOOP": "blocks", "gram_mgpu.OVERLAP": True, "solve_mgpu.APPROX_MATH": False}), (False, {
+    "gram_mgpu.LOOP": "none", "gram_mgpu.KEYS_SPLIT": False}), (True, {"gram_mgpu.LOOP": "tiles"})])
 def test_mosaic_gram_solve_matches_the_triton_stages(save, settings):
     # `gram_mgpu.gram_solve_mosaic` (one Mosaic GPU kernel, its interpreter here): two chunks of 64, K = 128 (two
     # channel tiles of GBK = 64), V = 64, bf16, gates down to -5 per token; the defaults, then the other forms of

@@ -48,7 +48,9 @@ GBK, OVERLAP = 64, False
 # run18c; run18d's Nsight Compute reading: no spills at 250 registers, but warps stalled 8.5 of every 12.5 cycles
 # waiting for an instruction fetch), "blocks" a `fori_loop` over the row blocks (2.66 ms, run18e), "steps" one over
 # every (a, t). With APPROX_MATH (run19a-b): "blocks" 1.167 ms (1.607 with save, as in fwd+bwd), "steps" 1.186
-# (1.196 with save), "none" 2.90.
+# (1.196 with save), "none" 2.90. "tiles": a loop over the channel tiles, each forming L's parts for all rows once
+# (each row toward its own block's middle row: a quarter of the per-step exps and splits), then a loop over the row
+# blocks that selects block a's rows of them (more registers live; CPU-tested only, not yet timed).
 LOOP = "steps"
 
 
@@ -71,8 +73,8 @@ def gram_solve_mosaic(q, k, v, G, beta, *, C, scale, limit, save=False, interpre
 
     bk = min(GBK, K)
     nt = K // bk  # channel tiles: each [C, bk] array in registers, each tile a slice [t] of stacked SMEM buffers
-    if LOOP not in ("none", "blocks", "steps"):
-        raise ValueError(f"gram_mgpu.LOOP must be 'none', 'blocks' or 'steps', got {LOOP!r}")
+    if LOOP not in ("none", "blocks", "steps", "tiles"):
+        raise ValueError(f"gram_mgpu.LOOP must be 'none', 'blocks', 'steps' or 'tiles', got {LOOP!r}")
 
     def body(q_g, k_g, v_g, G_g, b_g, m_g, kk_g, qin_g, kg_g, w_g, u_g, *rest):
         r_g = rest[0] if save else None
@@ -96,7 +98,18 @@ def gram_solve_mosaic(q, k, v, G, beta, *, C, scale, limit, save=False, interpre
                 plgpu.load(gref_s.at[a, cols(t)], layout=_COL, optimized=False), (C, bk), [1])
 
             def products(acc_m, acc_a):
-                def step(a, t):  # row block a, channel tile t (static or traced)
+                def row_operands(toward, t):
+                    """The bf16 parts of L^k and L^q [C, bk] (k and scale q times the factors `toward`)."""
+                    kf = _load(k_s.at[t]).astype(f32)
+                    return (*_split(kf * toward), *_split(_load(q_s.at[t]).astype(f32) * (scale * toward)))
+
+                def own_operands(t):  # every row toward its own block's middle row (LOOP "tiles")
+                    G_ref_rows = G_row(0, t)
+                    for a in range(1, C // SUB):
+                        G_ref_rows = jnp.where(block == a, G_row(a, t), G_ref_rows)
+                    return row_operands(jnp.exp(jnp.minimum(_load(G_s.at[t]) - G_ref_rows, limit)), t)
+
+                def step(a, t, own=None):  # row block a, channel tile t (static or traced); own: own_operands(t)
                     if not OVERLAP:
                         plgpu.wgmma_wait(0)  # (a no-op when nothing is in flight)
                     # (in this order, few [C, bk] arrays live at once: the keys leave for SMEM first)
@@ -108,8 +121,10 @@ def gram_solve_mosaic(q, k, v, G, beta, *, C, scale, limit, save=False, interpre
                         plgpu.wgmma_wait(6 * (nt - 1) if KEYS_SPLIT else 4 * (nt - 1))
                     for buf, part in zip((r_s.at[t], rlo_s.at[t]), keys):
                         buf[...] = part
-                    toward = jnp.where(block == a, jnp.exp(jnp.minimum(G_ - Gr, limit)), 0.0)
-                    parts = (*_split(kf * toward), *_split(_load(q_s.at[t]).astype(f32) * (scale * toward)))
+                    if own is None:
+                        parts = row_operands(jnp.where(block == a, jnp.exp(jnp.minimum(G_ - Gr, limit)), 0.0), t)
+                    else:  # (block a's rows of them; the same numbers)
+                        parts = tuple(jnp.where(block == a, part, 0.0) for part in own)
                     if not regs:
                         for p, part in enumerate(parts):
                             l_bufs[0].at[t, p][...] = part
@@ -129,8 +144,19 @@ def gram_solve_mosaic(q, k, v, G, beta, *, C, scale, limit, save=False, interpre
                     step(s // nt, s % nt)
                     return carry
 
+                def tile_steps(t, carry):
+                    own = own_operands(t)
+
+                    def own_block(a, carry):
+                        step(a, t, own)
+                        return carry
+
+                    return jax.lax.fori_loop(0, nb, own_block, carry)
+
                 nb = C // SUB
-                if LOOP == "steps":
+                if LOOP == "tiles":
+                    jax.lax.fori_loop(0, nt, tile_steps, 0)
+                elif LOOP == "steps":
                     jax.lax.fori_loop(0, nb * nt, one_step, 0)
                 elif LOOP == "blocks":
                     jax.lax.fori_loop(0, nb, block_steps, 0)
