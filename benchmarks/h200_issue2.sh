@@ -43,6 +43,8 @@
 #   exps cost less (one line):
 #     PROFILE=1 PROFILE_ARGS="--impls lineattn --check --configs default;chunk_fwd.GRAM_IMPL=mosaic+gram_mgpu.LOOP=tiles
 #       ;chunk_fwd.GRAM_WARPS=4;chunk_fwd.GRAM_BK=128;chunk_bwd.GRADS_WARPS=8;chunk_bwd.GRADS_ROW_SPLIT=2"
+#   and where the bench's 0.6-0.8 ms a call beyond the kernels (run19e, both us and jla) goes: the same bench with
+#   XLA's CUDA graphs off, XLA_FLAGS=--xla_gpu_enable_command_buffer= before `bash` (a diagnosis, not a setting).
 #   The long GPU tests take ~30 s each (19 of them): a subset fits a call beside a bench part, e.g.
 #     TEST_TIMEOUT=200 TESTS_K="long_bf16 and default" SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
 #   A/B wall clock of settings, interleaved (not through this script): PYTHONPATH=$PWD python3
