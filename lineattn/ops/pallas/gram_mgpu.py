@@ -98,16 +98,16 @@ def gram_solve_mosaic(q, k, v, G, beta, *, C, scale, limit, save=False, interpre
                 plgpu.load(gref_s.at[a, cols(t)], layout=_COL, optimized=False), (C, bk), [1])
 
             def products(acc_m, acc_a):
-                def row_operands(toward, t):
-                    """The bf16 parts of L^k and L^q [C, bk] (k and scale q times the factors `toward`)."""
-                    kf = _load(k_s.at[t]).astype(f32)
+                def row_operands(toward, kf, t):
+                    """The bf16 parts of L^k = kf toward and L^q = scale q toward [C, bk] (kf: tile t's keys, fp32)."""
                     return (*_split(kf * toward), *_split(_load(q_s.at[t]).astype(f32) * (scale * toward)))
 
                 def own_operands(t):  # every row toward its own block's middle row (LOOP "tiles")
                     G_ref_rows = G_row(0, t)
                     for a in range(1, C // SUB):
                         G_ref_rows = jnp.where(block == a, G_row(a, t), G_ref_rows)
-                    return row_operands(jnp.exp(jnp.minimum(_load(G_s.at[t]) - G_ref_rows, limit)), t)
+                    toward = jnp.exp(jnp.minimum(_load(G_s.at[t]) - G_ref_rows, limit))
+                    return row_operands(toward, _load(k_s.at[t]).astype(f32), t)
 
                 def step(a, t, own=None):  # row block a, channel tile t (static or traced); own: own_operands(t)
                     if not OVERLAP:
@@ -122,7 +122,7 @@ def gram_solve_mosaic(q, k, v, G, beta, *, C, scale, limit, save=False, interpre
                     for buf, part in zip((r_s.at[t], rlo_s.at[t]), keys):
                         buf[...] = part
                     if own is None:
-                        parts = row_operands(jnp.where(block == a, jnp.exp(jnp.minimum(G_ - Gr, limit)), 0.0), t)
+                        parts = row_operands(jnp.where(block == a, jnp.exp(jnp.minimum(G_ - Gr, limit)), 0.0), kf, t)
                     else:  # (block a's rows of them; the same numbers)
                         parts = tuple(jnp.where(block == a, part, 0.0) for part in own)
                     if not regs:
