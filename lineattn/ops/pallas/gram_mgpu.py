@@ -170,10 +170,10 @@ def gram_solve_mosaic(q, k, v, G, beta, *, C, scale, limit, save=False, interpre
             KK = jnp.where(j < i, KKx, 0.0)
             for t in range(nt):  # Kg (into r_s, free again), Kin = Diag(beta) k e^G (for W), Qin
                 G_ = _load(G_s.at[t])
-                kf = _load(k_s.at[t]).astype(f32)
+                kf, eG = _load(k_s.at[t]).astype(f32), jnp.exp(G_)
                 r_s.at[t][...] = (kf * jnp.exp(G_row(C // SUB, t) - G_)).astype(bf16)
-                k_s.at[t][...] = (by_row(bk) * kf * jnp.exp(G_)).astype(bf16)
-                q_s.at[t][...] = (_load(q_s.at[t]).astype(f32) * (scale * jnp.exp(G_))).astype(bf16)
+                k_s.at[t][...] = (by_row(bk) * kf * eG).astype(bf16)
+                q_s.at[t][...] = (_load(q_s.at[t]).astype(f32) * (scale * eG)).astype(bf16)
             m_s[...] = jnp.where(j <= i, Mx, 0.0).astype(bf16)
             if save:
                 kk_s[...] = KK
