@@ -428,6 +428,39 @@ def test_pallas_kernel_tiles(monkeypatch):
     _compare("kda", make_inputs("kda", B=1, T=80, H=2, K=32, V=128, seed=20))
 
 
+def test_last_axis_fastest_keeps_the_grid_as_written(monkeypatch):
+    # `common.LAST_AXIS_FASTEST` launches a kernel's grid reversed; its index maps and `common.program_id` still
+    # see the grid as written: program (i, j) writes 10 i + j into block (i, j) either way.
+    from jax.experimental import pallas as pl
+    from lineattn.ops.pallas import common
+
+    def kernel(o_ref):
+        o_ref[...] = jnp.full(o_ref.shape, common.program_id(0) * 10 + common.program_id(1), jnp.float32)
+
+    expected = np.broadcast_to((10 * np.arange(2)[:, None] + np.arange(3))[..., None], (2, 3, 8))
+    for setting in ("", "*", "other,lineattn_test_ids"):
+        monkeypatch.setattr(common, "LAST_AXIS_FASTEST", setting)
+        out = common.pallas_call(kernel, grid=(2, 3), in_specs=[],
+                                 out_specs=pl.BlockSpec((None, None, 8), lambda i, j: (i, j, 0)),
+                                 out_shape=jax.ShapeDtypeStruct((2, 3, 8), jnp.float32), interpret=None,
+                                 name="lineattn_test_ids")()
+        np.testing.assert_array_equal(np.asarray(out), expected, err_msg=f"LAST_AXIS_FASTEST={setting!r}")
+
+
+def test_pallas_every_grid_reversed(monkeypatch):
+    # Every Triton kernel launched last axis first gives the same numbers as the default launch (the kernels that
+    # read their program id included: the Gram rows, its gradients, the state passes), cuts in the gate included.
+    from lineattn.ops.pallas import common
+    inputs = make_inputs("kda", B=2, **SMALL, seed=23)
+    inputs["g"] = inputs["g"].at[:, 37].set(-1000.0)
+    default = loss_and_grads("kda", inputs, backend="pallas", chunk_size=32)
+    monkeypatch.setattr(common, "LAST_AXIS_FASTEST", "*")
+    jax.clear_caches()
+    reversed_ = loss_and_grads("kda", inputs, backend="pallas", chunk_size=32)
+    for a, b in zip(jax.tree.leaves(reversed_), jax.tree.leaves(default)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("rule", ["kda", "gdn"])
 def test_pallas_fp32_cotangents(rule, monkeypatch):
     # `chunk_bwd.COT_DTYPE = "float32"` (the default stores the chunk gradients' dQin, dKg, dM in bf16).

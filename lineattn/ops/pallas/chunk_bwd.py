@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from lineattn.ops.chunk import ChunkTerms, pad_to_chunks
-from lineattn.ops.pallas import chunk_fwd, state_mgpu
+from lineattn.ops.pallas import chunk_fwd, common, state_mgpu
 from lineattn.ops.pallas.chunk_fwd import (LIMIT, _gram_block_spread, _iota, gate_cumsum, gram_rows, keys_toward,
                                            pick_block_v, solve_full)
 from lineattn.ops.pallas.common import SUB, compiler_params, dot, exp, interpret_mode, pallas_call
@@ -46,11 +46,11 @@ WY_PREC = "bf16"
 # gradients 0.27 / 0.51 / 1.10 ms against 0.38 / 0.58 / 1.33 in fp32, the same relative RMS errors to two digits.
 STATES_DTYPE = "bfloat16"
 # Launch settings of `backward_fast`'s chunk-parallel kernels (read when a call is traced; for timing sweeps):
-# warps of the Gram gradients, the WY backward and the chunk gradients, and the dg kernel's K tile (H200 sweep,
+# warps of the Gram gradients, the WY backward, the chunk gradients and dg, and the dg kernel's K tile (H200 sweep,
 # run7e: 2 or 8 warps for the Gram gradients 3.62 / 2.63 ms against 1.62 with 4; WY 4 / 16 warps 1.28 / 2.42
 # against 1.24 with 8; chunk gradients 0.95 with 4 warps against 1.11 with 8). Since the WY backward's tiles of 128
 # (run13d): WY 0.554 ms with 4 warps against 0.649 with 8; chunk gradients 0.642 with 8 against 0.569 with 4.
-GRADS_WARPS, WY_WARPS, CHUNK_GRADS_WARPS, DG_BK = 4, 4, 4, 64
+GRADS_WARPS, WY_WARPS, CHUNK_GRADS_WARPS, DG_WARPS, DG_BK = 4, 4, 4, 4, 64
 # Column tiles: the WY backward's V and K tiles, the chunk gradients' K and V tiles (capped at K and V). H200,
 # 8 x 4096, K = V = 128 (run12d): WY backward 0.64 ms with 128 against 0.75 with 64; chunk gradients 0.56 with a
 # V tile of 128 against 0.64 with 64 and 0.99 with 32, 0.98 with a K tile of 128; o and the five gradients'
@@ -272,7 +272,7 @@ def _gram_bwd_kernel(*refs, C, scale, prec, bk, delta=True, paths="both"):
         def _():
             jax.lax.fori_loop(0, C // s, each_block, 0)
         return
-    a = pl.program_id(2) % (C // s)
+    a = common.program_id(2) % (C // s)
     if paths == "fast":
         block(a, 0, _gram_grad_fast)
     else:
@@ -487,7 +487,6 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
     tok1 = pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
     chunk = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
-    params = compiler_params(num_warps=4, num_stages=1)
     wy_cot = f32 if exact else jnp.dtype(WY_COT_DTYPE)
     if delta:
         dv, dbeta, dKK, dKin = pallas_call(
@@ -522,7 +521,8 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
         _dg_kernel, grid=(B, H, N, K // bk),
         in_specs=[kchunk, pl.BlockSpec((None, None, nr, bk), lambda b, h, n, t: (b, h, n, t)), kn, kn],
         out_specs=ktok, out_shape=jax.ShapeDtypeStruct((B, Tp, H, K), g.dtype),
-        compiler_params=params, interpret=interpret, name="lineattn_chunk_bwd_dg",
+        compiler_params=compiler_params(num_warps=DG_WARPS, num_stages=1), interpret=interpret,
+        name="lineattn_chunk_bwd_dg",
     )(dG, kg_dkg, dend_KN, ddend_KN)
     cut = lambda x: None if x is None else x[:, :T]
     if scalar:
@@ -544,7 +544,7 @@ def _reverse_ds_kernel(qin_ref, kg_ref, w_ref, m_ref, dend_ref, do_ref, dht_ref,
     the incoming state (out_refs (ds, du, dh0)), or the last only (out_refs (dh0,): a segment's offset).
     value_tiles: programs past this many column tiles (the last grid axis) run without dO (a segment's map)."""
     *full, dh0_ref = out_refs
-    keep = 1.0 if value_tiles is None else (pl.program_id(3) < value_tiles).astype(f32)
+    keep = 1.0 if value_tiles is None else (common.program_id(3) < value_tiles).astype(f32)
 
     def body(i, dS):
         n = N - 1 - i

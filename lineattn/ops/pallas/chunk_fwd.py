@@ -145,7 +145,7 @@ def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_r
     """One 16-row block: Qin, Kg and the rows of M and A, the exact path taken by a block-uniform `lax.cond` (or
     left to `gram_exact_chunks`: fast_only)."""
     s = SUB
-    r0 = (pl.program_id(2) % (C // s)) * s
+    r0 = (common.program_id(2) % (C // s)) * s
     K = k_ref.shape[-1]
     blk = pl.ds(r0, s)
     for t in range(K // bk):
@@ -314,7 +314,8 @@ def _cumsum_kernel(g_ref, G_ref, dend_ref, *spread_ref):
         spread_ref[0][...] = spreads
 
 
-CUMSUM_BK = 64  # the gate cumsum kernel's K tile (read when traced; H200 8 x 4096, run13d: 128 took 0.176 ms, 64 0.169)
+# The gate cumsum kernel's K tile and warps (read when traced; H200 8 x 4096, run13d: K tile 128 took 0.176 ms, 64 0.169)
+CUMSUM_BK, CUMSUM_WARPS = 64, 4
 
 
 def gate_cumsum(g, *, C, K, interpret, spreads=False):
@@ -335,7 +336,7 @@ def gate_cumsum(g, *, C, K, interpret, spreads=False):
         out_specs=[pl.BlockSpec((None, C, None, bk), lambda b, h, n, t: (b, n, h, t)),
                    pl.BlockSpec((None, None, bk, None), lambda b, h, n, t: (b, h, t, n))] + spread[0],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), f32), jax.ShapeDtypeStruct((B, H, K, N), f32)] + spread[1],
-        compiler_params=compiler_params(num_warps=4, num_stages=1),
+        compiler_params=compiler_params(num_warps=CUMSUM_WARPS, num_stages=1),
         interpret=interpret,
         name="lineattn_chunk_cumsum",
     )(g)

@@ -7,6 +7,7 @@ ref, and rows or columns are picked out of a register tile with masks and reduct
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
@@ -55,21 +56,49 @@ def exp(x):
                                             result_shape_dtypes=[jax.ShapeDtypeStruct(y.shape, y.dtype)])[0]
 
 
-def pallas_call(kernel, *, interpret, **kwargs):
+_grid_rank = 0  # the grid's rank while `pallas_call` traces a kernel named in LAST_AXIS_FASTEST, else 0
+
+
+def program_id(axis: int):
+    """`pl.program_id` in the grid as written, for kernels launched through `pallas_call` (see LAST_AXIS_FASTEST)."""
+    return pl.program_id(_grid_rank - 1 - axis if _grid_rank else axis)
+
+
+# LAST_AXIS_FASTEST: names of the Triton kernels launched with their grid reversed (comma-separated, or "*" for all;
+# read when a call is traced). Triton launches a grid's first axis fastest: with (B, H, N, ...) grids, programs side by side then
+# read rows of different sequences; reversed, neighbours read neighbouring rows and share the chunk's loads in L2.
+LAST_AXIS_FASTEST = ""
+
+
+def _flip(spec):
+    """spec (a BlockSpec or a list of them) with its index map taking the program ids in reverse order."""
+    if isinstance(spec, (list, tuple)):
+        return [_flip(s) for s in spec]
+    return dataclasses.replace(spec, index_map=(lambda f: lambda *ids: f(*ids[::-1]))(spec.index_map))
+
+
+def pallas_call(kernel, *, interpret, grid, in_specs, out_specs, name, **kwargs):
     """`pl.pallas_call` for the Triton kernels: their `exp` takes PTX's ex2.approx while the kernel is traced for a
-    GPU with FAST_EXP set (the interpreter cannot run inline assembly)."""
-    asm = FAST_EXP and not interpret_mode(interpret)
+    GPU with FAST_EXP set (the interpreter cannot run inline assembly), and the kernels named in LAST_AXIS_FASTEST
+    launch their grid reversed while their index maps and `program_id` keep the grid as written."""
+    interpret = interpret_mode(interpret)
+    asm = FAST_EXP and not interpret
+    rank = len(grid) if LAST_AXIS_FASTEST == "*" or name in LAST_AXIS_FASTEST.split(",") else 0
+    if rank:
+        grid, in_specs, out_specs = grid[::-1], _flip(in_specs), _flip(out_specs)
 
     @functools.wraps(kernel)
     def traced(*refs):
-        global _asm_exp
-        before, _asm_exp = _asm_exp, asm
+        global _asm_exp, _grid_rank
+        before = _asm_exp, _grid_rank
+        _asm_exp, _grid_rank = asm, rank
         try:
             return kernel(*refs)
         finally:
-            _asm_exp = before
+            _asm_exp, _grid_rank = before
 
-    return pl.pallas_call(traced, interpret=interpret, **kwargs)
+    return pl.pallas_call(traced, interpret=interpret, grid=grid, in_specs=in_specs, out_specs=out_specs, name=name,
+                          **kwargs)
 
 
 def compiler_params(num_warps: int = 4, num_stages: int = 1):
