@@ -390,7 +390,8 @@ def test_pallas_saved_states(rule, segmented, monkeypatch):
     # `chunk.SAVE_STATES` (the default): the forward's state pass keeps every chunk's state and E for the
     # backward, which then runs no states pass of its own; False: the backward's own states pass (segmented: 4
     # segments of 2 chunks at chunk 16, T = 120 ragged). fp32: the same gradients both ways (the same products in
-    # the same order) and the oracle's to 1e-4; then bf16 within FLA's bounds without saved states.
+    # the same order) and the oracle's to 1e-4; then bf16 within FLA's bounds without saved states. A channel
+    # gate's cumsum G is saved too: one gate-cumsum kernel in the forward+backward (GDN's runs again).
     from lineattn.ops.pallas import chunk, segments
     monkeypatch.setattr(segments, "MIN_SEGMENT_CHUNKS", 2 if segmented else 64)
     inputs = make_inputs(rule, B=1, T=120, H=2, K=32, V=32, seed=18)
@@ -402,6 +403,7 @@ def test_pallas_saved_states(rule, segmented, monkeypatch):
         jaxpr = grad_jaxpr(rule, inputs, chunk_size=C, backend="pallas")
         assert ("lineattn_chunk_bwd_states" in jaxpr) == (not save)
         assert ("lineattn_chunk_bwd_reverse_local" in jaxpr) == segmented
+        assert jaxpr.count("name=lineattn_chunk_cumsum") == (1 if rule == "kda" else 2)
     (o1, ht1, grads1), (o0, ht0, grads0) = results[True], results[False]
     assert_close({"o": o1, "ht": ht1, **grads1}, {"o": o0, "ht": ht0, **grads0}, 1e-6, f"{rule}/saved states")
     _compare(rule, inputs, chunk_size=C)

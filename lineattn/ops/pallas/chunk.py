@@ -6,7 +6,9 @@ benchmarks/results/README.md):
   - "kernels-saved" (the default; 6.08 ms with o returned, run12b; 15.5 ms in run5 before the chunk-gradient and
     WY kernels were tiled): the forward also keeps its intra-chunk terms Qin, Kg, W, U, M (input dtype), e^(G_C),
     KK and R = (I + A)^-1 (fp32), and (SAVE_STATES, below) every chunk's incoming state and E: about 2.5 KB per
-    token and head at K = V = 128, C = 64 in bf16, on top of the inputs. `chunk_bwd.backward_fast` then runs only
+    token and head at K = V = 128, C = 64 in bf16, on top of the inputs. A channel gate's in-chunk cumsum G
+    (fp32) is kept in place of g, as FLA does (the same size as an fp32 g), so the backward need not recompute it
+    (XLA merged the two gate-cumsum kernels of a jitted forward+backward only while their kernels lowered alike). `chunk_bwd.backward_fast` then runs only
     kernels: gate cumsum, the reverse state pass, the chunk gradients, the WY backward, the Gram gradients with
     the row-local combine (and its exact rewrite of flagged chunks), dg's reverse cumsum.
   - "kernels-mml2": `chunk_bwd.backward_fast` recomputing the terms (Gram kernel, whole-chunk solve writing R):
@@ -61,6 +63,8 @@ def _fwd(q, k, v, g, beta, h0, scale, chunk_size, interpret, backward):
     if backward == "kernels-saved":  # the forward's intra-chunk terms are kept for the backward
         o, ht, saved = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret,
                                save=True, states_dtype=chunk_bwd.STATES_DTYPE if SAVE_STATES else None)
+        if saved[8] is not None:  # G saved in g's place (the backward needs g's rank and dtype only)
+            g = jnp.zeros((0,) * g.ndim, g.dtype)
         return (o, ht), (q, k, v, g, beta, h0, saved)
     out = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret)
     return out, (q, k, v, g, beta, h0)

@@ -439,7 +439,8 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     """The VJP of `chunk_fwd.forward`: (dq, dk, dv, dg, dbeta, dh0), every chunk-parallel stage a Pallas kernel
     (see the comment above); do [B, T, H, V] and dht [B, H, K, V] are the cotangents of o and the final state.
     saved: `chunk_fwd.forward(..., save=True)`'s terms (backward "kernels-saved"): no Gram recompute and no solve
-    here, and the state passes read the stored (bf16 for bf16 inputs) Qin, Kg, M, W, U.
+    here, and the state passes read the stored (bf16 for bf16 inputs) Qin, Kg, M, W, U; where saved holds the
+    gate's cumsum G, g is read for its rank and dtype only (`chunk.chunk_pallas` then keeps an empty stand-in).
     g [B, T, H] (a gate equal across K) takes the scalar Gram kernels (`chunk_fwd.gram_scalar`,
     `gram_grads_scalar`) and gets dg [B, T, H]."""
 
@@ -451,18 +452,22 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     inv_prec = "ieee" if exact else chunk_fwd.SOLVE_PREC
     interpret = interpret_mode(interpret)
     delta = beta is not None
-    qp, kp, vp, gp, bp = pad_to_chunks(q, k, v, g, beta, C)
-    gp = gp.astype(f32)
+    saved_gate = saved is not None and saved[8] is not None  # G and the block spreads from the forward
+    qp, kp, vp, gp, bp = pad_to_chunks(q, k, v, None if saved_gate else g, beta, C)
     Tp = qp.shape[1]
     N = Tp // C
     scalar = g.ndim == 3  # (the gate cumsum broadcasts it: the solve and state passes take a per-channel G)
-    # the forward's call (with its block spreads where its Gram stage is split), so that XLA merges the two
     grads_split = GRADS_SPLIT and chunk_fwd.split_gram(scalar, delta)
-    G, dend_KN, *spreads = gate_cumsum(gp, C=C, K=K, interpret=interpret, spreads=chunk_fwd.split_gram(scalar, delta))
+    if saved_gate:
+        G, spreads = saved[8], saved[9:10]
+    else:  # the forward's call (with its block spreads where its Gram stage is split): XLA may merge the two
+        gp = gp.astype(f32)
+        G, dend_KN, *spreads = gate_cumsum(gp, C=C, K=K, interpret=interpret,
+                                           spreads=chunk_fwd.split_gram(scalar, delta))
     ch = lambda x: x.reshape(B, H, N, C, x.shape[-1])
     states = None
     if saved is not None:
-        Qin, Kg, W, U, M, dend_KN, KK, R, *states = saved
+        Qin, Kg, W, U, M, dend_KN, KK, R, _, _, *states = saved
         states = tuple(states) or None  # (S0, E) when the forward's state pass kept them
         if not delta:
             U = jnp.moveaxis(vp, 2, 1).astype(f32)

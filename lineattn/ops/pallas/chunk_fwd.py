@@ -481,12 +481,14 @@ def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, 
 def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, save=False, scalar=False):
     """The intra-chunk stage's outputs (qin, kg, w, u, m, e^(G_C) as [B, H, K, N]): the gate-cumsum kernel, the
     Gram rows (or `gram_scalar`) and the whole-chunk solve. save: also the unscaled key Gram KK and
-    R = (I + A)^-1 (fp32 [B, H, Tp, C]) for the backward: the Gram kernel then writes KK and the solve scales it
-    by beta."""
+    R = (I + A)^-1 (fp32 [B, H, Tp, C]) for the backward (the Gram kernel then writes KK and the solve scales it
+    by beta), G and the block spreads (see `forward`'s save)."""
     K = q.shape[-1]
     exact = prec == "ieee"
     split = split_gram(scalar, delta)
     G, dend, *spreads = gate_cumsum(g, C=C, K=K, interpret=interpret, spreads=split)
+    # saved for the backward: a channel gate's G and block spreads (a scalar gate's G is K times its g: recomputed)
+    gate = (None, None) if scalar else (G, spreads[0] if split else None)
     gram_beta = jnp.ones_like(beta) if save else beta
     if mosaic_gram(scalar, delta, exact):  # Gram and solve in one kernel, then the flagged chunks exactly
         m, KK, qin, kg, w, u, *R = gram_mgpu.gram_solve_mosaic(q, k, v, G, beta, C=C, scale=scale, limit=LIMIT,
@@ -496,7 +498,7 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
         w, u, *R = solve_full(KK, k, v, G, beta, C=C, store=store, prec=UW_PREC, inv_prec=SOLVE_PREC,
                               warps=SOLVE_WARPS, interpret=interpret, with_r=save, kk=True,
                               flags=chunk_flags(spreads[0], C // SUB), into=(w, u, *R))
-        return (qin, kg, w, u, m, dend) + ((KK, R[0]) if save else ())
+        return (qin, kg, w, u, m, dend) + ((KK, R[0], *gate) if save else ())
     if split:
         m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=prec if exact else GRAM_PREC,
                                   delta=True, warps=warps, interpret=interpret, bk=GRAM_BK, fast_only=True)
@@ -510,7 +512,7 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
                                   prec=prec if exact else GRAM_PREC, delta=delta, warps=warps, interpret=interpret,
                                   bk=GRAM_BK)
     if not delta:
-        return (qin, kg, None, None, m, dend) + ((None, None) if save else ())
+        return (qin, kg, None, None, m, dend) + ((None, None, *gate) if save else ())
     inv_prec = "ieee" if exact else SOLVE_PREC
     if mosaic_solve(exact, C, K, v.shape[-1], interpret):
         out = solve_mgpu.solve_mosaic(A, k, v, G, beta, C=C, store=store, with_r=save, kk=save, interpret=interpret)
@@ -519,7 +521,7 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
                          warps=SOLVE_WARPS, interpret=interpret, with_r=save, kk=save)
     if save:
         w, u, R = out
-        return qin, kg, w, u, m, dend, A, R
+        return qin, kg, w, u, m, dend, A, R, *gate
     w, u = out
     return qin, kg, w, u, m, dend
 
@@ -637,8 +639,9 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     kernel 1's WY terms (None for the additive write), from which `lineattn.ops.checkpoints` advances S0
     inside the chunk.
     save: return (o, final state, saved) with saved = (qin, kg, w, u, m [B, H, Tp, .] in
-    the store dtype, e^(G_C) [B, H, K, N], KK, R [B, H, Tp, C] fp32; the last four None for the additive write),
-    what `chunk_bwd.backward_fast` would otherwise recompute; with states_dtype (a dtype name, for bf16 inputs;
+    the store dtype, e^(G_C) [B, H, K, N], KK, R [B, H, Tp, C] fp32 (the last four None for the additive write),
+    G [B, Tp, H, K] fp32 and `gate_cumsum`'s block spreads (None for a scalar gate; spreads None where the Gram
+    stage is not split)), what `chunk_bwd.backward_fast` would otherwise recompute; with states_dtype (a dtype name, for bf16 inputs;
     fp32 inputs keep fp32) the state pass also writes every chunk's incoming state S0 [B, H, N K, V] and
     E = U - W S0 [B, H, Tp, V], appended to saved (the backward then skips its own states pass). constants: set by
     the wrapper (the module constants' values, a cache key only).

@@ -65,8 +65,8 @@ def program_id(axis: int):
 
 
 # LAST_AXIS_FASTEST: names of the Triton kernels launched with their grid reversed (comma-separated, or "*" for all;
-# read when a call is traced). Triton launches a grid's first axis fastest: with (B, H, N, ...) grids, programs side by side then
-# read rows of different sequences; reversed, neighbours read neighbouring rows and share the chunk's loads in L2.
+# read when a call is traced). Triton launches a grid's first axis fastest: with (B, H, N, ...) grids, programs side
+# by side then read rows of different sequences; reversed, neighbours read neighbouring rows (and the same chunk).
 LAST_AXIS_FASTEST = ""
 
 
