@@ -3,14 +3,15 @@
 Forward: the kernels of `chunk_fwd.forward` (intra-chunk stage, then the state pass). Backwards, chosen by the
 static `backward` argument (H200 times: fwd+bwd at B = 8, T = 4096, H = 16, K = V = 128, bf16; runs in
 benchmarks/results/README.md):
-  - "kernels-saved" (the default; 6.08 ms with o returned, run12b; 15.5 ms in run5 before the chunk-gradient and
-    WY kernels were tiled): the forward also keeps its intra-chunk terms Qin, Kg, W, U, M (input dtype), e^(G_C),
-    KK and R = (I + A)^-1 (fp32), and (SAVE_STATES, below) every chunk's incoming state and E: about 2.5 KB per
-    token and head at K = V = 128, C = 64 in bf16, on top of the inputs. A channel gate's in-chunk cumsum G
-    (fp32) is kept in place of g, as FLA does (the same size as an fp32 g), so the backward need not recompute it
-    (XLA merged the two gate-cumsum kernels of a jitted forward+backward only while their kernels lowered alike). `chunk_bwd.backward_fast` then runs only
-    kernels: gate cumsum, the reverse state pass, the chunk gradients, the WY backward, the Gram gradients with
-    the row-local combine (and its exact rewrite of flagged chunks), dg's reverse cumsum.
+  - "kernels-saved" (the default; 6.08 ms with o returned, run12b; 15.5 ms in run5 before the chunk-gradient and WY
+    kernels were tiled): the forward also keeps its intra-chunk terms Qin, Kg, W, U, M (input dtype), e^(G_C), KK
+    and R = (I + A)^-1 (fp32), and (SAVE_STATES, below) every chunk's incoming state and E: about 2.5 KB per token
+    and head at K = V = 128, C = 64 in bf16, on top of the inputs. A channel gate's in-chunk cumsum G (fp32) is kept
+    in place of g, as FLA does (the same size as an fp32 g), so the backward need not recompute it (XLA merged the
+    two gate-cumsum kernels of a jitted forward+backward only while their kernels lowered alike).
+    `chunk_bwd.backward_fast` then runs only kernels: (for a scalar gate) gate cumsum, the reverse state pass, the chunk gradients, the
+    WY backward, the Gram gradients with the row-local combine (and its exact rewrite of flagged chunks), dg's
+    reverse cumsum.
   - "kernels-mml2": `chunk_bwd.backward_fast` recomputing the terms (Gram kernel, whole-chunk solve writing R):
     the forward saves only its inputs. (The "kernels-mm2" form with the 3-D exact Gram path was removed as
     redundant.)

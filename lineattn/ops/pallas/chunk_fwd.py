@@ -314,7 +314,8 @@ def _cumsum_kernel(g_ref, G_ref, dend_ref, *spread_ref):
         spread_ref[0][...] = spreads
 
 
-# The gate cumsum kernel's K tile and warps (read when traced; H200 8 x 4096, run13d: K tile 128 took 0.176 ms, 64 0.169)
+# The gate cumsum kernel's K tile and warps (read when traced; H200 8 x 4096, run13d: K tile 128 took 0.176 ms, 64
+# 0.169; run20a: 2 warps 0.164, 8 0.233, K tile 32 0.193)
 CUMSUM_BK, CUMSUM_WARPS = 64, 4
 
 
@@ -638,12 +639,12 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     return is (o, final state, S0 [B, H, len(export_chunks), K, V], w [B, H, Tp, K], u [B, H, Tp, V]) with w, u
     kernel 1's WY terms (None for the additive write), from which `lineattn.ops.checkpoints` advances S0
     inside the chunk.
-    save: return (o, final state, saved) with saved = (qin, kg, w, u, m [B, H, Tp, .] in
-    the store dtype, e^(G_C) [B, H, K, N], KK, R [B, H, Tp, C] fp32 (the last four None for the additive write),
-    G [B, Tp, H, K] fp32 and `gate_cumsum`'s block spreads (None for a scalar gate; spreads None where the Gram
-    stage is not split)), what `chunk_bwd.backward_fast` would otherwise recompute; with states_dtype (a dtype name, for bf16 inputs;
-    fp32 inputs keep fp32) the state pass also writes every chunk's incoming state S0 [B, H, N K, V] and
-    E = U - W S0 [B, H, Tp, V], appended to saved (the backward then skips its own states pass). constants: set by
+    save: return (o, final state, saved) with saved = (qin, kg, w, u, m [B, H, Tp, .] in the store dtype, e^(G_C)
+    [B, H, K, N], KK, R [B, H, Tp, C] fp32 (the last four None for the additive write), G [B, Tp, H, K] fp32 and
+    `gate_cumsum`'s block spreads (None for a scalar gate; spreads None where the Gram stage is not split)), what
+    `chunk_bwd.backward_fast` would otherwise recompute; with states_dtype (a dtype name, for bf16 inputs; fp32
+    inputs keep fp32) the state pass also writes every chunk's incoming state S0 [B, H, N K, V] and E = U - W S0 [B,
+    H, Tp, V], appended to saved (the backward then skips its own states pass). constants: set by
     the wrapper (the module constants' values, a cache key only).
     """
     B, T, H, K = q.shape
