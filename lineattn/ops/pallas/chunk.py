@@ -9,9 +9,9 @@ benchmarks/results/README.md):
     and head at K = V = 128, C = 64 in bf16, on top of the inputs. A channel gate's in-chunk cumsum G (fp32) is kept
     in place of g, as FLA does (the same size as an fp32 g), so the backward need not recompute it (XLA merged the
     two gate-cumsum kernels of a jitted forward+backward only while their kernels lowered alike).
-    `chunk_bwd.backward_fast` then runs only kernels: (for a scalar gate) gate cumsum, the reverse state pass, the chunk gradients, the
-    WY backward, the Gram gradients with the row-local combine (and its exact rewrite of flagged chunks), dg's
-    reverse cumsum.
+    `chunk_bwd.backward_fast` then runs only kernels: (for a scalar gate) gate cumsum, the reverse state pass, the
+    chunk gradients, the WY backward, the Gram gradients with the row-local combine (and its exact rewrite of
+    flagged chunks), dg's reverse cumsum.
   - "kernels-mml2": `chunk_bwd.backward_fast` recomputing the terms (Gram kernel, whole-chunk solve writing R):
     the forward saves only its inputs. (The "kernels-mm2" form with the 3-D exact Gram path was removed as
     redundant.)
