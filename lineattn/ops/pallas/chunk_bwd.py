@@ -50,7 +50,8 @@ STATES_DTYPE = "bfloat16"
 # run7e: 2 or 8 warps for the Gram gradients 3.62 / 2.63 ms against 1.62 with 4; WY 4 / 16 warps 1.28 / 2.42
 # against 1.24 with 8; chunk gradients 0.95 with 4 warps against 1.11 with 8). Since the WY backward's tiles of 128
 # (run13d): WY 0.554 ms with 4 warps against 0.649 with 8; chunk gradients 0.642 with 8 against 0.569 with 4.
-GRADS_WARPS, WY_WARPS, CHUNK_GRADS_WARPS, DG_WARPS, DG_BK = 4, 4, 4, 4, 64
+# Run20a-b: dg 0.172-0.174 ms with 2 warps against 0.179-0.182 with 4 (3.05 TB/s: bandwidth-bound), K tile 32 0.191.
+GRADS_WARPS, WY_WARPS, CHUNK_GRADS_WARPS, DG_WARPS, DG_BK = 4, 4, 4, 2, 64
 # Column tiles: the WY backward's V and K tiles, the chunk gradients' K and V tiles (capped at K and V). H200,
 # 8 x 4096, K = V = 128 (run12d): WY backward 0.64 ms with 128 against 0.75 with 64; chunk gradients 0.56 with a
 # V tile of 128 against 0.64 with 64 and 0.99 with 32, 0.98 with a K tile of 128; o and the five gradients'

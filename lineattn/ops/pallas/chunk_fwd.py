@@ -315,8 +315,9 @@ def _cumsum_kernel(g_ref, G_ref, dend_ref, *spread_ref):
 
 
 # The gate cumsum kernel's K tile and warps (read when traced; H200 8 x 4096, run13d: K tile 128 took 0.176 ms, 64
-# 0.169; run20a: 2 warps 0.164, 8 0.233, K tile 32 0.193)
-CUMSUM_BK, CUMSUM_WARPS = 64, 4
+# 0.169; run20a-b: 2 warps 0.162-0.164 against 0.167-0.169 with 4, 8 warps 0.233, K tile 32 0.193). Nsight Compute
+# (run20b): 3.07 TB/s of DRAM traffic, fp32 g in and G out: bandwidth-bound.
+CUMSUM_BK, CUMSUM_WARPS = 64, 2
 
 
 def gate_cumsum(g, *, C, K, interpret, spreads=False):
