@@ -80,7 +80,7 @@ def _flip(spec):
     return dataclasses.replace(spec, index_map=(lambda f: lambda *ids: f(*ids[::-1]))(spec.index_map))
 
 
-def pallas_call(kernel, *, interpret, grid, in_specs, out_specs, name, **kwargs):
+def pallas_call(kernel, *, interpret, grid=(), in_specs=None, out_specs=None, name=None, **kwargs):
     """`pl.pallas_call` for the Triton kernels: their `exp` takes PTX's ex2.approx while the kernel is traced for a
     GPU with FAST_EXP set (the interpreter cannot run inline assembly), and the kernels named in LAST_AXIS_FASTEST
     launch their grid reversed while their index maps and `program_id` keep the grid as written."""
@@ -88,7 +88,8 @@ def pallas_call(kernel, *, interpret, grid, in_specs, out_specs, name, **kwargs)
     asm = FAST_EXP and not interpret
     rank = len(grid) if LAST_AXIS_FASTEST == "*" or name in LAST_AXIS_FASTEST.split(",") else 0
     if rank:
-        grid, in_specs, out_specs = grid[::-1], _flip(in_specs), _flip(out_specs)
+        grid, in_specs, out_specs = grid[::-1], _flip(in_specs or []), _flip(out_specs or [])
+    specs = {key: spec for key, spec in (("in_specs", in_specs), ("out_specs", out_specs)) if spec is not None}
 
     @functools.wraps(kernel)
     def traced(*refs):
@@ -100,8 +101,7 @@ def pallas_call(kernel, *, interpret, grid, in_specs, out_specs, name, **kwargs)
         finally:
             _asm_exp, _grid_rank = before
 
-    return pl.pallas_call(traced, interpret=interpret, grid=grid, in_specs=in_specs, out_specs=out_specs, name=name,
-                          **kwargs)
+    return pl.pallas_call(traced, interpret=interpret, grid=grid, name=name, **specs, **kwargs)
 
 
 def compiler_params(num_warps: int = 4, num_stages: int = 1):
