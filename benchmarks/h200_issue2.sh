@@ -39,12 +39,11 @@
 #   clocks of the bench spread widely after a batch of tests (run19c-d): time the bench in a call of its own:
 #     SKIP_TESTS=1 BENCH_TIMEOUT=190 BENCH_ARGS="--iters 30 --shapes 8x4096,1x32768 --fla= --decode= --skip
 #       lineattn-chunk lineattn-pallas-kernels-mml2" bash benchmarks/h200_issue2.sh     (run19e: 114 s)
-#   Next to time: the fused kernel's LOOP=tiles (CPU-tested only) and the Triton launch settings again now that the
-#   exps cost less (one line):
-#     PROFILE=1 PROFILE_ARGS="--impls lineattn --check --configs default;chunk_fwd.GRAM_IMPL=mosaic+gram_mgpu.LOOP=tiles
-#       ;chunk_fwd.GRAM_WARPS=4;chunk_fwd.GRAM_BK=128;chunk_bwd.GRADS_WARPS=8;chunk_bwd.GRADS_ROW_SPLIT=2"
-#   and where the bench's 0.6-0.8 ms a call beyond the kernels (run19e, both us and jla) goes: the same bench with
-#   XLA's CUDA graphs off, XLA_FLAGS=--xla_gpu_enable_command_buffer= before `bash` (a diagnosis, not a setting).
+#   Run20 (session 18): three Triton kernels launched last axis first (common.LAST_AXIS_FASTEST), the gate's cumsum
+#   saved for the backward: fwd+bwd 4.34 ms kernel time at 8 x 4096; bench alone 0.741x jla (8 x 4096), 0.878x (1 x
+#   32768); XLA's command buffers off changed neither (XLA_FLAGS=--xla_gpu_enable_command_buffer= before `bash`);
+#   LOOP=tiles 1.177 ms (no faster). Sweeps at 1 x 32768 (the passes are what is left there) take --shape:
+#     PROFILE=1 PROFILE_ARGS="--impls lineattn,jla --shape 1x32768 --configs default;segments.SEGMENT_MIN_PROGRAMS=512"
 #   The long GPU tests take ~30 s each (19 of them): a subset fits a call beside a bench part, e.g.
 #     TEST_TIMEOUT=200 TESTS_K="long_bf16 and default" SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
 #   A/B wall clock of settings, interleaved (not through this script): PYTHONPATH=$PWD python3
