@@ -50,9 +50,9 @@ def test_chunk_kernels_lower_for_sm90(fake_h200, dtype, backward):
     text = _lowered(100, dtype, backward)
     # forward: cumsum, gram, its exact fix-up, solve, state pass (no Hopper here: the Triton solve); backward
     # "xla": none; "kernels-mml2": cumsum, gram, solve, states, reverse, chunk grads, WY, Gram gradients with the
-    # combine, their exact rewrite, dg; "kernels-saved": the same without the Gram, solve and states (the
-    # forward's terms and states are kept)
-    expected = 5 + {"xla": 0, "kernels-mml2": 10, "kernels-saved": 7}[backward]
+    # combine, their exact rewrite, dg; "kernels-saved": the same without the cumsum, Gram, solve and states (the
+    # forward's G, terms and states are kept)
+    expected = 5 + {"xla": 0, "kernels-mml2": 10, "kernels-saved": 6}[backward]
     assert text.count("__gpu$xla.gpu.triton") == expected
 
 
@@ -74,7 +74,7 @@ def test_segmented_state_passes_lower_for_sm90(fake_h200, monkeypatch):
     assert segments.pick_segments(2, 16, 128) == 2
     text = _lowered(1024, jnp.bfloat16, "kernels-saved")
     assert "lineattn_chunk_bwd_reverse_local" in text and "lineattn_chunk_bwd_states_local" not in text
-    assert text.count("__gpu$xla.gpu.triton") == 5 + 7 + 1
+    assert text.count("__gpu$xla.gpu.triton") == 5 + 6 + 1
 
 
 @pytest.mark.parametrize("v_fastest,variant", [(False, {}), (True, {}), (True, dict(readout="updated"))])
@@ -97,7 +97,7 @@ def test_mosaic_solve_lowers_for_sm90(fake_h200, monkeypatch, lhs_regs):
     monkeypatch.setattr(solve_mgpu, "LHS_REGS", lhs_regs)
     text = _lowered(100, jnp.bfloat16, "kernels-saved")
     assert "lineattn_solve_mosaic" in text and "lineattn_chunk_solve_full" not in text
-    assert text.count("__gpu$xla.gpu.triton") == 4 + 7
+    assert text.count("__gpu$xla.gpu.triton") == 4 + 6
     assert "lineattn_solve_mosaic" not in _lowered(100, jnp.float32, "kernels-saved")
 
 
@@ -108,7 +108,7 @@ def test_gram_with_exact_path_inside_lowers_for_sm90(fake_h200, monkeypatch):
     for dtype in (jnp.bfloat16, jnp.float32):
         text = _lowered(100, dtype, "kernels-saved")
         assert "lineattn_chunk_gram_exact" not in text  # and no split backward: GRADS_SPLIT needs its spreads
-        assert "lineattn_gram_bwd_exact" not in text and text.count("__gpu$xla.gpu.triton") == 4 + 6
+        assert "lineattn_gram_bwd_exact" not in text and text.count("__gpu$xla.gpu.triton") == 4 + 5
 
 
 @pytest.mark.parametrize("T", [100, 1024])
@@ -120,7 +120,7 @@ def test_backward_states_pass_lowers_for_sm90(fake_h200, monkeypatch, T):
     monkeypatch.setattr(chunk, "SAVE_STATES", False)
     text = _lowered(T, jnp.bfloat16, "kernels-saved")
     assert "lineattn_chunk_bwd_states" in text
-    assert text.count("__gpu$xla.gpu.triton") == 5 + 8 + 2 * (T == 1024)
+    assert text.count("__gpu$xla.gpu.triton") == 5 + 7 + 2 * (T == 1024)
 
 
 def test_gram_gradients_unsplit_lower_for_sm90(fake_h200, monkeypatch):
@@ -130,4 +130,4 @@ def test_gram_gradients_unsplit_lower_for_sm90(fake_h200, monkeypatch):
     for dtype in (jnp.bfloat16, jnp.float32):
         text = _lowered(100, dtype, "kernels-saved")
         assert "lineattn_gram_bwd_exact" not in text
-        assert text.count("__gpu$xla.gpu.triton") == 5 + 6
+        assert text.count("__gpu$xla.gpu.triton") == 5 + 5

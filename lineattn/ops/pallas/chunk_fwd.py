@@ -387,8 +387,8 @@ GRAM_IMPL = "triton-fast"
 
 def split_gram(scalar: bool, delta: bool) -> bool:
     """Whether the Gram stage takes the fast path everywhere and a fix-up after it, GRAM_IMPL "triton-fast" or
-    "mosaic" (its gate cumsum then also writes the block spreads; the backward's cumsum asks for them too, so that
-    XLA merges the two identical calls)."""
+    "mosaic" (its gate cumsum then also writes the block spreads: the backward takes them from the forward's saved
+    terms, or its own cumsum asks for them too)."""
     return GRAM_IMPL in ("triton-fast", "mosaic") and not scalar and delta
 
 
