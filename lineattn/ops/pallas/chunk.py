@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from lineattn.ops.chunk import chunk as xla_chunk
 from lineattn.ops.pallas import chunk_bwd
-from lineattn.ops.pallas.chunk_fwd import forward
+from lineattn.ops.pallas.chunk_fwd import forward, saved_gate
 
 f32 = jnp.float32
 
@@ -64,7 +64,7 @@ def _fwd(q, k, v, g, beta, h0, scale, chunk_size, interpret, backward):
     if backward == "kernels-saved":  # the forward's intra-chunk terms are kept for the backward
         o, ht, saved = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret,
                                save=True, states_dtype=chunk_bwd.STATES_DTYPE if SAVE_STATES else None)
-        if saved[8] is not None:  # G saved in g's place (the backward needs g's rank and dtype only)
+        if saved_gate(saved)[0] is not None:  # G saved in g's place (the backward needs g's rank and dtype only)
             g = jnp.zeros((0,) * g.ndim, g.dtype)
         return (o, ht), (q, k, v, g, beta, h0, saved)
     out = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret)

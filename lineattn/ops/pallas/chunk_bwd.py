@@ -453,18 +453,18 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     inv_prec = "ieee" if exact else chunk_fwd.SOLVE_PREC
     interpret = interpret_mode(interpret)
     delta = beta is not None
-    saved_gate = saved is not None and saved[8] is not None  # G and the block spreads from the forward
-    qp, kp, vp, gp, bp = pad_to_chunks(q, k, v, None if saved_gate else g, beta, C)
+    G, spread = (None, None) if saved is None else chunk_fwd.saved_gate(saved)  # (a channel gate's, saved)
+    qp, kp, vp, gp, bp = pad_to_chunks(q, k, v, g if G is None else None, beta, C)
     Tp = qp.shape[1]
     N = Tp // C
     scalar = g.ndim == 3  # (the gate cumsum broadcasts it: the solve and state passes take a per-channel G)
     grads_split = GRADS_SPLIT and chunk_fwd.split_gram(scalar, delta)
-    if saved_gate:
-        G, spreads = saved[8], saved[9:10]
-    else:  # the forward's call (with its block spreads where its Gram stage is split): XLA may merge the two
+    if G is None:  # the forward's call (with its block spreads where its Gram stage is split): XLA may merge the two
         gp = gp.astype(f32)
         G, dend_KN, *spreads = gate_cumsum(gp, C=C, K=K, interpret=interpret,
                                            spreads=chunk_fwd.split_gram(scalar, delta))
+    else:
+        spreads = [spread]
     ch = lambda x: x.reshape(B, H, N, C, x.shape[-1])
     states = None
     if saved is not None:

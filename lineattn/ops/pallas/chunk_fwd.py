@@ -528,6 +528,11 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     return qin, kg, w, u, m, dend
 
 
+def saved_gate(saved):
+    """(G, block spreads) from `forward(..., save=True)`'s saved terms: (None, None) for a scalar gate."""
+    return saved[8], saved[9]
+
+
 def _state_pass_kernel(qin_ref, kg_ref, w_ref, u_ref, m_ref, dend_ref, h0_ref, o_ref, ht_ref, *extra_refs, C, N, K,
                        prec, delta, export, keep):
     """The sequential pass of one (batch, head, V tile). extra_refs: the exported states (export: chunk indices), or
