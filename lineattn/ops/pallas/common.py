@@ -74,7 +74,10 @@ LAST_AXIS_FASTEST = "lineattn_chunk_gram,lineattn_chunk_bwd_chunk_grads,lineattn
 
 
 def _flip(spec):
-    """spec (a BlockSpec or a list of them) with its index map taking the program ids in reverse order."""
+    """spec (a BlockSpec or a list of them) with its index map taking the program ids in reverse order (None, the
+    whole arrays, stays None)."""
+    if spec is None:
+        return None
     if isinstance(spec, (list, tuple)):
         return [_flip(s) for s in spec]
     return dataclasses.replace(spec, index_map=(lambda f: lambda *ids: f(*ids[::-1]))(spec.index_map))
@@ -88,7 +91,7 @@ def pallas_call(kernel, *, interpret, grid=(), in_specs=None, out_specs=None, na
     asm = FAST_EXP and not interpret
     rank = len(grid) if LAST_AXIS_FASTEST == "*" or name in LAST_AXIS_FASTEST.split(",") else 0
     if rank:
-        grid, in_specs, out_specs = grid[::-1], _flip(in_specs or []), _flip(out_specs or [])
+        grid, in_specs, out_specs = grid[::-1], _flip(in_specs), _flip(out_specs)
     specs = {key: spec for key, spec in (("in_specs", in_specs), ("out_specs", out_specs)) if spec is not None}
 
     @functools.wraps(kernel)
