@@ -1,14 +1,17 @@
 """Per-kernel device time of one KDA forward and one forward+backward, from a JAX profiler trace.
 
-    python benchmarks/profile_pallas_kda.py --out $OUT [--impls lineattn,jla] [--shape 8x4096] [--rule gdn]
-        [--configs "default;chunk_bwd.PASS_PREC=bf16+chunk_bwd.WY_PREC=tf32"] [--check]
+    python benchmarks/profile_pallas_kda.py --out $OUT [--impls lineattn,jla,noop] [--shape 8x4096] [--rule gdn]
+        [--configs "default;chunk_bwd.PASS_PREC=bf16+chunk_bwd.WY_PREC=tf32"] [--check] [--sync]
 
 Each implementation is compiled and run once, then traced for --iters calls; the trace's GPU planes are read back
 with `jax.profiler.ProfileData` and every kernel's time is summed over the traced calls and divided by --iters,
 so each row is one kernel's device time per call. --configs profiles lineattn once per configuration, each
 setting module constants of `lineattn.ops.pallas` (`module.NAME=value`, joined by '+'); --check first compares
 each configuration's o and five gradients with the XLA chunk form in fp32 on the same inputs (relative RMS).
---rule gdn profiles Gated DeltaNet instead (the same inputs with a head gate, g[..., 0]; jla's gated_deltanet).
+--sync ends each traced call by block_until_ready, as the bench times them: the stream's idle time then shows
+the gaps inside a call and, before its first kernel, the latency between calls; the impl "noop" (q * 2) gives that
+latency alone. --rule gdn profiles Gated DeltaNet instead (the same inputs with a head gate, g[..., 0]; jla's
+gated_deltanet).
 Kernels named by lineattn (`name=` of its `pallas_call`s: `lineattn_chunk_gram`, ...) and XLA fusions (pads,
 transposes, sums) appear under their own names. Writes
 <out>/<date>-h200-kda-profile.json: {impl: {mode: {"per_call_ms": {kernel: ms}, "total_ms": ..., "wall_ms": ...,
@@ -44,15 +47,22 @@ from lineattn.ops.pallas.chunk import chunk_pallas  # noqa: E402
 f32 = jnp.float32
 
 
-def profile(fn, args, iters: int) -> dict:
+def profile(fn, args, iters: int, sync: bool = False) -> dict:
+    """Kernel times of `iters` calls in a trace; with sync each call is ended by block_until_ready (the bench's
+    timing), so the stream's idle time shows the gaps a call's own launches leave and, between calls, each call's
+    dispatch and sync latency; wall_ms is then the median call (else the mean of calls launched back to back)."""
     jax.block_until_ready(fn(*args))  # compile and warm up outside the trace
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp):
-            t0 = time.perf_counter()
+            t0, calls = time.perf_counter(), []
             for _ in range(iters):
                 out = fn(*args)
+                if sync:
+                    jax.block_until_ready(out)
+                    calls.append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
             jax.block_until_ready(out)
-            wall = (time.perf_counter() - t0) * 1e3 / iters
+            wall = (time.perf_counter() - t0) * 1e3 / iters if not sync else float(np.median(calls)) * 1e3
         totals = kernel_times(tmp)
         gaps = kernel_gaps(tmp)
     per_call = {name: ns / iters / 1e6 for name, ns in sorted(totals.items(), key=lambda kv: -kv[1])}
@@ -75,6 +85,7 @@ def main():
     p.add_argument("--top", type=int, default=25, help="rows printed per profile")
     p.add_argument("--configs", default="default", help="';'-separated lineattn configurations (see above)")
     p.add_argument("--check", action="store_true", help="compare with the XLA chunk form in fp32 first")
+    p.add_argument("--sync", action="store_true", help="end each traced call by block_until_ready (see profile)")
     p.add_argument("--rule", default="kda", choices=["kda", "gdn"])
     p.add_argument("--ncu", action="store_true", help="run each mode once, for Nsight Compute (see above)")
     p.add_argument("--decode", type=int, default=0, help="with --ncu: also one decode step of this batch")
@@ -97,6 +108,8 @@ def main():
             fwd = lambda q, k, v, g, b: chunk_pallas(q, k, v, api._kernel_gate(g, q.shape), b, h0, scale, 64, None,
                                                      api.BACKWARD)[0]
             impls["lineattn-pallas" + ("" if config == "default" else f" [{config}]")] = (fwd, config)
+    if "noop" in a.impls:  # a call of next to no device time: the latency of a call ended by block_until_ready
+        impls["noop"] = (lambda q, k, v, g, b: q * 2, "default")
     if "jla" in a.impls:
         import jla.ops as jla_ops
 
@@ -129,7 +142,7 @@ def main():
                     print(f"{name}: rel RMS vs the XLA chunk form in fp32: "
                           + " ".join(f"{n} {e:.1e}" for n, e in errors.items()))
                 for mode, fn in modes.items():
-                    rec = profile(fn, (q, k, v, g, beta), a.iters)
+                    rec = profile(fn, (q, k, v, g, beta), a.iters, a.sync)
                     result.setdefault(name, {})[mode] = rec
                     print(f"{name} {mode}: kernels {rec['total_ms']:.3f} ms per call "
                           f"(wall {rec['wall_ms']:.3f} ms, stream idle {rec['idle_ms']:.3f} ms)")
