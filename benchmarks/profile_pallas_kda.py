@@ -47,12 +47,14 @@ from lineattn.ops.pallas.chunk import chunk_pallas  # noqa: E402
 f32 = jnp.float32
 
 
-def profile(fn, args, iters: int, sync: bool = False) -> dict:
+def profile(fn, args, iters: int, sync: bool = False, trace_dir: Path | None = None) -> dict:
     """Kernel times of `iters` calls in a trace; with sync each call is ended by block_until_ready (the bench's
     timing), so the stream's idle time shows the gaps a call's own launches leave and, between calls, each call's
-    dispatch and sync latency; wall_ms is then the median call (else the mean of calls launched back to back)."""
+    dispatch and sync latency; wall_ms is then the median call (else the mean of calls launched back to back).
+    trace_dir: keep the trace there (host and device planes) instead of in a temporary folder."""
     jax.block_until_ready(fn(*args))  # compile and warm up outside the trace
     with tempfile.TemporaryDirectory() as tmp:
+        tmp = str(trace_dir) if trace_dir else tmp
         with jax.profiler.trace(tmp):
             t0, calls = time.perf_counter(), []
             for _ in range(iters):
@@ -86,6 +88,7 @@ def main():
     p.add_argument("--configs", default="default", help="';'-separated lineattn configurations (see above)")
     p.add_argument("--check", action="store_true", help="compare with the XLA chunk form in fp32 first")
     p.add_argument("--sync", action="store_true", help="end each traced call by block_until_ready (see profile)")
+    p.add_argument("--keep-traces", action="store_true", help="keep each trace under <out>/traces/<impl>-<mode>")
     p.add_argument("--rule", default="kda", choices=["kda", "gdn"])
     p.add_argument("--ncu", action="store_true", help="run each mode once, for Nsight Compute (see above)")
     p.add_argument("--decode", type=int, default=0, help="with --ncu: also one decode step of this batch")
@@ -142,7 +145,8 @@ def main():
                     print(f"{name}: rel RMS vs the XLA chunk form in fp32: "
                           + " ".join(f"{n} {e:.1e}" for n, e in errors.items()))
                 for mode, fn in modes.items():
-                    rec = profile(fn, (q, k, v, g, beta), a.iters, a.sync)
+                    keep = a.out / "traces" / f"{name.split()[0]}-{mode}" if a.keep_traces else None
+                    rec = profile(fn, (q, k, v, g, beta), a.iters, a.sync, keep)
                     result.setdefault(name, {})[mode] = rec
                     print(f"{name} {mode}: kernels {rec['total_ms']:.3f} ms per call "
                           f"(wall {rec['wall_ms']:.3f} ms, stream idle {rec['idle_ms']:.3f} ms)")
