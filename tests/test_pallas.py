@@ -371,9 +371,11 @@ def test_pass_impl_auto_takes_the_mosaic_passes_where_they_fit(monkeypatch):
 
 @pytest.mark.parametrize("rule", ["kda", "gdn", "gla"])
 def test_pallas_segmented_state_passes(rule, monkeypatch):
-    # `segments.SEGMENT_PASSES`: the backward's reverse pass in 4 segments of 2 chunks (T = 120 ragged, chunk 16),
-    # fp32 to 1e-4 of the oracle (every gradient, initial state and final-state cotangent), then bf16.
-    from lineattn.ops.pallas import segments
+    # `segments.SEGMENT_PASSES`: the forward's state pass and the backward's reverse pass in 4 segments of 2 chunks
+    # (T = 120 ragged, chunk 16), fp32 to 1e-4 of the oracle (every gradient, initial state and final-state
+    # cotangent), then bf16. The backward takes the segments' maps from the forward (`chunk_fwd.PASS_SEGMENTS`
+    # "save"); with "never" it forms them itself (an unsegmented forward): the same results to 1e-5 in fp32.
+    from lineattn.ops.pallas import chunk_fwd, segments
     monkeypatch.setattr(segments, "SEGMENT_PASSES", True)
     monkeypatch.setattr(segments, "MIN_SEGMENT_CHUNKS", 2)
     assert segments.pick_segments(2, 8, 32) == 4 and segments.pick_segments(2, 6, 32) == 1
@@ -382,6 +384,16 @@ def test_pallas_segmented_state_passes(rule, monkeypatch):
     jaxpr = grad_jaxpr(rule, inputs, chunk_size=16, backend="pallas")
     # (the states pass is the forward's, `chunk.SAVE_STATES`; segmented without it: `test_pallas_saved_states`)
     assert "lineattn_chunk_bwd_reverse_local" in jaxpr and "lineattn_chunk_bwd_states_local" not in jaxpr
+    assert "lineattn_chunk_state_pass_local" in jaxpr
+    o, ht, grads = loss_and_grads(rule, inputs, backend="pallas", chunk_size=16)
+    monkeypatch.setattr(chunk_fwd, "PASS_SEGMENTS", "never")
+    assert "lineattn_chunk_state_pass_local" not in grad_jaxpr(rule, inputs, chunk_size=16, backend="pallas")
+    o0, ht0, grads0 = loss_and_grads(rule, inputs, backend="pallas", chunk_size=16)
+    assert_close({"o": o, "ht": ht, **grads}, {"o": o0, "ht": ht0, **grads0}, 1e-5, f"{rule}/maps from the forward")
+    monkeypatch.setattr(chunk_fwd, "PASS_SEGMENTS", "sometimes")
+    with pytest.raises(ValueError, match="PASS_SEGMENTS"):
+        chunk_fwd.pass_segments(2, 8, 32, True, False)
+    monkeypatch.setattr(chunk_fwd, "PASS_SEGMENTS", "save")
     _assert_bf16_close(rule, inputs, chunk_size=16)
 
 

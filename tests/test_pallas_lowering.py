@@ -66,15 +66,17 @@ def test_scalar_gate_kernels_lower_for_sm90(fake_h200, backward):
 
 
 def test_segmented_state_passes_lower_for_sm90(fake_h200, monkeypatch):
-    # `segments.SEGMENT_PASSES`: T = 1024 is 16 chunks of 64, 2 segments of 8 (B * H = 2); the backward adds the
-    # zero-start reverse pass (a 4-D grid, per-segment [K, V] state blocks, also forming the maps; the zero-start
-    # states pass only without `chunk.SAVE_STATES`: `test_backward_states_pass_lowers_for_sm90`).
+    # `segments.SEGMENT_PASSES`: T = 1024 is 16 chunks of 64, 2 segments of 8 (B * H = 2); the forward adds the
+    # zero-start pass forming the segments' offsets and maps (`chunk_fwd.PASS_SEGMENTS`), the backward the
+    # zero-start reverse pass (a 4-D grid, per-segment [K, V] state blocks; the zero-start states pass only without
+    # `chunk.SAVE_STATES`: `test_backward_states_pass_lowers_for_sm90`).
     from lineattn.ops.pallas import segments
     monkeypatch.setattr(segments, "SEGMENT_PASSES", True)
     assert segments.pick_segments(2, 16, 128) == 2
     text = _lowered(1024, jnp.bfloat16, "kernels-saved")
-    assert "lineattn_chunk_bwd_reverse_local" in text and "lineattn_chunk_bwd_states_local" not in text
-    assert text.count("__gpu$xla.gpu.triton") == 5 + 6 + 1
+    assert "lineattn_chunk_state_pass_local" in text and "lineattn_chunk_bwd_reverse_local" in text
+    assert "lineattn_chunk_bwd_states_local" not in text
+    assert text.count("__gpu$xla.gpu.triton") == 5 + 1 + 6 + 1
 
 
 @pytest.mark.parametrize("v_fastest,variant", [(False, {}), (True, {}), (True, dict(readout="updated"))])
@@ -113,14 +115,15 @@ def test_gram_with_exact_path_inside_lowers_for_sm90(fake_h200, monkeypatch):
 
 @pytest.mark.parametrize("T", [100, 1024])
 def test_backward_states_pass_lowers_for_sm90(fake_h200, monkeypatch, T):
-    # `chunk.SAVE_STATES = False`: the backward runs its own states pass (T = 1024: the segmented backward, with
-    # the zero-start states pass as well); the default keeps the forward's per-chunk states instead.
+    # `chunk.SAVE_STATES = False`: the backward runs its own states pass (T = 1024: segmented, the forward with
+    # its zero-start pass for the maps, the backward with the zero-start states pass as well); the default keeps
+    # the forward's per-chunk states instead.
     from lineattn.ops.pallas import chunk
     assert "lineattn_chunk_bwd_states" not in _lowered(T, jnp.bfloat16, "kernels-saved")
     monkeypatch.setattr(chunk, "SAVE_STATES", False)
     text = _lowered(T, jnp.bfloat16, "kernels-saved")
     assert "lineattn_chunk_bwd_states" in text
-    assert text.count("__gpu$xla.gpu.triton") == 5 + 7 + 2 * (T == 1024)
+    assert text.count("__gpu$xla.gpu.triton") == 5 + 7 + 3 * (T == 1024)
 
 
 def test_gram_gradients_unsplit_lower_for_sm90(fake_h200, monkeypatch):

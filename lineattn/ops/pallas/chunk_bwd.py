@@ -466,9 +466,9 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     else:
         spreads = [spread]
     ch = lambda x: x.reshape(B, H, N, C, x.shape[-1])
-    states = None
+    states = maps = None
     if saved is not None:
-        Qin, Kg, W, U, M, dend_KN, KK, R, _, _, *states = saved
+        Qin, Kg, W, U, M, dend_KN, KK, R, _, _, maps, *states = saved
         states = tuple(states) or None  # (S0, E) when the forward's state pass kept them
         if not delta:
             U = jnp.moveaxis(vp, 2, 1).astype(f32)
@@ -488,7 +488,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
             U, W, R = jnp.moveaxis(vp, 2, 1).astype(f32), None, None
     terms = ChunkTerms(ch(Qin), ch(M), ch(Kg), jnp.swapaxes(dend_KN, -1, -2), ch(U), None if W is None else ch(W))
     dop = jnp.pad(do, [(0, 0), (0, Tp - T), (0, 0), (0, 0)])  # the kernels read it in its dtype
-    cot, dh0 = state_passes(terms, h0, dop, dht, exact=exact, interpret=interpret, states=states)
+    cot, dh0 = state_passes(terms, h0, dop, dht, exact=exact, interpret=interpret, states=states, maps=maps)
     flat = lambda x: x.reshape(B, H, Tp, x.shape[-1])
     tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
     tok1 = pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
@@ -600,16 +600,18 @@ def _chunk_grads_kernel(e_ref, s0_ref, ds_ref, do_ref, du_ref, dqin_ref, dm_ref,
 
 
 def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None, block_v=None, warps=None,
-                 bk=None, bv=None, states=None):
+                 bk=None, bv=None, states=None, maps=None):
     """The Pallas passes: cotangents of `terms` (a ChunkTerms of [B, H, N, C, .] arrays) and d(h0), by
     `_states_kernel`, `_reverse_ds_kernel` (in segments: see SEGMENT_PASSES) and `_chunk_grads_kernel`. do:
     [B, Tp, H, V] (Tp = N * C), dht: [B, H, K, V]. states: (S0 [B, H, N K, V], E [B, H, Tp, V]) kept by the
-    forward's state pass (`chunk_fwd.forward(states_dtype=...)`), in place of `_states_kernel`'s. bk, bv: the
-    chunk gradients' tiles (default CHUNK_GRADS_BK, CHUNK_GRADS_BV). Returns (ChunkTerms of cotangents, dh0)."""
+    forward's state pass (`chunk_fwd.forward(states_dtype=...)`), in place of `_states_kernel`'s. maps: the
+    segments' transposed maps [B, H, nseg, K, K] from the forward's segmented pass (`chunk_fwd.segment_starts`),
+    which sets the segments; the zero-start reverse pass then runs over V columns only. bk, bv: the chunk
+    gradients' tiles (default CHUNK_GRADS_BK, CHUNK_GRADS_BV). Returns (ChunkTerms of cotangents, dh0)."""
     bk, bv = bk or CHUNK_GRADS_BK, bv or CHUNK_GRADS_BV
     B, H, N, C, K, V, Tp, delta = _pass_dims(terms)
     interpret, prec = interpret_mode(interpret), "ieee" if exact else PASS_PREC
-    nseg = pick_segments(B * H, N, V)
+    nseg = pick_segments(B * H, N, V) if maps is None else maps.shape[2]
     (qin, kg, m, u, w, dend_KN), BV, grid, (whole, vtile, state, per_chunk, kn, do_spec) = _pass_setup(terms,
                                                                                                        block_v, nseg)
     Ns = N // nseg
@@ -633,12 +635,13 @@ def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None,
         NQ = V // BQ
         stateq = pl.BlockSpec((None, None, None, K, BQ), lambda b, h, s, j: (b, h, s, 0, j))
         do_q = pl.BlockSpec((None, Ns * C, None, BQ), lambda b, h, s, j: (b, s, h, jnp.minimum(j, NQ - 1)))
+        NM = K // BQ if maps is None else 0  # the maps' column tiles, where the forward gave none
         start = jnp.concatenate([jnp.zeros((B, H, nseg, K, V), f32),
-                                 jnp.broadcast_to(jnp.eye(K, dtype=f32), (B, H, nseg, K, K))], axis=-1)
+                                 jnp.broadcast_to(jnp.eye(K, NM * BQ, dtype=f32), (B, H, nseg, K, NM * BQ))], axis=-1)
         out = run(_reverse_ds_kernel, "lineattn_chunk_bwd_reverse_local", REVERSE_STAGES,
-                  reverse_in[:5] + [do_q, stateq], [stateq], [seg_states(V + K)], qin, kg, w, m, dend_KN, do, start,
-                  grid=grid[:3] + (NQ + K // BQ,), value_tiles=NQ)[0]
-        PT = out[..., V:]
+                  reverse_in[:5] + [do_q, stateq], [stateq], [seg_states(V + NM * BQ)], qin, kg, w, m, dend_KN, do,
+                  start, grid=grid[:3] + (NQ + NM,), value_tiles=NQ)[0]
+        PT = out[..., V:] if maps is None else maps
         dS_end = chain(PT, out[..., :V], dht, reverse=True)
         if states is None:
             offsets = run(_states_kernel, "lineattn_chunk_bwd_states_local", STATES_STAGES, states_in, [state],

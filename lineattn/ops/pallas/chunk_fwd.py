@@ -15,9 +15,9 @@ The intra-chunk stage, parallel over (batch, head, chunk) (`_intra`):
 `state_pass`, one program per (batch, head, V tile): the sequential pass over chunks with the fp32 state in
 registers, E = U - W S, O = Qin S + M E, S <- Diag(e^(G_C)) S + Kg^T E; writes O and the final state (and, for
 the backward, every chunk's S and E); on a Hopper GPU where it fits, the same as a Mosaic GPU kernel
-(`state_mgpu.state_pass_mosaic`, see PASS_IMPL). (An opt-in segmented form for a few long sequences, PASS_SEGMENTS, a
-zero-start pass per segment joined by a chain in XLA, was removed on 2026-12-02: at 1 x 32768 its kernels took
-0.34 + 0.35 ms against 0.80, but the call 2.469 ms against 2.471 and fwd+bwd 7.05 against 7.01, run13a.)
+(`state_mgpu.state_pass_mosaic`, see PASS_IMPL). For a few long sequences in a forward that saves for the
+backward, the pass runs in segments of chunks side by side (PASS_SEGMENTS): `segment_starts` gives each
+segment's true start and its map, which the backward's reverse pass then reuses.
 
 Precision: bf16 inputs keep bf16 intermediates (Qin, Kg, W, U, M) and run the state pass's products on bf16
 tensor cores with fp32 accumulation; the Gram products take TF32, the solve's doubling bf16x3 and its U, W
@@ -556,6 +556,50 @@ def _state_pass_kernel(qin_ref, kg_ref, w_ref, u_ref, m_ref, dend_ref, h0_ref, o
     ht_ref[...] = jax.lax.fori_loop(0, N, body, h0_ref[...].astype(f32))
 
 
+def _segment_end_kernel(kg_ref, w_ref, u_ref, dend_ref, end_ref, *, C, N, prec, delta, value_tiles):
+    """One segment's recurrence from a zero start: column tiles j < value_tiles (the last grid axis) of V give its
+    offset c, the tiles after give its map P's columns (started at the identity's columns with U = 0), so that
+    S_end = P S_start + c."""
+    j = common.program_id(3)
+    K, BQ = end_ref.shape
+    S = (_iota((K, BQ), 0) == _iota((K, BQ), 1) + (j - value_tiles) * BQ).astype(f32)  # zeros in a value tile
+    keep = (j < value_tiles).astype(f32)
+
+    def body(n, S):
+        t = pl.ds(n * C, C)
+        E = u_ref[t, :].astype(f32) * keep
+        if delta:
+            E = E - dot(w_ref[t, :], S, prec)
+        return S * dend_ref[:, pl.ds(n, 1)] + dot(kg_ref[t, :], E, prec, trans_a=True)
+
+    end_ref[...] = jax.lax.fori_loop(0, N, body, S)
+
+
+def segment_starts(kg, w, u, dend, h0, *, C: int, nseg: int, BV: int, prec: str, delta: bool, interpret: bool):
+    """(every segment's true start [B, H, nseg, K, V] fp32, the segments' transposed maps PT [B, H, nseg, K, K])
+    of the state pass over kg, w [B, H, Tp, K], u [B, H, Tp, V], dend = e^(G_C) [B, H, K, N] from h0 [B, H, K, V]:
+    `_segment_end_kernel` on every segment at once (column tiles of min(BV, K): V's for the offsets, then K's for
+    the maps), then `segments.chain` in fp32. PT is what the backward's reverse pass takes (`chunk_bwd`)."""
+    B, H, K, V = h0.shape
+    Tp, N = kg.shape[2], dend.shape[-1]
+    BQ = min(BV, K)
+    NQ = V // BQ
+    whole, _, state, _, kn, _ = segments.block_specs(Tp, N, K, nseg, BQ)
+    u_tile = pl.BlockSpec((None, None, Tp // nseg, BQ), lambda b, h, s, j: (b, h, s, jnp.minimum(j, NQ - 1)))
+    ends = pallas_call(  # (a map tile reads the last V tile of u: unused)
+        functools.partial(_segment_end_kernel, C=C, N=N // nseg, prec=prec, delta=delta, value_tiles=NQ),
+        grid=(B, H, nseg, NQ + K // BQ),
+        in_specs=[whole(K), whole(K), u_tile, kn],
+        out_specs=state,
+        out_shape=jax.ShapeDtypeStruct((B, H, nseg, K, V + K), f32),
+        compiler_params=compiler_params(num_warps=PASS_WARPS, num_stages=PASS_STAGES),
+        interpret=interpret,
+        name="lineattn_chunk_state_pass_local",
+    )(kg, w, u, dend)
+    PT = jnp.swapaxes(ends[..., V:], -1, -2)
+    return segments.chain(PT, ends[..., :V], h0, reverse=False), PT
+
+
 def check_shapes(K: int, V: int, chunk_size: int):
     if not (is_pow2(K) and 16 <= K <= 256 and is_pow2(V) and 16 <= V <= 256):
         raise ValueError(f"the Pallas kernels need K and V powers of two in [16, 256], got K={K}, V={V}")
@@ -596,6 +640,24 @@ def mosaic_pass(exact: bool, delta: bool, C: int, K: int, V: int, BV: int, expor
             raise ValueError("PASS_IMPL 'mosaic' takes the delta write without exported chunks")
         return True
     return PASS_IMPL == "auto" and fits and not interpret and hopper()
+
+
+# PASS_SEGMENTS: where the forward saves for the backward ("save", the default), a few long sequences (see
+# `segments.pick_segments`) run the state pass in segments of chunks side by side: `segment_starts` (a zero-start
+# pass per segment over V + K columns, then a chain in XLA) gives each segment's true start and its map, and the
+# backward's zero-start reverse pass then needs V columns only, taking the maps from here (transposed): the K
+# extra columns are paid once. "always" also segments a forward that saves nothing (at 1 x 32768 in run13a its
+# kernels took 0.34 + 0.35 ms against 0.80, the call no faster: 2.469 against 2.471 ms); "never" turns it off.
+# Read when a call is traced; not with export_chunks.
+PASS_SEGMENTS = "save"
+
+
+def pass_segments(programs: int, N: int, V: int, save: bool, export: bool) -> int:
+    """Segments per sequence of the forward's state pass (see PASS_SEGMENTS and `segments.pick_segments`)."""
+    if PASS_SEGMENTS not in ("save", "always", "never"):
+        raise ValueError(f"PASS_SEGMENTS must be 'save', 'always' or 'never', got {PASS_SEGMENTS!r}")
+    wanted = PASS_SEGMENTS == "always" or (PASS_SEGMENTS == "save" and save)
+    return segments.pick_segments(programs, N, V) if wanted and not export else 1
 
 
 def pick_block_v(programs: int, V: int) -> int:
@@ -647,7 +709,8 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     inside the chunk.
     save: return (o, final state, saved) with saved = (qin, kg, w, u, m [B, H, Tp, .] in the store dtype, e^(G_C)
     [B, H, K, N], KK, R [B, H, Tp, C] fp32 (the last four None for the additive write), G [B, Tp, H, K] fp32 and
-    `gate_cumsum`'s block spreads (None for a scalar gate; spreads None where the Gram stage is not split)), what
+    `gate_cumsum`'s block spreads (None for a scalar gate; spreads None where the Gram stage is not split), the
+    segments' transposed maps PT [B, H, nseg, K, K] fp32 (None for an unsegmented pass: see PASS_SEGMENTS)), what
     `chunk_bwd.backward_fast` would otherwise recompute; with states_dtype (a dtype name, for bf16 inputs; fp32
     inputs keep fp32) the state pass also writes every chunk's incoming state S0 [B, H, N K, V] and E = U - W S0 [B,
     H, Tp, V], appended to saved (the backward then skips its own states pass). constants: set by
@@ -683,37 +746,44 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
         u = jnp.moveaxis(v, 2, 1).astype(store)
         w = qin  # unread by the additive state pass
 
-    BV = block_v or pick_block_v(B * H, V)
+    nseg = pass_segments(B * H, N, V, save, bool(export_chunks))
+    BV = block_v or pick_block_v(B * H * nseg, V)
     prec = "ieee" if exact else "bf16"
-    # grid (B, H, 1, V tiles): the block specs of the backward's passes (`segments`), here one segment per sequence
-    whole, vtile, state, per_chunk, kn, tokens = segments.block_specs(Tp, N, K, 1, BV)
+    # grid (B, H, segments, V tiles): the block specs of the backward's passes (`segments`)
+    whole, vtile, state, per_chunk, kn, tokens = segments.block_specs(Tp, N, K, nseg, BV)
+    maps = None  # the segments' transposed maps, for the backward
+    if nseg == 1:
+        starts = h0.astype(f32)[:, :, None]
+    else:
+        starts, maps = segment_starts(kg, w, u, dend, h0, C=C, nseg=nseg, BV=BV, prec=prec, delta=delta,
+                                      interpret=interpret)
     n_slots = 1 << max(len(export_chunks) - 1, 0).bit_length()  # Triton blocks: powers of two
     exported = ([pl.BlockSpec((None, None, n_slots, K, BV), lambda b, h, s, j: (b, h, 0, 0, j))],
                 [jax.ShapeDtypeStruct((B, H, n_slots, K, V), f32)]) if export_chunks else ([], [])
     keep = save and states_dtype is not None and not export_chunks
     kept = (f32 if exact else jnp.dtype(states_dtype)) if keep else None
-    if mosaic_pass(exact, delta, C, K, V, BV, bool(export_chunks), kept, interpret):
+    if nseg == 1 and mosaic_pass(exact, delta, C, K, V, BV, bool(export_chunks), kept, interpret):
         o, ht, *s0 = state_mgpu.state_pass_mosaic(qin, kg, w, u, m, jnp.swapaxes(dend, -1, -2), h0.astype(f32),
                                                   out_dtype=dt, keep_dtype=kept, block_v=BV, interpret=interpret)
-        return (o[:, :T], ht, (qin, kg, w, u, m, dend, *extra, *s0)) if save else (o[:, :T], ht)
+        return (o[:, :T], ht, (qin, kg, w, u, m, dend, *extra, maps, *s0)) if save else (o[:, :T], ht)
     if keep:
         exported = ([per_chunk, vtile],
                     [jax.ShapeDtypeStruct((B, H, N * K, V), kept), jax.ShapeDtypeStruct((B, H, Tp, V), kept)])
     o, ends, *s0 = pallas_call(
-        functools.partial(_state_pass_kernel, C=C, N=N, K=K, prec=prec, delta=delta, export=export_chunks,
+        functools.partial(_state_pass_kernel, C=C, N=N // nseg, K=K, prec=prec, delta=delta, export=export_chunks,
                           keep=keep),
-        grid=(B, H, 1, V // BV),
+        grid=(B, H, nseg, V // BV),
         in_specs=[whole(K), whole(K), whole(K), vtile, whole(C), kn, state],
         out_specs=[tokens, state] + exported[0],
-        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), dt), jax.ShapeDtypeStruct((B, H, 1, K, V), f32)]
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), dt), jax.ShapeDtypeStruct((B, H, nseg, K, V), f32)]
         + exported[1],
         compiler_params=compiler_params(num_warps=warps[1], num_stages=PASS_STAGES),
         interpret=interpret,
         name="lineattn_chunk_state_pass",
-    )(qin, kg, w, u, m, dend, h0.astype(f32)[:, :, None])
-    ht = ends[:, :, 0]
+    )(qin, kg, w, u, m, dend, starts)
+    ht = ends[:, :, -1]
     if export_chunks:
         return o[:, :T], ht, s0[0][:, :, :len(export_chunks)], (w if delta else None), (u if delta else None)
     if save:
-        return o[:, :T], ht, (qin, kg, w if delta else None, u if delta else None, m, dend, *extra, *s0)
+        return o[:, :T], ht, (qin, kg, w if delta else None, u if delta else None, m, dend, *extra, maps, *s0)
     return o[:, :T], ht
