@@ -319,18 +319,20 @@ def test_mosaic_state_pass_matches_the_triton_pass():
         chunk_fwd.forward(*args[:-1], x["initial_state"], scale=1.0, interpret=True, export_chunks=(1,))
 
 
-@pytest.mark.parametrize("rule,block_v", [("kda", 64), ("gdn", 16)])
-def test_pallas_with_the_mosaic_state_pass(rule, block_v, monkeypatch):
+@pytest.mark.parametrize("rule,block_v,nseg", [("kda", 64, 1), ("gdn", 16, 1), ("kda", 64, 2)])
+def test_pallas_with_the_mosaic_state_pass(rule, block_v, nseg, monkeypatch):
     # `chunk_fwd.PASS_IMPL = "mosaic"`: the forward's state pass (keeping the states for the backward) and the
     # backward's reverse pass through the Mosaic GPU kernels, bf16 at chunk 64 (T = 80 ragged, K = V = 64, non-zero
-    # h0; V tiles of 64 with PASS_MIN_PROGRAMS at 1, else 16): o, the state and every gradient within FLA's bounds
-    # of the fp32 oracle, and equal to the Triton passes' to 1e-4 (the same products; CPU: 0 for the bf16 outputs,
-    # at most 4e-8).
-    from lineattn.ops.pallas import chunk_fwd
+    # h0; V tiles of 64 with PASS_MIN_PROGRAMS at 1, else 16; nseg 2: T = 200, both passes in 2 segments of 2
+    # chunks, `segments`): o, the state and every gradient within FLA's bounds of the fp32 oracle, and equal to the
+    # Triton passes' to 1e-4 (the same products; CPU: 0 for the bf16 outputs, at most 4e-8).
+    from lineattn.ops.pallas import chunk_fwd, segments
     if block_v == 64:
         monkeypatch.setattr(chunk_fwd, "PASS_MIN_PROGRAMS", 1)
     assert chunk_fwd.pick_block_v(2, 64) == block_v
-    inputs = make_inputs(rule, B=1, **dict(SMALL, K=64, V=64), seed=23)
+    monkeypatch.setattr(segments, "MIN_SEGMENT_CHUNKS", 2 if nseg > 1 else 64)
+    assert segments.pick_segments(1, 4, 64) == nseg
+    inputs = make_inputs(rule, B=1, **dict(SMALL, T=80 if nseg == 1 else 200, K=64, V=64), seed=23)
     x = {n: y.astype(jnp.bfloat16) if n in ("q", "k", "v", "beta") else y for n, y in inputs.items()}
     results = {}
     for impl in ("triton", "mosaic"):
@@ -346,9 +348,8 @@ def test_pallas_with_the_mosaic_state_pass(rule, block_v, monkeypatch):
 
 def test_pass_impl_auto_takes_the_mosaic_passes_where_they_fit(monkeypatch):
     # PASS_IMPL "auto" (the default) as on a Hopper GPU (`hopper` and compiled kernels faked; traced only): the
-    # Mosaic GPU passes for bf16 at K = V = 128 with V tiles of 64 (B * H = 128); the forward's only where the
-    # backward's reverse pass runs in segments (B * H = 64); the Triton passes for fp32, for V tiles below 64 (a
-    # single sequence) and for the additive write (GLA).
+    # Mosaic GPU passes for bf16 at K = V = 128 with V tiles of 64 (B * H = 128, or 64 in 2 segments); the Triton
+    # passes for fp32, for V tiles below 64 (a single short sequence) and for the additive write (GLA).
     from lineattn.ops.pallas import chunk_bwd, chunk_fwd
     monkeypatch.setattr(chunk_fwd, "hopper", lambda: True)
     compiled = lambda interpret: False if interpret is None else bool(interpret)
@@ -363,7 +364,7 @@ def test_pass_impl_auto_takes_the_mosaic_passes_where_they_fit(monkeypatch):
         return "lineattn_state_pass_mosaic" in jaxpr, "lineattn_reverse_pass_mosaic" in jaxpr
 
     assert passes("kda", 4, 32) == (True, True), "the Mosaic passes where they fit"
-    assert passes("kda", 2, 32, T=1024) == (True, False)
+    assert passes("kda", 2, 32, T=1024) == (True, True), "in 2 segments"
     assert passes("kda", 4, 32, jnp.float32) == (False, False)
     assert passes("kda", 1, 16) == (False, False)
     assert passes("gla", 4, 32) == (False, False)

@@ -653,9 +653,11 @@ def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None,
                     kg, w, u, dend_KN, S_start)
     else:
         s0, E = states
-    if nseg == 1 and chunk_fwd.mosaic_pass(exact, delta, C, K, V, BV, False, kept, interpret):
-        ds, du, dh0 = state_mgpu.reverse_pass_mosaic(qin, kg, w, m, terms.decay_end, do, dS_end[:, :, 0],
-                                                     ds_dtype=kept, de_dtype=wy_dt, block_v=BV, interpret=interpret)
+    if chunk_fwd.mosaic_pass(exact, delta, C, K, V, BV, False, kept, interpret):
+        ds, du, dS_start = state_mgpu.reverse_pass_mosaic(qin, kg, w, m, terms.decay_end, do, dS_end,
+                                                          ds_dtype=kept, de_dtype=wy_dt, block_v=BV,
+                                                          interpret=interpret)
+        dh0 = dS_start[:, :, 0]
     else:
         ds, du, dS_start = run(_reverse_ds_kernel, "lineattn_chunk_bwd_reverse_ds", REVERSE_STAGES, reverse_in,
                                [per_chunk, vtile, state], [jax.ShapeDtypeStruct((B, H, N * K, V), kept),

@@ -621,9 +621,9 @@ PASS_MAX_BV = 64
 
 # The state passes' implementation: "triton" (`_state_pass_kernel`, `chunk_bwd._reverse_ds_kernel`), "mosaic"
 # (`state_mgpu`'s kernels, wgmma and TMA, Hopper only: bf16 inputs with the delta write, chunk 64, K 64 or 128,
-# V tiles of 64, no exported chunks, kept states in bf16; the backward's reverse pass where it is not in segments)
-# or "auto": "mosaic" where it applies on a Hopper GPU. "mosaic" takes `pick_block_v`'s V tile, also 16 or 32 (a
-# few long sequences; not yet timed). Read when a call is traced. H200, 8 x 4096 x 16 x 128 bf16
+# V tiles of 64, no exported chunks, kept states in bf16; whole sequences or segments, `segments`) or "auto":
+# "mosaic" where it applies on a Hopper GPU. "mosaic" takes `pick_block_v`'s V tile, also 16 or 32 (a few long
+# sequences unsegmented: slower, run15a). Read when a call is traced. H200, 8 x 4096 x 16 x 128 bf16
 # (run14b profile): forward state pass 0.206 ms against 0.352, with the kept states 0.307 against 0.463, reverse
 # pass 0.264 against 0.447; kernels fwd 1.602 against 1.742 ms, fwd+bwd 5.089 against 5.429 (GDN 0.978 / 4.007
 # against 1.120 / 4.340); o and the five gradients' errors against the fp32 XLA chunk form unchanged to two digits.
@@ -762,9 +762,10 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
                 [jax.ShapeDtypeStruct((B, H, n_slots, K, V), f32)]) if export_chunks else ([], [])
     keep = save and states_dtype is not None and not export_chunks
     kept = (f32 if exact else jnp.dtype(states_dtype)) if keep else None
-    if nseg == 1 and mosaic_pass(exact, delta, C, K, V, BV, bool(export_chunks), kept, interpret):
-        o, ht, *s0 = state_mgpu.state_pass_mosaic(qin, kg, w, u, m, jnp.swapaxes(dend, -1, -2), h0.astype(f32),
-                                                  out_dtype=dt, keep_dtype=kept, block_v=BV, interpret=interpret)
+    if mosaic_pass(exact, delta, C, K, V, BV, bool(export_chunks), kept, interpret):
+        o, ends, *s0 = state_mgpu.state_pass_mosaic(qin, kg, w, u, m, jnp.swapaxes(dend, -1, -2), starts,
+                                                    out_dtype=dt, keep_dtype=kept, block_v=BV, interpret=interpret)
+        ht = ends[:, :, -1]
         return (o[:, :T], ht, (qin, kg, w, u, m, dend, *extra, maps, *s0)) if save else (o[:, :T], ht)
     if keep:
         exported = ([per_chunk, vtile],

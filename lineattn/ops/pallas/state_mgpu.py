@@ -2,10 +2,11 @@
 `chunk_fwd.PASS_IMPL` picks them: the forward's pass (`state_pass_mosaic`, for `chunk_fwd._state_pass_kernel`)
 and the backward's reverse pass (`reverse_pass_mosaic`, for `chunk_bwd._reverse_ds_kernel`).
 
-One CTA (one warpgroup) per (batch, head, V tile of bv = 16, 32 or 64): the fp32 state (or its cotangent) [K, bv]
-stays in registers (the WGMMA accumulator layout) across the chunks, which `plgpu.emit_pipeline` streams in by TMA
-(double buffered); each chunk's outputs leave through two SMEM slots by TMA. Per chunk, with S rounded to bf16 in
-SMEM:
+One CTA (one warpgroup) per (batch, segment, head, V tile of bv = 16, 32 or 64): the fp32 state (or its
+cotangent) [K, bv] stays in registers (the WGMMA accumulator layout) across the segment's chunks, which
+`plgpu.emit_pipeline` streams in by TMA (double buffered); each chunk's outputs leave through two SMEM slots by TMA.
+A sequence is one segment unless the caller splits it (`segments`: each segment then starts from its true start,
+or, in reverse, its end cotangent, given). Per chunk, with S rounded to bf16 in SMEM:
     forward:  E = U - W S,   O = Qin S + M E,   S <- Diag(e^(G_C)) S + Kg^T E
     reverse:  dE = M^T dO + Kg dS,   dS <- Diag(e^(G_C)) dS + Qin^T dO - W^T dE
 (X^T: X's SMEM tile read transposed). The same products at the same precisions as the Triton kernels (bf16
@@ -38,14 +39,18 @@ def _spec(shape, index_map, bv):
 
 
 def _check(name, C, K, V, bv, bf16_inputs, dend, state, B, H, N):
+    """The segment count: state is [B, H, K, V] (one segment) or [B, H, nseg, K, V] with nseg dividing N."""
     if any(x.dtype != bf16 for x in bf16_inputs):
         raise ValueError(f"{name} takes bf16 matrices, got {[str(x.dtype) for x in bf16_inputs]}")
     if C != 64 or K not in (64, 128) or bv not in V_TILES or V % bv:
         raise ValueError(f"{name} takes chunk_size 64, K 64 or 128 and block_v in {V_TILES} dividing V, got {C}, "
                          f"{K}, {bv} and V = {V}")
-    if dend.shape != (B, H, N, K) or state.shape != (B, H, K, V):
+    nseg = state.shape[2] if state.ndim == 5 else 1
+    if dend.shape != (B, H, N, K) or state.shape not in ((B, H, K, V), (B, H, nseg, K, V)) or N % nseg:
         raise ValueError(f"{name}: dend must be [B, H, N, K] = {(B, H, N, K)} and the state [B, H, K, V] = "
-                         f"{(B, H, K, V)}, got {dend.shape} and {state.shape}")
+                         f"{(B, H, K, V)} or [B, H, nseg, K, V] with nseg dividing N, got {dend.shape} and "
+                         f"{state.shape}")
+    return nseg
 
 
 def _read_state(src, bar, K, bv):
@@ -91,11 +96,23 @@ def _copy_out(pairs):
         plgpu.copy_smem_to_gmem(src, dst)
 
 
-def _run(body, inputs, out_type, scratch, B, H, V, bv, name, interpret):
+def _run(body, inputs, out_type, scratch, B, H, V, bv, nseg, name, interpret):
+    """`body` on the grid (batch x segment, head, V tile): the body reads its (b, s, h, j) from `_where`."""
     barrier = plgpu.Barrier(num_arrivals=1, num_barriers=1)  # (the state's first load)
-    kernel = plgpu.kernel(body, out_type=out_type, scratch_types=scratch + [barrier], grid=(B, H, V // bv),
-                          grid_names=("b", "h", "j"), interpret=_interpret_params(interpret), kernel_name=name)
+    kernel = plgpu.kernel(body, out_type=out_type, scratch_types=scratch + [barrier], grid=(B * nseg, H, V // bv),
+                          grid_names=("bs", "h", "j"), interpret=_interpret_params(interpret), kernel_name=name)
     return kernel(*inputs)
+
+
+def _where(nseg):
+    """This CTA's (batch, segment, head, V tile)."""
+    bs = jax.lax.axis_index("bs")
+    return bs // nseg, bs % nseg, jax.lax.axis_index("h"), jax.lax.axis_index("j")
+
+
+def _segmented(state):
+    """A state [B, H, K, V] as one segment [B, H, 1, K, V]; [B, H, nseg, K, V] as it is."""
+    return state if state.ndim == 5 else state[:, :, None]
 
 
 def _decay(dend_s, K, bv):
@@ -109,21 +126,24 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
     keep_dtype also every chunk's incoming state [B, H, N K, V] and E = U - W S [B, H, Tp, V] in keep_dtype.
 
     qin, kg, w [B, H, Tp, K], u [B, H, Tp, V], m [B, H, Tp, C] (bf16, C = 64), dend = e^(G_C) [B, H, N, K] fp32,
-    h0 [B, H, K, V] fp32; block_v the V tile (16, 32 or 64)."""
+    h0 [B, H, K, V] fp32, or every segment's true start [B, H, nseg, K, V] (the segments of N / nseg chunks then
+    run side by side, and the final state is each segment's end, [B, H, nseg, K, V]); block_v the V tile (16, 32
+    or 64)."""
     B, H, Tp, K = qin.shape
     V, C = u.shape[-1], m.shape[-1]
     N, bv = Tp // C, block_v
-    _check("state_pass_mosaic", C, K, V, bv, (qin, kg, w, u, m), dend, h0, B, H, N)
+    nseg = _check("state_pass_mosaic", C, K, V, bv, (qin, kg, w, u, m), dend, h0, B, H, N)
+    Ns = N // nseg
     keep = keep_dtype is not None
 
     def body(qin_g, kg_g, w_g, u_g, m_g, dend_g, h0_g, o_g, ht_g, *rest):
         keep_g, (s_s, e_s, *outs_s, bar) = rest[:2 * keep], rest[2 * keep:]
-        b, h, j = jax.lax.axis_index("b"), jax.lax.axis_index("h"), jax.lax.axis_index("j")
-        cols = pl.ds(j * bv, bv)
+        b, sg, h, j = _where(nseg)
+        cols, first = pl.ds(j * bv, bv), sg * Ns  # (this segment's first chunk)
 
         def step(idx, qin_s, kg_s, w_s, u_s, m_s, dend_s, S):
-            n = idx[0]
-            slot, rows = n % 2, pl.ds(n * C, C)
+            n = first + idx[0]
+            slot, rows = idx[0] % 2, pl.ds(n * C, C)
             # the copies out of this slot (two chunks back) must have read it: at most the last chunk's in flight
             plgpu.wait_smem_to_gmem(len(outs_s), wait_read_only=True)
             s_s[...] = S.astype(bf16)
@@ -142,16 +162,16 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
                           (outs_s[2].at[slot], keep_g[1].at[b, h, rows, cols])] if keep else []))
             return S * _decay(dend_s, K, bv) + KgE
 
-        rows_k = lambda n: (n, 0)
+        rows_k = lambda n: (first + n, 0)
         in_specs = [_spec((C, K), rows_k, bv), _spec((C, K), rows_k, bv), _spec((C, K), rows_k, bv),
-                    _spec((C, bv), lambda n: (n, j), bv), _spec((C, C), rows_k, bv),
-                    plgpu.BlockSpec((K,), lambda n: (n,))]
-        S = plgpu.emit_pipeline(step, grid=(N,), in_specs=in_specs, max_concurrent_steps=2,
-                                init_carry=_read_state(h0_g.at[b, h, :, cols], bar, K, bv))(
+                    _spec((C, bv), lambda n: (first + n, j), bv), _spec((C, C), rows_k, bv),
+                    plgpu.BlockSpec((K,), lambda n: (first + n,))]
+        S = plgpu.emit_pipeline(step, grid=(Ns,), in_specs=in_specs, max_concurrent_steps=2,
+                                init_carry=_read_state(h0_g.at[b, h, sg, :, cols], bar, K, bv))(
             qin_g.at[b, h], kg_g.at[b, h], w_g.at[b, h], u_g.at[b, h], m_g.at[b, h], dend_g.at[b, h])
-        _write_state(S, ht_g.at[b, h, :, cols], K, bv)
+        _write_state(S, ht_g.at[b, h, sg, :, cols], K, bv)
 
-    out = [jax.ShapeDtypeStruct((B, Tp, H, V), out_dtype), jax.ShapeDtypeStruct((B, H, K, V), f32)]
+    out = [jax.ShapeDtypeStruct((B, Tp, H, V), out_dtype), jax.ShapeDtypeStruct((B, H, nseg, K, V), f32)]
     # SMEM at K = 128, bv = 64: two pipeline slots of (Qin, Kg, W, U, M, e^(G_C)) = 2 x 64.5 KB and of o (and of
     # the kept S, E: 2 x 24 KB), S and E in bf16 (24 KB): 169 KB (217 KB with keep; the fp32 state's 32 KB for its
     # first load and last store are scoped outside the pipeline). The H200 has 227 KB per block: one CTA per SM.
@@ -160,8 +180,9 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
         out += [jax.ShapeDtypeStruct((B, H, N * K, V), keep_dtype), jax.ShapeDtypeStruct((B, H, Tp, V), keep_dtype)]
         scratch += [_smem((2, K, bv), keep_dtype), _smem((2, C, bv), keep_dtype)]
     # (each chunk's e^(G_C) is a 1-D block of the flattened [B, H, N K])
-    return _run(body, (qin, kg, w, u, m, dend.reshape(B, H, N * K), h0), out, scratch, B, H, V, bv,
-                "lineattn_state_pass_mosaic", interpret)
+    o, ends, *kept = _run(body, (qin, kg, w, u, m, dend.reshape(B, H, N * K), _segmented(h0)), out, scratch, B, H,
+                          V, bv, nseg, "lineattn_state_pass_mosaic", interpret)
+    return (o, ends if h0.ndim == 5 else ends[:, :, 0], *kept)
 
 
 def reverse_pass_mosaic(qin, kg, w, m, dend, do, dht, *, ds_dtype, de_dtype, block_v: int = BV,
@@ -171,18 +192,21 @@ def reverse_pass_mosaic(qin, kg, w, m, dend, do, dht, *, ds_dtype, de_dtype, blo
     cotangent [B, H, K, V] fp32.
 
     qin, kg, w [B, H, Tp, K], m [B, H, Tp, C] (bf16, C = 64), dend = e^(G_C) [B, H, N, K] fp32, do [B, Tp, H, V]
-    bf16, dht [B, H, K, V] fp32; block_v the V tile (16, 32 or 64)."""
+    bf16, dht [B, H, K, V] fp32, or every segment's end cotangent [B, H, nseg, K, V] (the segments of N / nseg
+    chunks then run side by side, and the last output is each segment's start cotangent, [B, H, nseg, K, V]);
+    block_v the V tile (16, 32 or 64)."""
     B, H, Tp, K = qin.shape
     V, C = do.shape[-1], m.shape[-1]
     N, bv = Tp // C, block_v
-    _check("reverse_pass_mosaic", C, K, V, bv, (qin, kg, w, m, do), dend, dht, B, H, N)
+    nseg = _check("reverse_pass_mosaic", C, K, V, bv, (qin, kg, w, m, do), dend, dht, B, H, N)
+    Ns = N // nseg
 
     def body(qin_g, kg_g, w_g, m_g, dend_g, do_g, dht_g, ds_g, de_g, dh0_g, s_s, e_s, ds_out, de_out, bar):
-        b, h, j = jax.lax.axis_index("b"), jax.lax.axis_index("h"), jax.lax.axis_index("j")
-        cols = pl.ds(j * bv, bv)
+        b, sg, h, j = _where(nseg)
+        cols, last = pl.ds(j * bv, bv), sg * Ns + Ns - 1  # (this segment's last chunk)
 
         def step(idx, qin_s, kg_s, w_s, m_s, dend_s, do_s, dS):
-            n = N - 1 - idx[0]
+            n = last - idx[0]
             slot = idx[0] % 2
             plgpu.wait_smem_to_gmem(2, wait_read_only=True)  # (as the forward pass: two copies per chunk)
             s_s[...] = dS.astype(bf16)
@@ -197,19 +221,20 @@ def reverse_pass_mosaic(qin, kg, w, m, dend, do, dht, *, ds_dtype, de_dtype, blo
                        (de_out.at[slot], de_g.at[b, h, pl.ds(n * C, C), cols])])
             return dS * _decay(dend_s, K, bv) + dS_in
 
-        back = lambda n: (N - 1 - n, 0)
+        back = lambda n: (last - n, 0)
         in_specs = [_spec((C, K), back, bv), _spec((C, K), back, bv), _spec((C, K), back, bv),
-                    _spec((C, C), back, bv), plgpu.BlockSpec((K,), lambda n: (N - 1 - n,)),
-                    _spec((C, bv), lambda n: (N - 1 - n, j), bv)]
-        dS = plgpu.emit_pipeline(step, grid=(N,), in_specs=in_specs, max_concurrent_steps=2,
-                                 init_carry=_read_state(dht_g.at[b, h, :, cols], bar, K, bv))(
+                    _spec((C, C), back, bv), plgpu.BlockSpec((K,), lambda n: (last - n,)),
+                    _spec((C, bv), lambda n: (last - n, j), bv)]
+        dS = plgpu.emit_pipeline(step, grid=(Ns,), in_specs=in_specs, max_concurrent_steps=2,
+                                 init_carry=_read_state(dht_g.at[b, h, sg, :, cols], bar, K, bv))(
             qin_g.at[b, h], kg_g.at[b, h], w_g.at[b, h], m_g.at[b, h], dend_g.at[b, h], do_g.at[b, :, h, :])
-        _write_state(dS, dh0_g.at[b, h, :, cols], K, bv)
+        _write_state(dS, dh0_g.at[b, h, sg, :, cols], K, bv)
 
     out = [jax.ShapeDtypeStruct((B, H, N * K, V), ds_dtype), jax.ShapeDtypeStruct((B, H, Tp, V), de_dtype),
-           jax.ShapeDtypeStruct((B, H, K, V), f32)]
+           jax.ShapeDtypeStruct((B, H, nseg, K, V), f32)]
     # SMEM at K = 128, bv = 64: two slots of (Qin, Kg, W, M, e^(G_C), dO) = 2 x 64.5 KB, dS and -dE in bf16 (24 KB), two
     # slots of the dS and dE outputs (48 KB in bf16): 201 KB
     scratch = [_operand((K, bv), bv), _operand((C, bv), bv), _smem((2, K, bv), ds_dtype), _smem((2, C, bv), de_dtype)]
-    return _run(body, (qin, kg, w, m, dend.reshape(B, H, N * K), do, dht), out, scratch, B, H, V, bv,
-                "lineattn_reverse_pass_mosaic", interpret)
+    ds, de, starts = _run(body, (qin, kg, w, m, dend.reshape(B, H, N * K), do, _segmented(dht)), out, scratch, B, H,
+                          V, bv, nseg, "lineattn_reverse_pass_mosaic", interpret)
+    return ds, de, starts if dht.ndim == 5 else starts[:, :, 0]
