@@ -343,6 +343,9 @@ def test_pallas_with_the_mosaic_state_pass(rule, block_v, nseg, monkeypatch):
     assert max(errors.values()) <= 1e-4, errors
     jaxpr = grad_jaxpr(rule, x, chunk_size=64, backend="pallas")
     assert "lineattn_state_pass_mosaic" in jaxpr and "lineattn_reverse_pass_mosaic" in jaxpr
+    # in segments, the zero-end reverse pass too (the maps from the forward: V columns only)
+    assert jaxpr.count("lineattn_reverse_pass_mosaic") == jaxpr.count("lineattn_state_pass_mosaic") * (1 + (nseg > 1))
+    assert "lineattn_chunk_bwd_reverse_local" not in jaxpr
     _assert_bf16_close(rule, inputs, chunk_size=64)
 
 

@@ -638,9 +638,14 @@ def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None,
         NM = K // BQ if maps is None else 0  # the maps' column tiles, where the forward gave none
         start = jnp.concatenate([jnp.zeros((B, H, nseg, K, V), f32),
                                  jnp.broadcast_to(jnp.eye(K, NM * BQ, dtype=f32), (B, H, nseg, K, NM * BQ))], axis=-1)
-        out = run(_reverse_ds_kernel, "lineattn_chunk_bwd_reverse_local", REVERSE_STAGES,
-                  reverse_in[:5] + [do_q, stateq], [stateq], [seg_states(V + NM * BQ)], qin, kg, w, m, dend_KN, do,
-                  start, grid=grid[:3] + (NQ + NM,), value_tiles=NQ)[0]
+        if not NM and chunk_fwd.mosaic_pass(exact, delta, C, K, V, BV, False, kept, interpret):
+            out = state_mgpu.reverse_pass_mosaic(qin, kg, w, m, terms.decay_end, do, start, ds_dtype=kept,
+                                                 de_dtype=wy_dt, block_v=BV, chunk_outputs=False,
+                                                 interpret=interpret)[0]
+        else:
+            out = run(_reverse_ds_kernel, "lineattn_chunk_bwd_reverse_local", REVERSE_STAGES,
+                      reverse_in[:5] + [do_q, stateq], [stateq], [seg_states(V + NM * BQ)], qin, kg, w, m, dend_KN,
+                      do, start, grid=grid[:3] + (NQ + NM,), value_tiles=NQ)[0]
         PT = out[..., V:] if maps is None else maps
         dS_end = chain(PT, out[..., :V], dht, reverse=True)
         if states is None:

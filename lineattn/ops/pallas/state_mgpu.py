@@ -186,7 +186,7 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
 
 
 def reverse_pass_mosaic(qin, kg, w, m, dend, do, dht, *, ds_dtype, de_dtype, block_v: int = BV,
-                        interpret: bool | None = None):
+                        chunk_outputs: bool = True, interpret: bool | None = None):
     """The reverse pass of the backward from the final state's cotangent dht: every chunk's outgoing-state
     cotangent dS [B, H, N K, V] (ds_dtype), dE = M^T dO + Kg dS [B, H, Tp, V] (de_dtype) and the initial state's
     cotangent [B, H, K, V] fp32.
@@ -194,31 +194,37 @@ def reverse_pass_mosaic(qin, kg, w, m, dend, do, dht, *, ds_dtype, de_dtype, blo
     qin, kg, w [B, H, Tp, K], m [B, H, Tp, C] (bf16, C = 64), dend = e^(G_C) [B, H, N, K] fp32, do [B, Tp, H, V]
     bf16, dht [B, H, K, V] fp32, or every segment's end cotangent [B, H, nseg, K, V] (the segments of N / nseg
     chunks then run side by side, and the last output is each segment's start cotangent, [B, H, nseg, K, V]);
-    block_v the V tile (16, 32 or 64)."""
+    block_v the V tile (16, 32 or 64). chunk_outputs False: the start cotangent alone (a zero-end pass giving the
+    segments' offsets, `segments`), with no per-chunk dS, dE written."""
     B, H, Tp, K = qin.shape
     V, C = do.shape[-1], m.shape[-1]
     N, bv = Tp // C, block_v
     nseg = _check("reverse_pass_mosaic", C, K, V, bv, (qin, kg, w, m, do), dend, dht, B, H, N)
     Ns = N // nseg
 
-    def body(qin_g, kg_g, w_g, m_g, dend_g, do_g, dht_g, ds_g, de_g, dh0_g, s_s, e_s, ds_out, de_out, bar):
+    def body(qin_g, kg_g, w_g, m_g, dend_g, do_g, dht_g, *rest):
+        (ds_g, de_g, dh0_g, s_s, e_s, ds_out, de_out, bar) = rest if chunk_outputs else (None, None, *rest[:3], None,
+                                                                                       None, rest[3])
         b, sg, h, j = _where(nseg)
         cols, last = pl.ds(j * bv, bv), sg * Ns + Ns - 1  # (this segment's last chunk)
 
         def step(idx, qin_s, kg_s, w_s, m_s, dend_s, do_s, dS):
             n = last - idx[0]
             slot = idx[0] % 2
-            plgpu.wait_smem_to_gmem(2, wait_read_only=True)  # (as the forward pass: two copies per chunk)
+            if chunk_outputs:
+                plgpu.wait_smem_to_gmem(2, wait_read_only=True)  # (as the forward pass: two copies per chunk)
+                ds_out.at[slot][...] = dS.astype(ds_dtype)
             s_s[...] = dS.astype(bf16)
-            ds_out.at[slot][...] = dS.astype(ds_dtype)
             plgpu.commit_smem()
             dE = _products([(m_s.transpose((1, 0)), do_s), (kg_s, s_s)])[0]
             e_s[...] = (-dE).astype(bf16)  # (negated: the accumulator below only adds)
-            de_out.at[slot][...] = dE.astype(de_dtype)
+            if chunk_outputs:
+                de_out.at[slot][...] = dE.astype(de_dtype)
             plgpu.commit_smem()
             dS_in = _products([(qin_s.transpose((1, 0)), do_s), (w_s.transpose((1, 0)), e_s)])[0]
-            _copy_out([(ds_out.at[slot], ds_g.at[b, h, pl.ds(n * K, K), cols]),
-                       (de_out.at[slot], de_g.at[b, h, pl.ds(n * C, C), cols])])
+            if chunk_outputs:
+                _copy_out([(ds_out.at[slot], ds_g.at[b, h, pl.ds(n * K, K), cols]),
+                           (de_out.at[slot], de_g.at[b, h, pl.ds(n * C, C), cols])])
             return dS * _decay(dend_s, K, bv) + dS_in
 
         back = lambda n: (last - n, 0)
@@ -230,11 +236,13 @@ def reverse_pass_mosaic(qin, kg, w, m, dend, do, dht, *, ds_dtype, de_dtype, blo
             qin_g.at[b, h], kg_g.at[b, h], w_g.at[b, h], m_g.at[b, h], dend_g.at[b, h], do_g.at[b, :, h, :])
         _write_state(dS, dh0_g.at[b, h, sg, :, cols], K, bv)
 
-    out = [jax.ShapeDtypeStruct((B, H, N * K, V), ds_dtype), jax.ShapeDtypeStruct((B, H, Tp, V), de_dtype),
-           jax.ShapeDtypeStruct((B, H, nseg, K, V), f32)]
+    out = [jax.ShapeDtypeStruct((B, H, N * K, V), ds_dtype), jax.ShapeDtypeStruct((B, H, Tp, V), de_dtype)]
     # SMEM at K = 128, bv = 64: two slots of (Qin, Kg, W, M, e^(G_C), dO) = 2 x 64.5 KB, dS and -dE in bf16 (24 KB), two
     # slots of the dS and dE outputs (48 KB in bf16): 201 KB
     scratch = [_operand((K, bv), bv), _operand((C, bv), bv), _smem((2, K, bv), ds_dtype), _smem((2, C, bv), de_dtype)]
-    ds, de, starts = _run(body, (qin, kg, w, m, dend.reshape(B, H, N * K), do, _segmented(dht)), out, scratch, B, H,
-                          V, bv, nseg, "lineattn_reverse_pass_mosaic", interpret)
-    return ds, de, starts if dht.ndim == 5 else starts[:, :, 0]
+    if not chunk_outputs:
+        out, scratch = [], scratch[:2]
+    *chunks, starts = _run(body, (qin, kg, w, m, dend.reshape(B, H, N * K), do, _segmented(dht)),
+                           out + [jax.ShapeDtypeStruct((B, H, nseg, K, V), f32)], scratch, B, H, V, bv, nseg,
+                           "lineattn_reverse_pass_mosaic", interpret)
+    return (*chunks, starts if dht.ndim == 5 else starts[:, :, 0])
