@@ -112,35 +112,6 @@ def kernel_gaps(trace_dir: str) -> dict[str, float]:
     return gaps
 
 
-def call_timeline(trace_dir: str, top: int = 12) -> list[dict]:
-    """Per traced call (each a top-level `PjitFunction` on the host's python line, ended by block_until_ready):
-    its host dispatch time, the delay from the call to its first kernel, the kernels' span, the time from the last
-    kernel's end to the next call, and the longest host events (other threads) before the first kernel."""
-    from jax.profiler import ProfileData
-
-    host, kernels = [], sorted(e for events in _stream_events(trace_dir) for e in events)
-    for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
-        for plane in ProfileData.from_file(path).planes:
-            if plane.name == "/host:CPU":
-                for line in plane.lines:
-                    host += [(e.start_ns, e.end_ns, e.name, line.name) for e in line.events]
-    calls = sorted(e for e in host if e[3] == "python" and e[2].startswith("PjitFunction"))
-    calls = [c for i, c in enumerate(calls) if not any(o[0] <= c[0] and c[1] <= o[1] for o in calls[:i])]
-    rows = []
-    for (start, end, name, _), nxt in zip(calls, [c[0] for c in calls[1:]] + [float("inf")]):
-        mine = [k for k in kernels if start <= k[0] < nxt]
-        if not mine:
-            continue
-        first, last = mine[0][0], max(k[1] for k in mine)
-        before = sorted((e for e in host if e[3] != "python" and start <= e[0] < first), key=lambda e: e[0] - e[1])
-        us = lambda ns: round(ns / 1e3, 1)
-        rows.append({"call": name, "dispatch_us": us(end - start), "to_first_kernel_us": us(first - start),
-                     "span_us": us(last - first), "after_last_kernel_us": us(nxt - last) if nxt < 1e30 else None,
-                     "host_before_first_kernel": [(e[2][:60], us(e[0] - start), us(e[1] - e[0]))
-                                                  for e in before[:top]]})
-    return rows
-
-
 def rel_err(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_kda import call_timeline, forward_backward, kernel_gaps, kernel_times, make_inputs, versions  # noqa: E402
+from bench_kda import forward_backward, kernel_gaps, kernel_times, make_inputs, versions  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -67,11 +67,10 @@ def profile(fn, args, iters: int, sync: bool = False, trace_dir: Path | None = N
             wall = (time.perf_counter() - t0) * 1e3 / iters if not sync else float(np.median(calls)) * 1e3
         totals = kernel_times(tmp)
         gaps = kernel_gaps(tmp)
-        calls = call_timeline(tmp) if sync else []
     per_call = {name: ns / iters / 1e6 for name, ns in sorted(totals.items(), key=lambda kv: -kv[1])}
     idle = {name: ns / iters / 1e6 for name, ns in sorted(gaps.items(), key=lambda kv: -kv[1])}
     return {"per_call_ms": per_call, "total_ms": sum(per_call.values()), "wall_ms": wall, "idle_before_ms": idle,
-            "idle_ms": sum(idle.values()), "calls": calls}
+            "idle_ms": sum(idle.values())}
 
 
 def rel_rms(a, b):
@@ -153,10 +152,6 @@ def main():
                           f"(wall {rec['wall_ms']:.3f} ms, stream idle {rec['idle_ms']:.3f} ms)")
                     for kname, ms in list(rec["per_call_ms"].items())[:a.top]:
                         print(f"   {ms:8.3f}  {kname[:110]}")
-                    for c in rec["calls"][-2:]:
-                        print(f"   call: dispatch {c['dispatch_us']} us, first kernel after {c['to_first_kernel_us']},"
-                              f" kernels span {c['span_us']}, next call {c['after_last_kernel_us']} us after the"
-                              f" last; host before the first kernel: {c['host_before_first_kernel']}")
                     idle = list(rec["idle_before_ms"].items())[:6]
                     print("   stream idle before: " + ", ".join(f"{kname[:40]} {ms:.3f}" for kname, ms in idle))
                     path.write_text(json.dumps(result, indent=1))
