@@ -44,6 +44,10 @@
 #   32768); XLA's command buffers off changed neither (XLA_FLAGS=--xla_gpu_enable_command_buffer= before `bash`);
 #   LOOP=tiles 1.177 ms (no faster). Sweeps at 1 x 32768 (the passes are what is left there) take --shape:
 #     PROFILE=1 PROFILE_ARGS="--impls lineattn,jla --shape 1x32768 --configs default;segments.SEGMENT_MIN_PROGRAMS=512"
+#   Run21 (session 19): the forward's state pass in segments where it saves, its maps reused by the backward, and
+#   the Mosaic passes in segments: fwd+bwd 5.09 ms kernel time at 1 x 32768; bench alone 0.751x jla (8 x 4096),
+#   0.793x (1 x 32768, run21f; 0.811x in run21e). Where a call's time beyond its kernels goes (dispatch and sync,
+#   jla's too): PROFILE_ARGS="--impls noop,lineattn,jla --sync --iters 10" (the stream idle before each first kernel).
 #   The long GPU tests take ~30 s each (19 of them): a subset fits a call beside a bench part, e.g.
 #     TEST_TIMEOUT=200 TESTS_K="long_bf16 and default" SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
 #   A/B wall clock of settings, interleaved (not through this script): PYTHONPATH=$PWD python3

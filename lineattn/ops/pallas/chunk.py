@@ -8,7 +8,8 @@ benchmarks/results/README.md):
     and R = (I + A)^-1 (fp32), and (SAVE_STATES, below) every chunk's incoming state and E: about 2.5 KB per token
     and head at K = V = 128, C = 64 in bf16, on top of the inputs. A channel gate's in-chunk cumsum G (fp32) is kept
     in place of g, as FLA does (the same size as an fp32 g), so the backward need not recompute it (XLA merged the
-    two gate-cumsum kernels of a jitted forward+backward only while their kernels lowered alike).
+    two gate-cumsum kernels of a jitted forward+backward only while their kernels lowered alike). Where the state
+    pass runs in segments (a few long sequences, `segments`), the segments' K x K maps as well (fp32, nseg per head).
     `chunk_bwd.backward_fast` then runs only kernels: (for a scalar gate) gate cumsum, the reverse state pass, the
     chunk gradients, the WY backward, the Gram gradients with the row-local combine (and its exact rewrite of
     flagged chunks), dg's reverse cumsum.

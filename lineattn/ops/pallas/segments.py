@@ -1,6 +1,6 @@
-"""Segments of chunks for the sequential state passes of a few long sequences (the backward's passes): the rule
-for their count, their block specs (which the forward's state pass shares, with one segment) and the short chain
-in XLA that joins them."""
+"""Segments of chunks for the sequential state passes of a few long sequences: the rule for their count, their
+block specs (shared by the forward's state pass and the backward's passes) and the short chain in XLA that joins
+them."""
 
 from __future__ import annotations
 
@@ -12,20 +12,20 @@ from lineattn.ops.pallas.common import is_pow2
 
 f32 = jnp.float32
 
-# Segments: for a few long sequences (B * H too small to fill the GPU with V tiles of 64), the backward's two
-# state passes run each sequence as `nseg` segments of chunks in parallel (`pick_segments`). The reverse pass from
-# a zero end gives each segment's offset c_s (the state cotangent at its start), and, on K extra columns started
-# at I with no dO, its transposed composite map P_s^T (the reverse map dS -> (Diag(e^G_C) - W^T Kg) dS over the
-# segment); the forward pass from a zero start gives its offset; short fp32 chains in XLA over the segments give
-# every segment's true start S and end dS, and the full passes run from those. The same sums in another order
-# (the products at PASS_PREC). Four passes instead of two, each over 1/nseg of the chunks: at 1 x 32768 (8
-# segments, 256 programs; the two passes took 0.84 + 1.82 ms there with 128 programs of V tile 16, 0.27 + 0.45 at
-# 8 x 4096 with 256 programs) a gain only if a pass costs about what it does at 8 x 4096. (With `chunk.SAVE_STATES`,
-# the default since run12, the backward has no states pass: only its reverse pass runs in segments; the forward's
-# state pass in segments gained nothing at 1 x 32768, run13a, and was removed.) H200, 1 x 32768 x 16 x
-# 128 bf16 (run10a profile, 8 segments): states 0.84 -> 0.15 (zero-start) + 0.28 ms, reverse 1.80 -> 0.53
-# (zero-start, V + K columns) + 0.44, the XLA chains 0.08: kernels fwd+bwd 6.98 ms against 8.11; GPU tests at
-# T = 16381 (32 segments) within the unsegmented errors. SEGMENT_MIN_PROGRAMS: the grid size the segments aim for.
+# Segments: for a few long sequences (B * H too small to fill the GPU with V tiles of 64), the state passes run
+# each sequence as `nseg` segments of chunks in parallel (`pick_segments`). A forward that saves for the backward
+# (`chunk_fwd.PASS_SEGMENTS`) runs its pass from a zero start on V + K columns (`chunk_fwd.segment_starts`): each
+# segment's offset and, on the K extra columns started at I with U = 0, its map P_s (S_end = P_s S_start + c_s);
+# a short fp32 chain in XLA gives every segment's true start, and the full pass runs from those. The backward's
+# reverse pass from a zero end then needs V columns only (the state cotangent's offsets; P_s^T from the forward);
+# without the forward's maps it forms P_s^T itself on K extra columns (no dO). The same sums in another order (the
+# products at PASS_PREC). Where they fit (V tiles of 64, bf16, `chunk_fwd.PASS_IMPL`) the passes are the Mosaic
+# GPU kernels of `state_mgpu`, a CTA per (sequence, segment, head, V tile). H200, 1 x 32768 x 16 x 128 bf16, 8
+# segments, kernel time of fwd+bwd (run21c-d): passes 0.476 + 0.339 (forward, Triton) and 0.442 + 0.302
+# (reverse) with the maps shared against 0.817 (forward unsegmented) and 0.441 + 0.528 (reverse forming its own
+# maps), then the Mosaic passes 0.308 and 0.264: fwd+bwd 5.611 -> 5.433 -> 5.088 ms (jla 6.376). (Run10a, the
+# first segmented backward: states 0.84 -> 0.15 + 0.28 ms, reverse 1.80 -> 0.53 + 0.44.) SEGMENT_MIN_PROGRAMS:
+# the grid size the segments aim for.
 SEGMENT_PASSES, MIN_SEGMENT_CHUNKS, SEGMENT_MIN_PROGRAMS = True, 8, 256
 
 
