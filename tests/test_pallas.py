@@ -315,6 +315,9 @@ def test_mosaic_state_pass_matches_the_triton_pass():
     with pytest.raises(ValueError, match="block_v in"):
         state_mgpu.state_pass_mosaic(qin, kg, w, u, m, jnp.swapaxes(dend, -1, -2), x["initial_state"],
                                      out_dtype=jnp.bfloat16, block_v=128, interpret=True)
+    start = jnp.zeros((2, 2, 1, 64, 128 + 64), jnp.float32)  # (the zero-start pass: V + K columns)
+    with pytest.raises(ValueError, match="value_tiles must be"):
+        state_mgpu.zero_start_pass_mosaic(kg, w, u, jnp.swapaxes(dend, -1, -2), start, value_tiles=1, block_v=64)
     with tuning.override({"chunk_fwd.PASS_IMPL": "mosaic"}), pytest.raises(ValueError, match="exported"):
         chunk_fwd.forward(*args[:-1], x["initial_state"], scale=1.0, interpret=True, export_chunks=(1,))
 
@@ -335,11 +338,16 @@ def test_pallas_with_the_mosaic_state_pass(rule, block_v, nseg, monkeypatch):
     inputs = make_inputs(rule, B=1, **dict(SMALL, T=80 if nseg == 1 else 200, K=64, V=64), seed=23)
     x = {n: y.astype(jnp.bfloat16) if n in ("q", "k", "v", "beta") else y for n, y in inputs.items()}
     results = {}
-    for impl in ("triton", "mosaic"):
+    # in segments also with the forward's zero-start pass as the Mosaic kernel (`chunk_fwd.ZERO_START_IMPL`)
+    for impl, zero_start in [("triton", "triton"), ("mosaic", "triton")] + [("mosaic", "mosaic")] * (nseg > 1):
         monkeypatch.setattr(chunk_fwd, "PASS_IMPL", impl)
+        monkeypatch.setattr(chunk_fwd, "ZERO_START_IMPL", zero_start)
         o, ht, grads = loss_and_grads(rule, x, backend="pallas", chunk_size=64)
-        results[impl] = {"o": o, "ht": ht, **grads}
-    errors = {n: _rel_rms(results["mosaic"][n], results["triton"][n]) for n in results["triton"]}
+        results[impl + zero_start] = {"o": o, "ht": ht, **grads}
+    assert ("lineattn_zero_start_pass_mosaic" in grad_jaxpr(rule, x, chunk_size=64, backend="pallas")) == (nseg > 1)
+    monkeypatch.setattr(chunk_fwd, "ZERO_START_IMPL", "triton")
+    want = results.pop("tritontriton")
+    errors = {(name, n): _rel_rms(got[n], want[n]) for name, got in results.items() for n in want}
     assert max(errors.values()) <= 1e-4, errors
     jaxpr = grad_jaxpr(rule, x, chunk_size=64, backend="pallas")
     assert "lineattn_state_pass_mosaic" in jaxpr and "lineattn_reverse_pass_mosaic" in jaxpr

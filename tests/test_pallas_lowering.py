@@ -79,6 +79,16 @@ def test_segmented_state_passes_lower_for_sm90(fake_h200, monkeypatch):
     assert text.count("__gpu$xla.gpu.triton") == 5 + 1 + 6 + 1
 
 
+def test_mosaic_zero_start_pass_lowers_for_sm90(fake_h200, monkeypatch):
+    # `chunk_fwd.ZERO_START_IMPL = "mosaic"` (opt-in): the forward's zero-start pass in 2 segments (T = 1024, as
+    # above) as the Mosaic GPU kernel in place of the Triton one, lowered for the GPU (column tiles of 16 here).
+    from lineattn.ops.pallas import chunk_fwd
+    monkeypatch.setattr(chunk_fwd, "ZERO_START_IMPL", "mosaic")
+    text = _lowered(1024, jnp.bfloat16, "kernels-saved")
+    assert "lineattn_zero_start_pass_mosaic" in text and "lineattn_chunk_state_pass_local" not in text
+    assert text.count("__gpu$xla.gpu.triton") == 5 + 6 + 1
+
+
 @pytest.mark.parametrize("v_fastest,variant", [(False, {}), (True, {}), (True, dict(readout="updated"))])
 def test_decode_kernel_lowers_for_sm90(fake_h200, v_fastest, variant):
     B, T, H, K, V = 4, 2, 2, 128, 128

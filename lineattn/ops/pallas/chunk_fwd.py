@@ -584,6 +584,13 @@ def segment_starts(kg, w, u, dend, h0, *, C: int, nseg: int, BV: int, prec: str,
     Tp, N = kg.shape[2], dend.shape[-1]
     BQ = min(BV, K)
     NQ = V // BQ
+    if ZERO_START_IMPL == "mosaic":  # (state_mgpu's checks raise where its shapes or dtypes do not fit)
+        eye = jnp.broadcast_to(jnp.eye(K, dtype=f32), (B, H, nseg, K, K))
+        start = jnp.concatenate([jnp.zeros((B, H, nseg, K, V), f32), eye], axis=-1)
+        ends = state_mgpu.zero_start_pass_mosaic(kg, w, u, jnp.swapaxes(dend, -1, -2), start, value_tiles=NQ,
+                                                 block_v=BQ, interpret=interpret)
+        PT = jnp.swapaxes(ends[..., V:], -1, -2)
+        return segments.chain(PT, ends[..., :V], h0, reverse=False), PT
     whole, _, state, _, kn, _ = segments.block_specs(Tp, N, K, nseg, BQ)
     u_tile = pl.BlockSpec((None, None, Tp // nseg, BQ), lambda b, h, s, j: (b, h, s, jnp.minimum(j, NQ - 1)))
     ends = pallas_call(  # (a map tile reads the last V tile of u: unused)
@@ -650,6 +657,12 @@ def mosaic_pass(exact: bool, delta: bool, C: int, K: int, V: int, BV: int, expor
 # kernels took 0.34 + 0.35 ms against 0.80, the call no faster: 2.469 against 2.471 ms); "never" turns it off.
 # Read when a call is traced; not with export_chunks.
 PASS_SEGMENTS = "save"
+
+
+# ZERO_START_IMPL: the segments' zero-start pass in the forward, "triton" (`_segment_end_kernel`) or "mosaic"
+# (`state_mgpu.zero_start_pass_mosaic`: bf16, chunk 64, the delta write, column tiles of 16-64; opt-in, tested on
+# the CPU in the Mosaic GPU interpreter and lowered for sm_90 there, not yet run on a GPU). Read when traced.
+ZERO_START_IMPL = "triton"
 
 
 def pass_segments(programs: int, N: int, V: int, save: bool, export: bool) -> int:

@@ -1,6 +1,7 @@
 """The sequential state passes as Mosaic GPU kernels (wgmma, TMA; Hopper), in place of the Triton kernels where
 `chunk_fwd.PASS_IMPL` picks them: the forward's pass (`state_pass_mosaic`, for `chunk_fwd._state_pass_kernel`)
-and the backward's reverse pass (`reverse_pass_mosaic`, for `chunk_bwd._reverse_ds_kernel`).
+and the backward's reverse pass (`reverse_pass_mosaic`, for `chunk_bwd._reverse_ds_kernel`); opt-in, the forward's
+zero-start pass of the segments (`zero_start_pass_mosaic`, for `chunk_fwd._segment_end_kernel`).
 
 One CTA (one warpgroup) per (batch, segment, head, V tile of bv = 16, 32 or 64): the fp32 state (or its
 cotangent) [K, bv] stays in registers (the WGMMA accumulator layout) across the segment's chunks, which
@@ -246,3 +247,48 @@ def reverse_pass_mosaic(qin, kg, w, m, dend, do, dht, *, ds_dtype, de_dtype, blo
                            out + [jax.ShapeDtypeStruct((B, H, nseg, K, V), f32)], scratch, B, H, V, bv, nseg,
                            "lineattn_reverse_pass_mosaic", interpret)
     return (*chunks, starts if dht.ndim == 5 else starts[:, :, 0])
+
+
+def zero_start_pass_mosaic(kg, w, u, dend, start, *, value_tiles: int, block_v: int = BV,
+                           interpret: bool | None = None):
+    """Each segment's end [B, H, nseg, K, V'] fp32 of the state recurrence S <- Diag(e^(G_C)) S + Kg^T (U - W S)
+    from `start` [B, H, nseg, K, V'], writing nothing per chunk: the forward's zero-start pass of
+    `chunk_fwd.segment_starts`. Column tiles j < value_tiles read U's tile j (the offsets, from a zero start); the
+    tiles after run with U = 0 (the maps' columns, from the identity's).
+
+    kg, w [B, H, Tp, K], u [B, H, Tp, V] (bf16, chunk 64), dend = e^(G_C) [B, H, N, K] fp32; block_v the column
+    tile (16, 32 or 64) dividing V and V'."""
+    B, H, Tp, K = kg.shape
+    V, C, bv = u.shape[-1], 64, block_v
+    N = Tp // C
+    Vs = start.shape[-1]
+    nseg = _check("zero_start_pass_mosaic", C, K, Vs, bv, (kg, w, u), dend, start, B, H, N)
+    if V % bv or value_tiles != V // bv:
+        raise ValueError(f"zero_start_pass_mosaic: value_tiles must be V / block_v = {V // bv}, got {value_tiles}")
+    Ns = N // nseg
+
+    def body(kg_g, w_g, u_g, dend_g, start_g, end_g, s_s, e_s, bar):
+        b, sg, h, j = _where(nseg)
+        first, keep = sg * Ns, (j < value_tiles).astype(f32)
+
+        def step(idx, kg_s, w_s, u_s, dend_s, S):
+            s_s[...] = S.astype(bf16)
+            plgpu.commit_smem()
+            E = _load(u_s).astype(f32) * keep - _products([(w_s, s_s)])[0]
+            e_s[...] = E.astype(bf16)
+            plgpu.commit_smem()
+            return S * _decay(dend_s, K, bv) + _products([(kg_s.transpose((1, 0)), e_s)])[0]
+
+        rows_k = lambda n: (first + n, 0)
+        in_specs = [_spec((C, K), rows_k, bv), _spec((C, K), rows_k, bv),
+                    _spec((C, bv), lambda n: (first + n, jnp.minimum(j, value_tiles - 1)), bv),
+                    plgpu.BlockSpec((K,), lambda n: (first + n,))]
+        S = plgpu.emit_pipeline(step, grid=(Ns,), in_specs=in_specs, max_concurrent_steps=2,
+                                init_carry=_read_state(start_g.at[b, h, sg, :, pl.ds(j * bv, bv)], bar, K, bv))(
+            kg_g.at[b, h], w_g.at[b, h], u_g.at[b, h], dend_g.at[b, h])
+        _write_state(S, end_g.at[b, h, sg, :, pl.ds(j * bv, bv)], K, bv)
+
+    # SMEM at K = 128, bv = 64: two slots of (Kg, W, U, e^(G_C)) = 2 x 40.5 KB, S and E in bf16 (24 KB): 105 KB
+    return _run(body, (kg, w, u, dend.reshape(B, H, N * K), start), jax.ShapeDtypeStruct(start.shape, f32),
+                [_operand((K, bv), bv), _operand((C, bv), bv)], B, H, Vs, bv, nseg, "lineattn_zero_start_pass_mosaic",
+                interpret)
