@@ -28,7 +28,7 @@ from lineattn.ops.pallas import chunk_fwd, common, state_mgpu
 from lineattn.ops.pallas.chunk_fwd import (LIMIT, _gram_block_spread, _iota, gate_cumsum, gram_rows, keys_toward,
                                            pick_block_v, solve_full)
 from lineattn.ops.pallas.common import SUB, compiler_params, dot, exp, interpret_mode, pallas_call
-from lineattn.ops.pallas.segments import block_specs, chain, pick_segments
+from lineattn.ops.pallas.segments import block_specs, chain, pick_segments, zero_starts
 
 f32 = jnp.float32
 # Products of `backward_fast` for bf16 inputs (fp32 inputs: "ieee"), read when a call is traced: the state
@@ -636,8 +636,7 @@ def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None,
         stateq = pl.BlockSpec((None, None, None, K, BQ), lambda b, h, s, j: (b, h, s, 0, j))
         do_q = pl.BlockSpec((None, Ns * C, None, BQ), lambda b, h, s, j: (b, s, h, jnp.minimum(j, NQ - 1)))
         NM = K // BQ if maps is None else 0  # the maps' column tiles, where the forward gave none
-        start = jnp.concatenate([jnp.zeros((B, H, nseg, K, V), f32),
-                                 jnp.broadcast_to(jnp.eye(K, NM * BQ, dtype=f32), (B, H, nseg, K, NM * BQ))], axis=-1)
+        start = zero_starts(B, H, nseg, K, V, NM * BQ)
         if not NM and chunk_fwd.mosaic_pass(exact, delta, C, K, V, BV, False, kept, interpret):
             out = state_mgpu.reverse_pass_mosaic(qin, kg, w, m, terms.decay_end, do, start, ds_dtype=kept,
                                                  de_dtype=wy_dt, block_v=BV, chunk_outputs=False,

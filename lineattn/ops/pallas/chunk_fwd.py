@@ -585,24 +585,22 @@ def segment_starts(kg, w, u, dend, h0, *, C: int, nseg: int, BV: int, prec: str,
     BQ = min(BV, K)
     NQ = V // BQ
     if ZERO_START_IMPL == "mosaic":  # (state_mgpu's checks raise where its shapes or dtypes do not fit)
-        eye = jnp.broadcast_to(jnp.eye(K, dtype=f32), (B, H, nseg, K, K))
-        start = jnp.concatenate([jnp.zeros((B, H, nseg, K, V), f32), eye], axis=-1)
-        ends = state_mgpu.zero_start_pass_mosaic(kg, w, u, jnp.swapaxes(dend, -1, -2), start, value_tiles=NQ,
+        ends = state_mgpu.zero_start_pass_mosaic(kg, w, u, jnp.swapaxes(dend, -1, -2),
+                                                 segments.zero_starts(B, H, nseg, K, V, K), value_tiles=NQ,
                                                  block_v=BQ, interpret=interpret)
-        PT = jnp.swapaxes(ends[..., V:], -1, -2)
-        return segments.chain(PT, ends[..., :V], h0, reverse=False), PT
-    whole, _, state, _, kn, _ = segments.block_specs(Tp, N, K, nseg, BQ)
-    u_tile = pl.BlockSpec((None, None, Tp // nseg, BQ), lambda b, h, s, j: (b, h, s, jnp.minimum(j, NQ - 1)))
-    ends = pallas_call(  # (a map tile reads the last V tile of u: unused)
-        functools.partial(_segment_end_kernel, C=C, N=N // nseg, prec=prec, delta=delta, value_tiles=NQ),
-        grid=(B, H, nseg, NQ + K // BQ),
-        in_specs=[whole(K), whole(K), u_tile, kn],
-        out_specs=state,
-        out_shape=jax.ShapeDtypeStruct((B, H, nseg, K, V + K), f32),
-        compiler_params=compiler_params(num_warps=PASS_WARPS, num_stages=PASS_STAGES),
-        interpret=interpret,
-        name="lineattn_chunk_state_pass_local",
-    )(kg, w, u, dend)
+    else:
+        whole, _, state, _, kn, _ = segments.block_specs(Tp, N, K, nseg, BQ)
+        u_tile = pl.BlockSpec((None, None, Tp // nseg, BQ), lambda b, h, s, j: (b, h, s, jnp.minimum(j, NQ - 1)))
+        ends = pallas_call(  # (a map tile reads the last V tile of u: unused)
+            functools.partial(_segment_end_kernel, C=C, N=N // nseg, prec=prec, delta=delta, value_tiles=NQ),
+            grid=(B, H, nseg, NQ + K // BQ),
+            in_specs=[whole(K), whole(K), u_tile, kn],
+            out_specs=state,
+            out_shape=jax.ShapeDtypeStruct((B, H, nseg, K, V + K), f32),
+            compiler_params=compiler_params(num_warps=PASS_WARPS, num_stages=PASS_STAGES),
+            interpret=interpret,
+            name="lineattn_chunk_state_pass_local",
+        )(kg, w, u, dend)
     PT = jnp.swapaxes(ends[..., V:], -1, -2)
     return segments.chain(PT, ends[..., :V], h0, reverse=False), PT
 

@@ -55,6 +55,13 @@ def block_specs(Tp: int, N: int, K: int, nseg: int, BV: int):
     return whole, vtile, state, states, kn, tokens
 
 
+def zero_starts(B: int, H: int, nseg: int, K: int, V: int, map_columns: int):
+    """The zero-start passes' start [B, H, nseg, K, V + map_columns] fp32: zeros for the V columns of the offsets,
+    then the identity's first map_columns columns, whose ends are (columns of) each segment's map."""
+    eye = jnp.broadcast_to(jnp.eye(K, map_columns, dtype=f32), (B, H, nseg, K, map_columns))
+    return jnp.concatenate([jnp.zeros((B, H, nseg, K, V), f32), eye], axis=-1)
+
+
 def chain(PT, offsets, first, *, reverse):
     """The segments' true starts [B, H, nseg, K, V] from their transposed maps PT [B, H, nseg, K, K] and zero-start
     offsets: forward x_0 = first, x_(s+1) = P_s x_s + offset_s; reverse (state cotangents at the segments' ends)
