@@ -360,7 +360,8 @@ def test_pallas_with_the_mosaic_state_pass(rule, block_v, nseg, monkeypatch):
 def test_pass_impl_auto_takes_the_mosaic_passes_where_they_fit(monkeypatch):
     # PASS_IMPL "auto" (the default) as on a Hopper GPU (`hopper` and compiled kernels faked; traced only): the
     # Mosaic GPU passes for bf16 at K = V = 128 with V tiles of 64 (B * H = 128, or 64 in 2 segments); the Triton
-    # passes for fp32, for V tiles below 64 (a single short sequence) and for the additive write (GLA).
+    # passes for fp32, for V tiles below 64 (a single short sequence) and for the additive write (GLA); in segments
+    # the forward's zero-start pass as the Mosaic kernel as well (ZERO_START_IMPL "auto").
     from lineattn.ops.pallas import chunk_bwd, chunk_fwd
     monkeypatch.setattr(chunk_fwd, "hopper", lambda: True)
     compiled = lambda interpret: False if interpret is None else bool(interpret)
@@ -372,13 +373,22 @@ def test_pass_impl_auto_takes_the_mosaic_passes_where_they_fit(monkeypatch):
         x = dict(q=z, k=z, v=z, g=jnp.zeros((B, T, H, 128), jnp.float32),
                  beta=None if rule == "gla" else jnp.zeros((B, T, H), dtype))
         jaxpr = grad_jaxpr(rule, x, backend="pallas")
-        return "lineattn_state_pass_mosaic" in jaxpr, "lineattn_reverse_pass_mosaic" in jaxpr
+        zero_start = "lineattn_zero_start_pass_mosaic" in jaxpr
+        assert zero_start or ("lineattn_chunk_state_pass_local" in jaxpr) == (T == 1024)
+        return "lineattn_state_pass_mosaic" in jaxpr, "lineattn_reverse_pass_mosaic" in jaxpr, zero_start
 
-    assert passes("kda", 4, 32) == (True, True), "the Mosaic passes where they fit"
-    assert passes("kda", 2, 32, T=1024) == (True, True), "in 2 segments"
-    assert passes("kda", 4, 32, jnp.float32) == (False, False)
-    assert passes("kda", 1, 16) == (False, False)
-    assert passes("gla", 4, 32) == (False, False)
+    assert passes("kda", 4, 32) == (True, True, False), "the Mosaic passes where they fit"
+    # in 2 segments: the forward's zero-start pass too (ZERO_START_IMPL "auto")
+    assert passes("kda", 2, 32, T=1024) == (True, True, True), "in 2 segments"
+    assert passes("kda", 2, 32, jnp.float32, T=1024) == (False, False, False)
+    assert passes("kda", 4, 32, jnp.float32) == (False, False, False)
+    assert passes("kda", 1, 16) == (False, False, False)
+    assert passes("gla", 4, 32) == (False, False, False)
+    monkeypatch.setattr(chunk_fwd, "ZERO_START_IMPL", "triton")
+    assert passes("kda", 2, 32, T=1024) == (True, True, False)
+    monkeypatch.setattr(chunk_fwd, "ZERO_START_IMPL", "fast")
+    with pytest.raises(ValueError, match="ZERO_START_IMPL"):
+        passes("kda", 2, 32, T=1024)
 
 
 @pytest.mark.parametrize("rule", ["kda", "gdn", "gla"])

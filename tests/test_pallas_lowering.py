@@ -70,8 +70,11 @@ def test_segmented_state_passes_lower_for_sm90(fake_h200, monkeypatch):
     # zero-start pass forming the segments' offsets and maps (`chunk_fwd.PASS_SEGMENTS`), the backward the
     # zero-start reverse pass (a 4-D grid, per-segment [K, V] state blocks; the zero-start states pass only without
     # `chunk.SAVE_STATES`: `test_backward_states_pass_lowers_for_sm90`).
-    from lineattn.ops.pallas import segments
+    # (The zero-start pass as the Triton kernel: `chunk_fwd.ZERO_START_IMPL` "auto" picks it on this host, the Mosaic
+    # one on a Hopper GPU: the next test.)
+    from lineattn.ops.pallas import chunk_fwd, segments
     monkeypatch.setattr(segments, "SEGMENT_PASSES", True)
+    monkeypatch.setattr(chunk_fwd, "ZERO_START_IMPL", "triton")
     assert segments.pick_segments(2, 16, 128) == 2
     text = _lowered(1024, jnp.bfloat16, "kernels-saved")
     assert "lineattn_chunk_state_pass_local" in text and "lineattn_chunk_bwd_reverse_local" in text
@@ -80,8 +83,8 @@ def test_segmented_state_passes_lower_for_sm90(fake_h200, monkeypatch):
 
 
 def test_mosaic_zero_start_pass_lowers_for_sm90(fake_h200, monkeypatch):
-    # `chunk_fwd.ZERO_START_IMPL = "mosaic"` (opt-in): the forward's zero-start pass in 2 segments (T = 1024, as
-    # above) as the Mosaic GPU kernel in place of the Triton one, lowered for the GPU (column tiles of 16 here).
+    # `chunk_fwd.ZERO_START_IMPL = "mosaic"` (what "auto" picks on a Hopper GPU): the forward's zero-start pass in 2
+    # segments (T = 1024, as above) as the Mosaic GPU kernel, lowered for the GPU (column tiles of 16 here).
     from lineattn.ops.pallas import chunk_fwd
     monkeypatch.setattr(chunk_fwd, "ZERO_START_IMPL", "mosaic")
     text = _lowered(1024, jnp.bfloat16, "kernels-saved")

@@ -1,7 +1,8 @@
 """The sequential state passes as Mosaic GPU kernels (wgmma, TMA; Hopper), in place of the Triton kernels where
 `chunk_fwd.PASS_IMPL` picks them: the forward's pass (`state_pass_mosaic`, for `chunk_fwd._state_pass_kernel`)
-and the backward's reverse pass (`reverse_pass_mosaic`, for `chunk_bwd._reverse_ds_kernel`); opt-in, the forward's
-zero-start pass of the segments (`zero_start_pass_mosaic`, for `chunk_fwd._segment_end_kernel`).
+and the backward's reverse pass (`reverse_pass_mosaic`, for `chunk_bwd._reverse_ds_kernel`); and the forward's
+zero-start pass of the segments (`zero_start_pass_mosaic`, for `chunk_fwd._segment_end_kernel`, where
+`chunk_fwd.ZERO_START_IMPL` picks it).
 
 One CTA (one warpgroup) per (batch, segment, head, V tile of bv = 16, 32 or 64): the fp32 state (or its
 cotangent) [K, bv] stays in registers (the WGMMA accumulator layout) across the segment's chunks, which
