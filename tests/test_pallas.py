@@ -362,7 +362,7 @@ def test_pass_impl_auto_takes_the_mosaic_passes_where_they_fit(monkeypatch):
     # Mosaic GPU passes for bf16 at K = V = 128 with V tiles of 64 (B * H = 128, or 64 in 2 segments); the Triton
     # passes for fp32, for V tiles below 64 (a single short sequence) and for the additive write (GLA); in segments
     # the forward's zero-start pass as the Mosaic kernel as well (ZERO_START_IMPL "auto").
-    from lineattn.ops.pallas import chunk_bwd, chunk_fwd
+    from lineattn.ops.pallas import api, chunk_bwd, chunk_fwd
     monkeypatch.setattr(chunk_fwd, "hopper", lambda: True)
     compiled = lambda interpret: False if interpret is None else bool(interpret)
     monkeypatch.setattr(chunk_fwd, "interpret_mode", compiled)
@@ -373,8 +373,9 @@ def test_pass_impl_auto_takes_the_mosaic_passes_where_they_fit(monkeypatch):
         x = dict(q=z, k=z, v=z, g=jnp.zeros((B, T, H, 128), jnp.float32),
                  beta=None if rule == "gla" else jnp.zeros((B, T, H), dtype))
         jaxpr = grad_jaxpr(rule, x, backend="pallas")
-        zero_start = "lineattn_zero_start_pass_mosaic" in jaxpr
-        assert zero_start or ("lineattn_chunk_state_pass_local" in jaxpr) == (T == 1024)
+        zero_start = "lineattn_zero_start_pass_mosaic" in jaxpr  # (a forward saving for the backward: in segments)
+        segmented = T == 1024 and api.BACKWARD == "kernels-saved"
+        assert zero_start or ("lineattn_chunk_state_pass_local" in jaxpr) == segmented
         return "lineattn_state_pass_mosaic" in jaxpr, "lineattn_reverse_pass_mosaic" in jaxpr, zero_start
 
     assert passes("kda", 4, 32) == (True, True, False), "the Mosaic passes where they fit"
@@ -386,6 +387,12 @@ def test_pass_impl_auto_takes_the_mosaic_passes_where_they_fit(monkeypatch):
     assert passes("gla", 4, 32) == (False, False, False)
     monkeypatch.setattr(chunk_fwd, "ZERO_START_IMPL", "triton")
     assert passes("kda", 2, 32, T=1024) == (True, True, False)
+    # the backward that recomputes its terms in fp32 ("kernels-mml2"): its passes stay Triton (run22b: in segments
+    # they raised for fp32 matrices), while its forward still takes the Mosaic pass
+    monkeypatch.setattr(api, "BACKWARD", "kernels-mml2")
+    assert passes("kda", 2, 32, T=1024) == (True, False, False)
+    assert passes("kda", 4, 32) == (True, False, False)
+    monkeypatch.setattr(api, "BACKWARD", "kernels-saved")
     monkeypatch.setattr(chunk_fwd, "ZERO_START_IMPL", "fast")
     with pytest.raises(ValueError, match="ZERO_START_IMPL"):
         passes("kda", 2, 32, T=1024)

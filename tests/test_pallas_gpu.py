@@ -82,12 +82,13 @@ def test_pallas_long_bf16_head_dim_128(rule, variant):
 def test_pallas_mosaic_state_passes_head_dim_128(rule, B, T):
     # Enough (batch, head) pairs for V tiles of 64 (B * H = 128: 256 programs; B = 1, T = 4093: 4 segments of 16
     # chunks, `segments`): with the default PASS_IMPL "auto" the forward's state pass and the backward's reverse
-    # pass run as the Mosaic GPU kernels (`state_mgpu`); ragged T, K = V = 128, bf16, against the XLA chunk form in
-    # fp32 with FLA's bounds.
+    # pass run as the Mosaic GPU kernels (`state_mgpu`), in segments the forward's zero-start pass too
+    # (ZERO_START_IMPL "auto"); ragged T, K = V = 128, bf16, against the XLA chunk form in fp32 with FLA's bounds.
     bf16, rounded = _bf16_and_rounded(make_inputs(rule, B=B, T=T, H=32, K=128, V=128, seed=13))
     jaxpr = grad_jaxpr(rule, bf16, backend="pallas")
     assert "lineattn_state_pass_mosaic" in jaxpr and "lineattn_reverse_pass_mosaic" in jaxpr
-    assert ("lineattn_chunk_state_pass_local" in jaxpr) == (B == 1)
+    assert ("lineattn_zero_start_pass_mosaic" in jaxpr) == (B == 1)
+    assert "lineattn_chunk_state_pass_local" not in jaxpr
     got, want = _run(rule, bf16, "pallas"), _run(rule, rounded, "chunk")
     errors = {n: _rel_rms(got[n], want[n]) for n in want}
     print(rule, "mosaic passes", {n: f"{e:.1e}" for n, e in errors.items()})

@@ -637,7 +637,7 @@ def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None,
         do_q = pl.BlockSpec((None, Ns * C, None, BQ), lambda b, h, s, j: (b, s, h, jnp.minimum(j, NQ - 1)))
         NM = K // BQ if maps is None else 0  # the maps' column tiles, where the forward gave none
         start = zero_starts(B, H, nseg, K, V, NM * BQ)
-        if not NM and chunk_fwd.mosaic_pass(exact, delta, C, K, V, BV, False, kept, interpret):
+        if not NM and chunk_fwd.mosaic_pass(qin.dtype, delta, C, K, V, BV, False, kept, interpret):
             out = state_mgpu.reverse_pass_mosaic(qin, kg, w, m, terms.decay_end, do, start, ds_dtype=kept,
                                                  de_dtype=wy_dt, block_v=BV, chunk_outputs=False,
                                                  interpret=interpret)[0]
@@ -657,7 +657,7 @@ def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None,
                     kg, w, u, dend_KN, S_start)
     else:
         s0, E = states
-    if chunk_fwd.mosaic_pass(exact, delta, C, K, V, BV, False, kept, interpret):
+    if chunk_fwd.mosaic_pass(qin.dtype, delta, C, K, V, BV, False, kept, interpret):
         ds, du, dS_start = state_mgpu.reverse_pass_mosaic(qin, kg, w, m, terms.decay_end, do, dS_end,
                                                           ds_dtype=kept, de_dtype=wy_dt, block_v=BV,
                                                           interpret=interpret)

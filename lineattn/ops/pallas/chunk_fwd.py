@@ -635,10 +635,11 @@ PASS_MAX_BV = 64
 PASS_IMPL = "auto"
 
 
-def mosaic_pass(exact: bool, delta: bool, C: int, K: int, V: int, BV: int, exporting: bool, keep_dtype,
+def mosaic_pass(dtype, delta: bool, C: int, K: int, V: int, BV: int, exporting: bool, keep_dtype,
                 interpret: bool) -> bool:
-    """Whether a state pass runs as `state_mgpu`'s kernel (see PASS_IMPL)."""
-    fits = (not exact and delta and C == 64 and K in (64, 128) and V % state_mgpu.BV == 0 and BV == state_mgpu.BV
+    """Whether a state pass over matrices (Qin, Kg, W, ...) of `dtype` runs as `state_mgpu`'s kernel (see
+    PASS_IMPL)."""
+    fits = (dtype == jnp.bfloat16 and delta and C == 64 and K in (64, 128) and V % state_mgpu.BV == 0 and BV == state_mgpu.BV
             and not exporting and keep_dtype in (None, jnp.bfloat16))
     if PASS_IMPL == "mosaic":  # state_pass_mosaic raises a ValueError where its shapes or dtypes do not fit
         if not delta or exporting:
@@ -786,7 +787,7 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
                 [jax.ShapeDtypeStruct((B, H, n_slots, K, V), f32)]) if export_chunks else ([], [])
     keep = save and states_dtype is not None and not export_chunks
     kept = (f32 if exact else jnp.dtype(states_dtype)) if keep else None
-    if mosaic_pass(exact, delta, C, K, V, BV, bool(export_chunks), kept, interpret):
+    if mosaic_pass(store, delta, C, K, V, BV, bool(export_chunks), kept, interpret):
         o, ends, *s0 = state_mgpu.state_pass_mosaic(qin, kg, w, u, m, jnp.swapaxes(dend, -1, -2), starts,
                                                     out_dtype=dt, keep_dtype=kept, block_v=BV, interpret=interpret)
         ht = ends[:, :, -1]
