@@ -14,6 +14,7 @@ os.environ["XLA_FLAGS"] = ("--xla_backend_optimization_level=0 --xla_llvm_disabl
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 from lineattn import ops  # noqa: E402
 
@@ -105,3 +106,14 @@ def assert_close(actual: dict, expected: dict, tol: float, context: str = ""):
         assert np.all(np.isfinite(np.asarray(actual[name]))), f"{context}: {name} has non-finite values"
     bad = {name: err for name, err in errors.items() if not err <= tol}
     assert not bad, f"{context}: relative max error above {tol}: {bad} (all: {errors})"
+
+
+@pytest.fixture
+def fake_h200(monkeypatch):
+    """Pallas Triton lowers for an H200 (sm_90a) on a host without a GPU (lowering tests only)."""
+    try:
+        from jax._src.pallas.triton import gpu_info, pallas_call_registration
+    except ImportError as err:
+        pytest.skip(f"private Pallas Triton hooks moved: {err}")
+    info = gpu_info.GpuInfo(gpu_version=None, arch_name="sm_90a", compute_capability=90)
+    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: info)

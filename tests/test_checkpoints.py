@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from conftest import make_inputs, rel_err
-from test_pallas_lowering import fake_h200  # noqa: F401  (fixture)
 from lineattn import ops
 
 # Chunk starts and ends, inside chunks, the first and last token, and the initial state (64-token chunks, T = 150).

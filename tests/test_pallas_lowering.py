@@ -18,16 +18,6 @@ from lineattn.ops.pallas.decode import decode_step
 S = jax.ShapeDtypeStruct
 
 
-@pytest.fixture
-def fake_h200(monkeypatch):
-    try:
-        from jax._src.pallas.triton import gpu_info, pallas_call_registration
-    except ImportError as err:
-        pytest.skip(f"private Pallas Triton hooks moved: {err}")
-    info = gpu_info.GpuInfo(gpu_version=None, arch_name="sm_90a", compute_capability=90)
-    monkeypatch.setattr(pallas_call_registration.gpu_info_lib, "get_gpu_info", lambda: info)
-
-
 def _lowered(T, dtype, backward, head_gate=False):
     """The lowered text of value_and_grad through `chunk_pallas` (B = 1, H = 2, K = V = 128), for the GPU;
     head_gate: g [B, T, H] (the scalar-gate kernels)."""

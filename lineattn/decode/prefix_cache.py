@@ -29,7 +29,7 @@ from flax import nnx
 
 from lineattn.decode.loop import prefill_with_snapshots
 from lineattn.decode.state import DecodeState, init_state
-from lineattn.layers import Attention, KVCache, LinearState
+from lineattn.layers import Attention, KVCache
 
 
 # One compile per (prompt remainder length, export positions): eager dispatch of the chunk path costs far more.

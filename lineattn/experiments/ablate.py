@@ -31,10 +31,8 @@ that row only, applied after the setting's}; the table lists them under each tas
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import fnmatch
 import json
-import math
 import os
 import shutil
 import sys
@@ -48,7 +46,7 @@ from typing import Any, Literal
 import numpy as np
 
 from lineattn.ops.rules import GATES, WRITE_MODES
-from lineattn.train.config import (ConfigError, apply_overrides, from_dict, load_config, read_file, to_dict)
+from lineattn.train.config import (ConfigError, apply_overrides, from_dict, load_config, read_file)
 
 ATTENTION = "attention"
 HIGHER_IS_BETTER = {"val_accuracy": True, "val_loss": False, "val_bpb": False}

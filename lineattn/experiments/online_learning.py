@@ -129,7 +129,6 @@ def checks(seed: int = 0) -> list[Check]:
     add = lambda name, claim, value, bound=TOL, op="<=": out.append(Check(name, claim, float(value), bound, op))
 
     one = lambda *args: 1.0
-    lr_beta = lambda k_, v_, b_: b_
     gd_add = per_head(sgd_step(loss_additive, one))
     gd_rec = per_head(lambda S_, k_, v_, b_: S_ - b_ * jax.grad(loss_reconstruction)(S_, k_, v_))
 
