@@ -639,8 +639,8 @@ def mosaic_pass(dtype, delta: bool, C: int, K: int, V: int, BV: int, exporting: 
                 interpret: bool) -> bool:
     """Whether a state pass over matrices (Qin, Kg, W, ...) of `dtype` runs as `state_mgpu`'s kernel (see
     PASS_IMPL)."""
-    fits = (dtype == jnp.bfloat16 and delta and C == 64 and K in (64, 128) and V % state_mgpu.BV == 0 and BV == state_mgpu.BV
-            and not exporting and keep_dtype in (None, jnp.bfloat16))
+    fits = (dtype == jnp.bfloat16 and delta and C == 64 and K in (64, 128) and V % state_mgpu.BV == 0
+            and BV == state_mgpu.BV and not exporting and keep_dtype in (None, jnp.bfloat16))
     if PASS_IMPL == "mosaic":  # state_pass_mosaic raises a ValueError where its shapes or dtypes do not fit
         if not delta or exporting:
             raise ValueError("PASS_IMPL 'mosaic' takes the delta write without exported chunks")
