@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import re
 import sys
 import tempfile
 import time
@@ -166,45 +165,15 @@ def _copy_kernel(s_ref, out_ref):
     out_ref[...] = s_ref[...]
 
 
-def copy_state(state, block_v, warps, programs=None, stages=1):
+def copy_state(state, block_v, warps):
     """The decode step's memory traffic alone: every [K, block_v] tile of the state [B, H, K, V] read and written
-    back in place, on the decode kernel's grid with the V tiles first (the bandwidth ceiling of that tiling), or
-    with programs: on that many programs looping over the tiles, the next one loaded before the current is stored
-    (the ceiling of `decode_step(programs=...)`)."""
+    back in place, on the decode kernel's grid with the V tiles first (the bandwidth ceiling of that tiling)."""
     B, H, K, V = state.shape
-    params = compiler_params(num_warps=warps, num_stages=stages)
-    if programs is None:
-        spec = pl.BlockSpec((None, None, K, block_v), lambda j, h, b: (b, h, 0, j))
-        return pl.pallas_call(_copy_kernel, grid=(V // block_v, H, B), in_specs=[spec], out_specs=spec,
-                              out_shape=jax.ShapeDtypeStruct(state.shape, state.dtype), input_output_aliases={0: 0},
-                              compiler_params=params, name="copy_state", interpret=interpret_mode(None))(state)
-    n_v, tiles = V // block_v, B * H * V // block_v
-
-    def kernel(s_ref, out_ref):
-        pid, P = pl.program_id(0), pl.num_programs(0)
-        at = lambda i: (i // n_v, slice(None), pl.ds((i % n_v) * block_v, block_v))
-
-        def tile(n, S):
-            i = pid + n * P
-            S_next = s_ref[at(jnp.where(i + P < tiles, i + P, i))]
-            out_ref[at(i)] = S
-            return S_next
-
-        jax.lax.fori_loop(0, (tiles - pid + P - 1) // P, tile, s_ref[at(pid)])
-
-    flat = state.reshape(B * H, K, V)
-    return pl.pallas_call(kernel, grid=(min(programs, tiles),), out_shape=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
-                          input_output_aliases={0: 0}, compiler_params=params, name="copy_state",
-                          interpret=interpret_mode(None))(flat).reshape(state.shape)
-
-
-def decode_config(text):
-    """'64x4f', '64x4fcp264s2', ... -> (block_v, num_warps, letters, programs or None, num_stages)."""
-    match = re.fullmatch(r"(\d+)x(\d+)([fuc]*)(?:p(\d+))?(?:s(\d+))?", text)
-    if match is None:
-        raise ValueError(f"--decode config {text!r}: expected BVxWARPS[fuc][pPROGRAMS][sSTAGES], e.g. 64x4fp264")
-    bv, warps, flags, programs, stages = match.groups()
-    return int(bv), int(warps), flags, int(programs) if programs else None, int(stages or 1)
+    spec = pl.BlockSpec((None, None, K, block_v), lambda j, h, b: (b, h, 0, j))
+    return pl.pallas_call(_copy_kernel, grid=(V // block_v, H, B), in_specs=[spec], out_specs=spec,
+                          out_shape=jax.ShapeDtypeStruct(state.shape, state.dtype), input_output_aliases={0: 0},
+                          compiler_params=compiler_params(num_warps=warps, num_stages=1), name="copy_state",
+                          interpret=interpret_mode(None))(state)
 
 
 def bench_decode(a, B=256, tokens=1):
@@ -218,12 +187,11 @@ def bench_decode(a, B=256, tokens=1):
     ref_o, ref_s = ops.chunk_kda(q, k, v, g, beta, initial_state=jnp.asarray(s0), output_final_state=True,
                                  backend="recurrent")
     steps = 50
-    for block_v, warps, flags, programs, stages in a.decode_configs:
+    for block_v, warps, flags in a.decode_configs:
         opts = dict(block_v=block_v, num_warps=warps, v_fastest="f" in flags,
-                    readout="updated" if "u" in flags else "decayed", programs=programs, num_stages=stages)
+                    readout="updated" if "u" in flags else "decayed")
         if "c" in flags:  # the copy ceiling of this tiling: the same grid, the state read and written, no math
-            step = lambda q, k, v, g, b, s, opts=opts: (None, copy_state(s, opts["block_v"], opts["num_warps"],
-                                                                         opts["programs"], opts["num_stages"]))
+            step = lambda q, k, v, g, b, s, opts=opts: (None, copy_state(s, opts["block_v"], opts["num_warps"]))
         else:
             step = lambda q, k, v, g, b, s, opts=opts: decode_step(q, k, v, g, b, s, **opts)
         o, s1 = jax.jit(step)(q, k, v, g, beta, jnp.asarray(s0))
@@ -249,7 +217,6 @@ def bench_decode(a, B=256, tokens=1):
             kernel_ms = times_ns.get("lineattn_decode_step", times_ns.get("copy_state", float("nan"))) / steps / 1e6
         name = (f"lineattn-pallas-decode-bv{block_v}-w{warps}" + ("-vfirst" if opts["v_fastest"] else "")
                 + ("-updated" if "u" in flags else "")
-                + (f"-p{programs}" if programs else "") + (f"-s{stages}" if stages > 1 else "")
                 + ("-copy" if "c" in flags else ""))
         record(a.out, op="kda", impl=name, mode="decode", B=B, T=tokens, H=H, K=K, V=V, ms=ms,
                state_TBps=2 * state_bytes / (ms * 1e-3) / 1e12, kernel_ms=kernel_ms,
@@ -322,14 +289,14 @@ def main():
     p.add_argument("--no-kda", action="store_true", help="time GDN (--gdn) at --shapes without KDA there")
     p.add_argument("--decode", default="64x4f,64x4fu,64x8f,32x4f,64x4fc",
                    help="decode block_v x num_warps configs, then letters: f the V tiles first in the launch order, "
-                        "u o read from the updated state (readout='updated'), c a plain copy of the state; then pN on N "
-                        "programs that loop over the tiles (decode_step's programs), sN Triton's num_stages N")
+                        "u o read from the updated state (readout='updated'), c a plain copy of the state")
     p.add_argument("--long", type=int, default=0, help="also time one sequence of this length (0: no)")
     p.add_argument("--tune", action="store_true", help="time the forward's kernels apart and launch settings")
     p.add_argument("--warps", default="4x4,8x4,4x8,8x8")
     p.add_argument("--block-vs", default="0,16,32,64", help="V tiles of the state pass (0: the default rule)")
     a = p.parse_args()
-    a.decode_configs = [decode_config(c) for c in a.decode.split(",") if c]
+    a.decode_configs = [(int(bv), int(rest.rstrip("fuc")), rest.lstrip("0123456789"))
+                        for bv, rest in (c.split("x") for c in a.decode.split(",") if c)]
     fla_modes = [m for m in a.fla.split(",") if m]
     a.warps = [tuple(map(int, w.split("x"))) for w in a.warps.split(",") if w]
     a.block_vs = [int(b) or None for b in a.block_vs.split(",") if b]

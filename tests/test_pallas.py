@@ -544,17 +544,8 @@ def test_decode_step_matches_oracle(rule):
     assert_close({"o": o2, "s": s2}, {"o": o_ref[:, :1], "s": states[:, 0]}, TOL, rule)
     o3, s3 = decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), x["initial_state"], readout="updated")
     assert_close({"o": o3, "s": s3}, {"o": o_ref, "s": ht_ref}, TOL, rule)
-    # On a fixed number of programs, each looping over its tiles (12 tiles here: 5 programs take 3 or 2 each,
-    # 12 one each, 20 is capped at 12), with the states after each token emitted.
-    for programs in (5, 12, 20):
-        o4, s4, states4 = decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), x["initial_state"],
-                                      output_states=True, block_v=32, programs=programs)
-        assert_close({"o": o4, "s": s4, "first": states4[:, 0]}, {"o": o_ref, "s": ht_ref, "first": states[:, 0]},
-                     TOL, rule)
     with pytest.raises(ValueError, match="readout"):
         decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), x["initial_state"], readout="after")
-    with pytest.raises(ValueError, match="programs"):
-        decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), x["initial_state"], programs=0)
 
 
 def test_pallas_backend_selection_and_errors():

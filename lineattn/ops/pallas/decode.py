@@ -26,81 +26,37 @@ from lineattn.ops.pallas.common import compiler_params, interpret_mode, is_pow2
 f32 = jnp.float32
 
 
-def _tokens(S, read, write, *, T, scale, delta, readout):
-    """The state tile S [K, BV] fp32 through T tokens. read(name, t) gives token t's "q", "k", "g" [K], "v" [BV],
-    "beta" [1]; write("o", t, o [1, BV]) and write("state", t, S) store (the second only when states are emitted)."""
+def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *states_ref, T, scale, delta,
+                   readout):
+    S = s_ref[...].astype(f32)
     for t in range(T):  # T is small (1 token, or a few draft tokens)
-        q_t = read("q", t).astype(f32)[:, None]
-        k_t = read("k", t).astype(f32)[:, None]
-        v_t = read("v", t).astype(f32)[None, :]
-        S = S * jnp.exp(read("g", t).astype(f32))[:, None]
+        q_t = q_ref[t, :].astype(f32)[:, None]
+        k_t = k_ref[t, :].astype(f32)[:, None]
+        v_t = v_ref[t, :].astype(f32)[None, :]
+        S = S * jnp.exp(g_ref[t, :].astype(f32))[:, None]
         if readout == "decayed":  # o = q^T (S + k r^T) = q^T S + (q . k) r: both reductions on the decayed S
             qS = jnp.sum(S * q_t, axis=0, keepdims=True)
         if delta:
             residual = v_t - jnp.sum(S * k_t, axis=0, keepdims=True)
-            write_row = read("beta", t).astype(f32)[:, None] * residual
+            write = beta_ref[pl.ds(t, 1)].astype(f32)[:, None] * residual
         else:
-            write_row = v_t
-        S = S + k_t * write_row
+            write = v_t
+        S = S + k_t * write
         if readout == "decayed":
-            o = qS + jnp.sum(q_t * k_t) * write_row
+            o = qS + jnp.sum(q_t * k_t) * write
         else:
             o = jnp.sum(S * q_t, axis=0, keepdims=True)
-        write("o", t, scale * o)
-        write("state", t, S)
-    return S
-
-
-def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *states_ref, **opts):
-    """One program per (request, head, V tile): the refs are that tile's blocks."""
-    refs = dict(q=q_ref, k=k_ref, v=v_ref, g=g_ref)
-    read = lambda name, t: beta_ref[pl.ds(t, 1)] if name == "beta" else refs[name][t, :]
-
-    def write(name, t, x):
-        if name == "o":
-            o_ref[pl.ds(t, 1), :] = x.astype(o_ref.dtype)
-        elif states_ref:
-            states_ref[0][t, :, :] = x
-
-    s_out_ref[...] = _tokens(s_ref[...].astype(f32), read, write, **opts)
-
-
-def _decode_persistent_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *states_ref, tiles,
-                              n_v, BV, **opts):
-    """A fixed number of programs, each taking the tiles pid, pid + P, ... (V tiles of one state adjacent), with
-    the next tile's state loaded before this tile's math so that the load is in flight meanwhile. The refs are
-    whole arrays: q, k, g [BH, T, K], v, o [BH, T, V], beta [BH, T], the state [BH, K, V], states [BH, T, K, V]."""
-    pid, P = pl.program_id(0), pl.num_programs(0)
-    load = lambda i: s_ref[i // n_v, :, pl.ds((i % n_v) * BV, BV)].astype(f32)
-
-    def tile(n, S):
-        i = pid + n * P
-        S_next = load(jnp.where(i + P < tiles, i + P, i))  # (the last tile re-reads itself: discarded)
-        bh, cols = i // n_v, pl.ds((i % n_v) * BV, BV)
-
-        def read(name, t):
-            if name == "beta":
-                return beta_ref[bh, pl.ds(t, 1)]
-            return v_ref[bh, t, cols] if name == "v" else dict(q=q_ref, k=k_ref, g=g_ref)[name][bh, t, :]
-
-        def write(name, t, x):
-            if name == "o":
-                o_ref[bh, pl.ds(t, 1), cols] = x.astype(o_ref.dtype)
-            elif states_ref:
-                states_ref[0][bh, t, :, cols] = x
-
-        s_out_ref[bh, :, cols] = _tokens(S, read, write, **opts)
-        return S_next
-
-    jax.lax.fori_loop(0, (tiles - pid + P - 1) // P, tile, load(pid))
+        o_ref[pl.ds(t, 1), :] = (scale * o).astype(o_ref.dtype)
+        if states_ref:
+            states_ref[0][t, :, :] = S
+    s_out_ref[...] = S
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_states", "interpret", "block_v", "num_warps",
-                                             "v_fastest", "readout", "programs", "num_stages"))
+                                             "v_fastest", "readout"))
 def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_states: bool = False,
                 interpret: bool | None = None, block_v: int | None = None, num_warps: int = 4,
-                v_fastest: bool = True, readout: str = "decayed", programs: int | None = None,
-                num_stages: int = 1):
+                v_fastest: bool = True, readout: str = "decayed"):
     """T new tokens per request through the recurrence, from `state`.
 
     Args:
@@ -125,9 +81,6 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
         k and the update S e^g + k r^T in one pass, took 0.1467 ms against 0.1427 (3.66 against 3.76 TB/s):
         removed. Nsight Compute, same run: this kernel 128 registers, 4 blocks of 4 warps an SM, DRAM throughput
         75.7 % of peak; FLA's `fused_recurrent_kda` 80 registers, V tiles of 32, 76.2 %, 141 us against 142.)
-      programs: launch this many programs, each looping over its share of the (request, head, V tile) tiles with
-        the next tile's state loaded before the current tile's math (`_decode_persistent_kernel`; v_fastest is
-        then implied); None: one program per tile. num_stages: Triton's pipelining depth (for its loops).
 
     Returns:
       (o [B, T, H, V] in q's dtype, new state [B, H, K, V] fp32[, states [B, T, H, K, V]]).
@@ -150,10 +103,6 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
     if block_v is None:
         block_v = 64 if B * H * max(V // 64, 1) >= 128 else 32
     BV = min(block_v, V)
-    opts = dict(T=T, scale=float(scale), delta=delta, readout=readout)
-    if programs is not None:
-        return _decode_persistent(q, k, v, g, beta, state, opts, BV=BV, programs=programs, num_warps=num_warps,
-                                  num_stages=num_stages, output_states=output_states, interpret=interpret)
     grid = (B, H, V // BV)
     if v_fastest:  # the grid's first axis varies fastest in the launch order
         grid, at = grid[::-1], lambda f: lambda j, h, b: f(b, h, j)
@@ -169,44 +118,16 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
         out_specs.append(pl.BlockSpec((None, None, T, K, BV), at(lambda b, h, j: (b, h, 0, 0, j))))
         out_shape.append(jax.ShapeDtypeStruct((B, H, T, K, V), f32))
     outs = pl.pallas_call(
-        functools.partial(_decode_kernel, **opts),
+        functools.partial(_decode_kernel, T=T, scale=float(scale), delta=delta, readout=readout),
         grid=grid,
         in_specs=[tok(K), tok(K), vtok, tok(K), pl.BlockSpec((None, T, None), at(lambda b, h, j: (b, 0, h))), st],
         out_specs=out_specs,
         out_shape=out_shape,
         input_output_aliases={5: 1},
-        compiler_params=compiler_params(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=compiler_params(num_warps=num_warps, num_stages=1),
         interpret=interpret_mode(interpret),
         name="lineattn_decode_step",
     )(q, k, v, g, beta, state)
     if output_states:
         return outs[0], outs[1], jnp.moveaxis(outs[2], 2, 1)
     return outs[0], outs[1]
-
-
-def _decode_persistent(q, k, v, g, beta, state, opts, *, BV, programs, num_warps, num_stages, output_states,
-                       interpret):
-    """`decode_step` on `programs` programs (`_decode_persistent_kernel`): the same arguments and returns."""
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    if programs < 1:
-        raise ValueError(f"decode_step's programs must be a positive count, got {programs}")
-    n_v = V // BV
-    tiles = B * H * n_v
-    by_head = lambda x: jnp.moveaxis(x, 2, 1).reshape((B * H, T) + x.shape[3:])  # [B, T, H, ...] -> [BH, T, ...]
-    out_shape = [jax.ShapeDtypeStruct((B * H, T, V), q.dtype), jax.ShapeDtypeStruct((B * H, K, V), f32)]
-    if output_states:
-        out_shape.append(jax.ShapeDtypeStruct((B * H, T, K, V), f32))
-    outs = pl.pallas_call(
-        functools.partial(_decode_persistent_kernel, tiles=tiles, n_v=n_v, BV=BV, **opts),
-        grid=(min(programs, tiles),),
-        out_shape=out_shape,
-        input_output_aliases={5: 1},
-        compiler_params=compiler_params(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret_mode(interpret),
-        name="lineattn_decode_step",
-    )(by_head(q), by_head(k), by_head(v), by_head(g), by_head(beta), state.reshape(B * H, K, V))
-    o = jnp.moveaxis(outs[0].reshape(B, H, T, V), 1, 2)
-    if output_states:
-        return o, outs[1].reshape(B, H, K, V), jnp.moveaxis(outs[2].reshape(B, H, T, K, V), 2, 1)
-    return o, outs[1].reshape(B, H, K, V)
