@@ -10,7 +10,10 @@ a mutable ref updated in place, was correct on the H200 but slower, run16c/f at 
 time 3.24-3.34 TB/s of state read + write with V tiles of 64 on 128-132 CTAs, 3.51-3.59 with 32 on 256-264, 3.40
 with 32 on 396 (three CTAs an SM), 2.05-2.22 with 16 on 512-792, against 3.77 for this kernel and 4.11 for a plain
 copy on its grid: removed; it is in the history at 0f60cc7, whose CTAs take equal tile counts: run16f's gave each
-CTA its own, a traced `emit_pipeline` grid.)
+CTA its own, a traced `emit_pipeline` grid. A persistent Triton form, a fixed number of programs each looping over
+its tiles with the next tile's state loaded before the current tile's math, was slower too, run23a: 2.64-3.35 TB/s
+on 132-1056 programs, V tiles of 32-128, Triton pipelining depth 1 or 2, against 3.72 for this kernel in the same run;
+a persistent plain copy reached 3.95-3.98 against 4.10 on this grid: in the history at b2bbd38.)
 """
 
 from __future__ import annotations
