@@ -50,6 +50,8 @@
 #   jla's too): PROFILE_ARGS="--impls noop,lineattn,jla --sync --iters 10" (the stream idle before each first kernel).
 #   Run22 (session 20): the Mosaic zero-start pass as default (0.184 ms against 0.339 at 1 x 32768); the whole GPU suite
 #   with SHARDS=6 TEST_TIMEOUT=430 took 383 s (98 tests); bench alone 0.769x jla (8 x 4096), 0.756x (1 x 32768).
+#   Run23 (session 21): a persistent Triton decode kernel (programs looping over tiles, the next state prefetched)
+#   took 2.64-3.35 TB/s against 3.72 (reverted; history b2bbd38); fewer warps a program were slower (run23b).
 #   The long GPU tests take ~30 s each (19 of them): a subset fits a call beside a bench part, e.g.
 #     TEST_TIMEOUT=200 TESTS_K="long_bf16 and default" SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
 #   A/B wall clock of settings, interleaved (not through this script): PYTHONPATH=$PWD python3
