@@ -48,7 +48,8 @@ def _check_tokens(tokens, vocab_size):
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be an integer array [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
     if not isinstance(tokens, jax.core.Tracer) and tokens.size:  # ids can only be checked when concrete
-        lo, hi = int(np.min(tokens)), int(np.max(tokens))
+        ids = np.asarray(tokens)  # (np.min of a jax.Array calls its .min, a traced op inside a jit)
+        lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab_size:
             raise ValueError(f"tokens must be ids in [0, {vocab_size}), got values in [{lo}, {hi}]")
 
