@@ -28,10 +28,14 @@ BF16_RMS = {"o": 5e-3, "ht": 5e-3, "dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dinitial
             "dbeta": 2e-2}
 
 
-def _compare(rule, inputs, tol=TOL, cu_seqlens=None, chunk_size=32):
-    o, ht, grads = loss_and_grads(rule, inputs, backend="pallas", cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+def _compare(rule, inputs, tol=TOL, cu_seqlens=None, chunk_size=32, got=None):
+    """The kernels against the oracle on the same inputs (or `got`, the kernels' (o, ht, grads) computed already
+    under the same settings); returns the kernels' results."""
+    got = got or loss_and_grads(rule, inputs, backend="pallas", cu_seqlens=cu_seqlens, chunk_size=chunk_size)
+    o, ht, grads = got
     o_ref, ht_ref, grads_ref = loss_and_grads(rule, inputs, backend="recurrent", cu_seqlens=cu_seqlens)
     assert_close({"o": o, "ht": ht, **grads}, {"o": o_ref, "ht": ht_ref, **grads_ref}, tol, f"{rule}/pallas")
+    return got
 
 
 @pytest.mark.parametrize("rule", ["kda", "gdn", "deltanet", "gla"])
@@ -133,12 +137,13 @@ def test_pallas_bf16_against_fp32_oracle(rule, backward, monkeypatch):
     _assert_bf16_close(rule, make_inputs(rule, B=1, **SMALL, seed=6), chunk_size=32)
 
 
-def _assert_bf16_close(rule, inputs, chunk_size):
-    """The kernels on bf16 q, k, v, beta against the oracle on the same rounded values (FLA's tolerances)."""
+def _assert_bf16_close(rule, inputs, chunk_size, got=None):
+    """The kernels on bf16 q, k, v, beta against the oracle on the same rounded values (FLA's tolerances); `got`:
+    the kernels' (o, ht, grads) on those bf16 inputs computed already under the same settings."""
     rounded = {n: None if x is None else x.astype(jnp.bfloat16).astype(jnp.float32) if n in "qkv beta" else x
                for n, x in inputs.items()}
     bf16 = {n: None if x is None else x.astype(jnp.bfloat16) if n in "qkv beta" else x for n, x in inputs.items()}
-    o, ht, grads = loss_and_grads(rule, bf16, backend="pallas", chunk_size=chunk_size)
+    o, ht, grads = got or loss_and_grads(rule, bf16, backend="pallas", chunk_size=chunk_size)
     o_ref, ht_ref, grads_ref = loss_and_grads(rule, rounded, backend="recurrent")
     assert o.dtype == jnp.bfloat16 and ht.dtype == jnp.float32
     got = {"o": o, "ht": ht, **grads}
@@ -342,8 +347,9 @@ def test_pallas_with_the_mosaic_state_pass(rule, block_v, nseg, monkeypatch):
     for impl, zero_start in [("triton", "triton"), ("mosaic", "triton")] + [("mosaic", "mosaic")] * (nseg > 1):
         monkeypatch.setattr(chunk_fwd, "PASS_IMPL", impl)
         monkeypatch.setattr(chunk_fwd, "ZERO_START_IMPL", zero_start)
-        o, ht, grads = loss_and_grads(rule, x, backend="pallas", chunk_size=64)
-        results[impl + zero_start] = {"o": o, "ht": ht, **grads}
+        results[impl + zero_start] = loss_and_grads(rule, x, backend="pallas", chunk_size=64)
+    mosaic = results["mosaictriton"]
+    results = {name: {"o": o, "ht": ht, **grads} for name, (o, ht, grads) in results.items()}
     assert ("lineattn_zero_start_pass_mosaic" in grad_jaxpr(rule, x, chunk_size=64, backend="pallas")) == (nseg > 1)
     monkeypatch.setattr(chunk_fwd, "ZERO_START_IMPL", "triton")
     want = results.pop("tritontriton")
@@ -354,7 +360,7 @@ def test_pallas_with_the_mosaic_state_pass(rule, block_v, nseg, monkeypatch):
     # in segments, the zero-end reverse pass too (the maps from the forward: V columns only)
     assert jaxpr.count("lineattn_reverse_pass_mosaic") == jaxpr.count("lineattn_state_pass_mosaic") * (1 + (nseg > 1))
     assert "lineattn_chunk_bwd_reverse_local" not in jaxpr
-    _assert_bf16_close(rule, inputs, chunk_size=64)
+    _assert_bf16_close(rule, inputs, chunk_size=64, got=mosaic)  # the Mosaic passes against the oracle
 
 
 def test_pass_impl_auto_takes_the_mosaic_passes_where_they_fit(monkeypatch):
@@ -409,12 +415,11 @@ def test_pallas_segmented_state_passes(rule, monkeypatch):
     monkeypatch.setattr(segments, "MIN_SEGMENT_CHUNKS", 2)
     assert segments.pick_segments(2, 8, 32) == 4 and segments.pick_segments(2, 6, 32) == 1
     inputs = make_inputs(rule, B=1, T=120, H=2, K=32, V=32, seed=17)
-    _compare(rule, inputs, chunk_size=16)
+    o, ht, grads = _compare(rule, inputs, chunk_size=16)
     jaxpr = grad_jaxpr(rule, inputs, chunk_size=16, backend="pallas")
     # (the states pass is the forward's, `chunk.SAVE_STATES`; segmented without it: `test_pallas_saved_states`)
     assert "lineattn_chunk_bwd_reverse_local" in jaxpr and "lineattn_chunk_bwd_states_local" not in jaxpr
     assert "lineattn_chunk_state_pass_local" in jaxpr
-    o, ht, grads = loss_and_grads(rule, inputs, backend="pallas", chunk_size=16)
     monkeypatch.setattr(chunk_fwd, "PASS_SEGMENTS", "never")
     assert "lineattn_chunk_state_pass_local" not in grad_jaxpr(rule, inputs, chunk_size=16, backend="pallas")
     o0, ht0, grads0 = loss_and_grads(rule, inputs, backend="pallas", chunk_size=16)
@@ -447,7 +452,7 @@ def test_pallas_saved_states(rule, segmented, monkeypatch):
         assert jaxpr.count("name=lineattn_chunk_cumsum") == (1 if rule == "kda" else 2)
     (o1, ht1, grads1), (o0, ht0, grads0) = results[True], results[False]
     assert_close({"o": o1, "ht": ht1, **grads1}, {"o": o0, "ht": ht0, **grads0}, 1e-6, f"{rule}/saved states")
-    _compare(rule, inputs, chunk_size=C)
+    _compare(rule, inputs, chunk_size=C, got=results[False])  # (SAVE_STATES is False now)
     _assert_bf16_close(rule, inputs, chunk_size=C)
 
 
