@@ -238,6 +238,13 @@ def bench_decode(a, B=256, tokens=1):
     record(a.out, op="kda", impl="fla-fused_recurrent", mode="decode", B=B, T=tokens, H=H, K=K, V=V, ms=float(ms),
            state_TBps=2 * state_bytes / (ms * 1e-3) / 1e12,
            max_rel_err_o=rel_err(o.float().cpu().numpy(), ref_o))
+    # The device's own copy ceilings for the same bytes (torch's copy kernels, do_bench): into another buffer, and
+    # read-modify-write in place as the decode step does (the "copy limit")
+    dst = torch.empty_like(st)
+    for name, fn in [("torch-copy", lambda: dst.copy_(st)), ("torch-inplace-scale", lambda: st.mul_(1.0))]:
+        ms = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+        record(a.out, op="kda", impl=name, mode="decode", B=B, T=tokens, H=H, K=K, V=V, ms=float(ms),
+               state_TBps=2 * state_bytes / (ms * 1e-3) / 1e12)
 
 
 def bench_tuning(a, B, T):
