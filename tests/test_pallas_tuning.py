@@ -14,6 +14,9 @@ def test_parse_reads_the_benchmarks_form():
     assert tuning.parse("default") == {} and tuning.parse("") == {}
     assert tuning.parse("chunk_bwd.WY_WARPS=8+chunk_fwd.SOLVE_IMPL=triton+chunk_fwd.LIMIT=-3") == {
         "chunk_bwd.WY_WARPS": 8, "chunk_fwd.SOLVE_IMPL": "triton", "chunk_fwd.LIMIT": -3}
+    # a bool constant set to "False" must turn it off (the string would read as true)
+    assert tuning.parse("chunk.SAVE_STATES=False+common.FAST_EXP=True") == {
+        "chunk.SAVE_STATES": False, "common.FAST_EXP": True}
     with pytest.raises(ValueError, match="module.NAME=value"):
         tuning.parse("chunk_bwd.WY_WARPS")
 

@@ -19,15 +19,16 @@ from collections.abc import Iterator, Mapping
 import jax
 
 
-def parse(config: str) -> dict[str, int | str]:
-    """{"module.NAME": value} from 'module.NAME=value' items joined by '+' ('default' or '': none); integer values
-    become ints, the rest stay strings."""
-    settings: dict[str, int | str] = {}
+def parse(config: str) -> dict[str, bool | int | str]:
+    """{"module.NAME": value} from 'module.NAME=value' items joined by '+' ('default' or '': none); "True" and
+    "False" become bools (the string "False" would read as true), integer values ints, the rest stay strings."""
+    settings: dict[str, bool | int | str] = {}
     for item in ([] if config in ("", "default") else config.split("+")):
         name, sep, value = item.partition("=")
         if not sep or not name or not value:
             raise ValueError(f"a setting is 'module.NAME=value', got {item!r} in {config!r}")
-        settings[name] = int(value) if value.lstrip("-").isdigit() else value
+        bools = {"True": True, "False": False}
+        settings[name] = bools[value] if value in bools else int(value) if value.lstrip("-").isdigit() else value
     return settings
 
 
