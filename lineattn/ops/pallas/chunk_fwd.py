@@ -68,9 +68,6 @@ GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES = 2, 4, 4, 64, 3
 # the exact path to a second kernel that rewrites the blocks holding a cut gave no gain: 0.17 ms for that kernel
 # when it read G, and with the Gram kernel writing per-block flags 0.90 + 0.05 ms. With the flags from the gate
 # cumsum kernel instead: GRAM_IMPL "triton-fast" below, the default since run11a.)
-# GRAM_KEY_HALVES: on the fast path, the 16-row blocks in a chunk's first half take products with its first half
-# of keys only (a quarter fewer key factors, exps and products), in a launch of their own (`gram_rows`).
-GRAM_KEY_HALVES = True
 GRAM_SCALAR_WARPS = 4  # the scalar-gate Gram kernel, one program per chunk (run9a, GDN 8 x 4096: 0.26 ms)
 
 
@@ -91,8 +88,8 @@ def keys_toward(k, G, Gr, limit=LIMIT):
 
 
 def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delta, bk, q0=0):
-    """[16, n] rows of (scale q) and k against the n keys of k_ref (the chunk's first n), factored through the
-    reference row ref_row (the block's queries at rows q0.. of q_ref: 0 for a 16-row block, r0 for a whole chunk)."""
+    """[16, C] rows of (scale q) and k against all keys, factored through the reference row ref_row (the block's
+    queries at rows q0.. of q_ref: 0 for a 16-row block, r0 for a whole chunk)."""
     s, C, K = SUB, k_ref.shape[0], k_ref.shape[-1]
     blk = pl.ds(r0, s)
     Mx, Ax = jnp.zeros((s, C), f32), jnp.zeros((s, C), f32)
@@ -134,36 +131,28 @@ def _gram_exact(q_ref, k_ref, G_ref, r0, *, scale, prec, delta, bk, q0=0):
 
 
 def _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, o0=0):
-    """The block's rows of M (j <= i) and A (j < i, times beta_i), from its products Mx, Ax [16, n] with the first
-    n <= C keys (the columns after them are zero), into rows o0.. of m_ref, a_ref (beta_ref's rows o0..)."""
+    """The block's rows of M (j <= i) and A (j < i, times beta_i), from its products Mx, Ax [16, C], into rows
+    o0.. of m_ref, a_ref (beta_ref's rows o0..)."""
     rows, cols = _iota(Mx.shape, 0) + r0, _iota(Mx.shape, 1)
-    out, n, C = pl.ds(o0, SUB), Mx.shape[1], m_ref.shape[-1]
-    m_ref[out, pl.ds(0, n)] = jnp.where(cols <= rows, Mx, 0.0).astype(m_ref.dtype)
+    out = pl.ds(o0, SUB)
+    m_ref[out, :] = jnp.where(cols <= rows, Mx, 0.0).astype(m_ref.dtype)
     if delta:
-        a_ref[out, pl.ds(0, n)] = jnp.where(cols < rows, beta_ref[out].astype(f32)[:, None] * Ax, 0.0)
-    if n < C:
-        m_ref[out, pl.ds(n, C - n)] = jnp.zeros((SUB, C - n), m_ref.dtype)
-        if delta:
-            a_ref[out, pl.ds(n, C - n)] = jnp.zeros((SUB, C - n), a_ref.dtype)
+        a_ref[out, :] = jnp.where(cols < rows, beta_ref[out].astype(f32)[:, None] * Ax, 0.0)
 
 
-def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, glast_ref, *refs, C, scale, prec, delta, bk, fast_only=False,
-                      blocks=None, block0=0):
+def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta, bk,
+                      fast_only=False):
     """One 16-row block: Qin, Kg and the rows of M and A, the exact path taken by a block-uniform `lax.cond` (or
-    left to `gram_exact_chunks`: fast_only). k_ref, G_ref: the chunk's first n <= C keys (the block's products
-    with them; M's and A's columns after them are zero); glast_ref: G's last row of the chunk. The program takes
-    block block0 + (its id mod `blocks`, default C / 16); refs: M, A, Qin, Kg, after copies of them that a
-    launch aliases to its outputs (not read)."""
-    m_ref, a_ref, qin_ref, kg_ref = refs[-4:]
+    left to `gram_exact_chunks`: fast_only)."""
     s = SUB
-    r0 = (block0 + common.program_id(2) % (blocks or C // s)) * s
+    r0 = (common.program_id(2) % (C // s)) * s
     K = k_ref.shape[-1]
     blk = pl.ds(r0, s)
     for t in range(K // bk):
         d = pl.ds(t * bk, bk)
         Ga = G_ref[blk, d]
         qin_ref[:, d] = (q_ref[:, d].astype(f32) * scale * exp(Ga)).astype(qin_ref.dtype)
-        kg_ref[:, d] = (k_ref[blk, d].astype(f32) * exp(glast_ref[:, d] - Ga)).astype(kg_ref.dtype)
+        kg_ref[:, d] = (k_ref[blk, d].astype(f32) * exp(G_ref[pl.ds(C - 1, 1), d] - Ga)).astype(kg_ref.dtype)
     kw = dict(scale=scale, prec=prec, delta=delta, bk=bk)
     fast = lambda: _gram_products(q_ref, k_ref, G_ref, r0, r0 + s // 2, LIMIT, **kw)
     if fast_only:
@@ -184,37 +173,23 @@ def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, 
               fast_only=False):
     """M, A (= Diag(beta) KK, strictly lower), Qin, Kg as [B, H, Tp, .] from q, k [B, Tp, H, K], the in-chunk
     cumsum G (fp32) and beta [B, Tp, H] (see `_gram_rows_kernel`; fast_only: without the exact path, for
-    `gram_exact_chunks` to complete; then, with GRAM_KEY_HALVES, in two launches: the blocks of each chunk's
-    first half against its first half of keys, then the others against all)."""
+    `gram_exact_chunks` to complete)."""
     B, Tp, H, K = q.shape
     N, nb = Tp // C, C // SUB
-    halves = fast_only and GRAM_KEY_HALVES and nb % 2 == 0
-    blocks = nb // 2 if halves else nb
-
-    def launch(block0, keys, into=()):
-        block = lambda i: (i // blocks) * nb + block0 + i % blocks  # the program's 16-row block in the sequence
-        sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, block(i), h, 0))
-        first = lambda D: pl.BlockSpec((None, keys, None, D), lambda b, h, i: (b, (i // blocks) * (C // keys), h, 0))
-        last = pl.BlockSpec((None, 1, None, K), lambda b, h, i: (b, (i // blocks) * C + C - 1, h, 0))
-        row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, block(i), 0))
-        outs = [row_out(C), row_out(C), row_out(K), row_out(K)]
-        return pallas_call(
-            functools.partial(_gram_rows_kernel, C=C, scale=scale, prec=prec, delta=delta, bk=min(bk, K),
-                              fast_only=fast_only, blocks=blocks, block0=block0),
-            grid=(B, H, N * blocks),
-            in_specs=[sub(K), first(K), first(K), pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, block(i), h)),
-                      last] + outs[:len(into)],
-            out_specs=outs,
-            out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype),
-            input_output_aliases={5 + n: n for n in range(len(into))},
-            compiler_params=compiler_params(num_warps=warps, num_stages=1),
-            interpret=interpret,
-            name="lineattn_chunk_gram",
-        )(q, k, G, beta, G, *into)
-
-    if not halves:
-        return launch(0, C)
-    return launch(nb // 2, C, into=launch(0, C // 2))
+    sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i, h, 0))
+    whole = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
+    row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, i, 0))
+    return pallas_call(
+        functools.partial(_gram_rows_kernel, C=C, scale=scale, prec=prec, delta=delta, bk=min(bk, K),
+                          fast_only=fast_only),
+        grid=(B, H, N * nb),
+        in_specs=[sub(K), whole(K), whole(K), pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i, h))],
+        out_specs=[row_out(C), row_out(C), row_out(K), row_out(K)],
+        out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype),
+        compiler_params=compiler_params(num_warps=warps, num_stages=1),
+        interpret=interpret,
+        name="lineattn_chunk_gram",
+    )(q, k, G, beta)
 
 
 def _gram_exact_chunk_kernel(flag_ref, q_ref, k_ref, G_ref, beta_ref, m_in_ref, a_in_ref, m_ref, a_ref, *, C,
