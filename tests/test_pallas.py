@@ -152,34 +152,41 @@ def _assert_bf16_close(rule, inputs, chunk_size, got=None):
     assert all(errors[n] <= BF16_RMS[n] for n in want), errors
 
 
-@pytest.mark.parametrize("with_r", [False, True])
-def test_mosaic_solve_matches_the_triton_solve(with_r):
+@pytest.mark.parametrize("with_r,gate", [(False, "channel"), (True, "channel"), (True, "scalar")])
+def test_mosaic_solve_matches_the_triton_solve(with_r, gate):
     # `solve_mgpu.solve_mosaic` (Mosaic GPU wgmma kernel, run by its interpreter here) against `solve_full` on the
     # same inputs: two chunks of 64, K = V = 64, bf16; with_r: the backward's form (A the unscaled key Gram,
-    # R written).
+    # R written); a scalar gate's G [B, Tp, H] in both, and in `solve_full` equal to the same G broadcast over K.
     from lineattn.ops.pallas import chunk_fwd, solve_mgpu
     rng = np.random.default_rng(21)
     B, Tp, H, K, V, C = 1, 128, 2, 64, 64, 64
     k = rng.standard_normal((B, Tp, H, K))
     k = jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((B, Tp, H, V)), jnp.bfloat16)
-    G, _ = chunk_fwd.gate_cumsum(-jnp.asarray(rng.uniform(0, 0.5, (B, Tp, H, K)), jnp.float32), C=C, K=K,
-                                 interpret=True)
+    g = -jnp.asarray(rng.uniform(0, 0.5, (B, Tp, H) + ((K,) if gate == "channel" else ())), jnp.float32)
+    G, _ = chunk_fwd.gate_cumsum(g, C=C, K=K, interpret=True)
+    assert G.shape == g.shape
     beta = jnp.asarray(rng.uniform(0, 1, (B, Tp, H)), jnp.bfloat16)
     kc = k.astype(jnp.float32).reshape(B, Tp // C, C, H, K)
     KK = jnp.einsum("bnihk,bnjhk->bhnij", kc, kc) * np.tril(np.ones((C, C)), -1)
     A = KK.reshape(B, H, Tp, C) * (1.0 if with_r else jnp.moveaxis(beta.astype(jnp.float32), 1, 2)[..., None])
     kw = dict(C=C, store=jnp.bfloat16, with_r=with_r, kk=with_r)
-    want = chunk_fwd.solve_full(A, k, v, G, beta, prec="bf16", inv_prec="bf16x3", warps=4, interpret=True, **kw)
+    solve = lambda G: chunk_fwd.solve_full(A, k, v, G, beta, prec="bf16", inv_prec="bf16x3", warps=4,
+                                           interpret=True, **kw)
+    want = solve(G)
     got = solve_mgpu.solve_mosaic(A, k, v, G, beta, **kw)  # compiled on a GPU, the interpreter on the CPU
     assert len(got) == len(want) == 2 + with_r
+    if gate == "scalar":
+        for x, y in zip(want, solve(jnp.broadcast_to(G[..., None], G.shape + (K,)))):
+            np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
     for name, x, y in zip("WUR", got, want):
         # W, U: bf16 outputs (an ulp where the two roundings differ); R: fp32 from bf16x3 products
         assert _rel_rms(x, y) <= (1e-5 if name == "R" else 1e-3), name
     with pytest.raises(ValueError, match="bf16 k, v and store"):
         solve_mgpu.solve_mosaic(A, k.astype(jnp.float32), v, G, beta, interpret=True, **kw)
     with pytest.raises(ValueError, match="K, V multiples of 64"):
-        solve_mgpu.solve_mosaic(A, k[..., :32], v, G[..., :32], beta, interpret=True, **kw)
+        solve_mgpu.solve_mosaic(A, k[..., :32], v, G[..., :32] if gate == "channel" else G, beta, interpret=True,
+                                **kw)
 
 
 @pytest.mark.parametrize("gate", ["lower_bound", "cut"])

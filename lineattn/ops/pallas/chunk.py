@@ -12,7 +12,7 @@ benchmarks/results/README.md):
     pass runs in segments (a few long sequences, `segments`), the segments' K x K maps as well (fp32, nseg per head).
     `chunk_bwd.backward_fast` then runs only kernels: (for a scalar gate) gate cumsum, the reverse state pass, the
     chunk gradients, the WY backward, the Gram gradients with the row-local combine (and its exact rewrite of
-    flagged chunks), dg's reverse cumsum.
+    flagged chunks), dg's reverse cumsum (for a scalar gate, on the Gram gradients' sums over K, in XLA).
   - "kernels-mml2": `chunk_bwd.backward_fast` recomputing the terms (Gram kernel, whole-chunk solve writing R):
     the forward saves only its inputs. (The "kernels-mm2" form with the 3-D exact Gram path was removed as
     redundant.)

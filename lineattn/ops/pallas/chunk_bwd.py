@@ -25,8 +25,8 @@ from jax.experimental import pallas as pl
 
 from lineattn.ops.chunk import ChunkTerms, pad_to_chunks
 from lineattn.ops.pallas import chunk_fwd, common, state_mgpu
-from lineattn.ops.pallas.chunk_fwd import (LIMIT, _gram_block_spread, _iota, gate_cumsum, gram_rows, keys_toward,
-                                           pick_block_v, solve_full)
+from lineattn.ops.pallas.chunk_fwd import (LIMIT, _gram_block_spread, _iota, gate_cumsum, gate_factor, gram_rows,
+                                           keys_toward, pick_block_v, solve_full)
 from lineattn.ops.pallas.common import SUB, compiler_params, dot, exp, interpret_mode, pallas_call
 from lineattn.ops.pallas.segments import block_specs, chain, pick_segments, zero_starts
 
@@ -324,54 +324,66 @@ def gram_grads_fused(q, k, G, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, inte
                 chunk_fwd.chunk_flags(spreads, nb), fast)
 
 
-def _gram_scalar_bwd_kernel(q_ref, k_ref, g_ref, dm_ref, dkk_ref, dqin_ref, dkg_ref, dkin_ref, dq_ref, dk_ref, dG_ref,
-                            r_ref, *, C, scale, prec, delta, bk):
+def _gram_scalar_bwd_kernel(q_ref, k_ref, g_ref, dm_ref, dkk_ref, dqin_ref, dkg_ref, dkin_ref, dq_ref, dk_ref,
+                            rest_ref, kgd_ref, *, C, scale, prec, delta, bk):
     """The Gram gradients for a gate equal across K (`chunk_fwd.gram_scalar`), one program per chunk, with the
     row-local combine: with D_ij = e^(G_i - G_j) (j <= i), dx = (dP * D) k and dk = (dP * D)^T x, then
-    `_combine_rows` as in `_gram_bwd_kernel` (dG per channel: the caller sums it over K)."""
+    `_combine_rows` as in `_gram_bwd_kernel`; for dg, each row's sums over K of dG without its -Kg * dKg term
+    (rest) and of Kg * dKg (kgd), [C] each: dg_t = sum_{s >= t} rest_s + sum_{s < t} kgd_s + the chunk-end term
+    (`gram_grads_scalar`). (The kgd terms cancel in dG's reverse cumsum; summed over K first, as fp32 sums they
+    made dg 5x less accurate on the CPU with gates at -5.)"""
     G, decay, G_end = chunk_fwd.scalar_decay(g_ref)
     dM, dKK = dm_ref[...] * decay, dkk_ref[...] * decay
+    rest = kgd = jnp.zeros((k_ref.shape[0],), f32)
     for t in range(k_ref.shape[-1] // bk):
         d = pl.ds(t * bk, bk)
         q, k = q_ref[:, d].astype(f32), k_ref[:, d].astype(f32)
         xq, xk = dot(dM, k, prec), dot(dKK, k, prec)
         kq, kk = dot(dM, q * scale, prec, trans_a=True), dot(dKK, k, prec, trans_a=True)
         dq, dk, dG, kg_dkg = _combine_rows(q, k, G, G_end, dqin_ref[:, d], dkg_ref[:, d],
-                                           dkin_ref[:, d] if delta else None, xq, xk, kq, kk, scale)
+                                           dkin_ref[:, d] if delta else None, xq, xk, kq, kk, scale, kg_term=False)
         dq_ref[:, d] = dq.astype(dq_ref.dtype)
         dk_ref[:, d] = dk.astype(dk_ref.dtype)
-        dG_ref[:, d] = dG
-        r_ref[:, d] = jnp.sum(kg_dkg, axis=0, keepdims=True)
+        rest, kgd = rest + jnp.sum(dG, axis=1), kgd + jnp.sum(kg_dkg, axis=1)
+    rest_ref[...], kgd_ref[...] = rest, kgd
 
 
-def gram_grads_scalar(q, k, g, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, interpret, delta=True, bk=64):
-    """`gram_grads_fused`'s outputs for a gate equal across K (g [B, Tp, H] fp32, the scalar log gate), by
-    `_gram_scalar_bwd_kernel`; the column sums of Kg * dKg come per chunk, [B, H, N, K]."""
+def gram_grads_scalar(q, k, g, dM, dKK, dQin, dKg, dKin, dend, ddend, *, C, scale, exact, interpret, delta=True,
+                      bk=64):
+    """dq, dk [B, Tp, H, K] and dg [B, H, Tp] fp32 for a gate equal across K (g [B, Tp, H] fp32, the scalar log
+    gate), from `gram_grads_fused`'s inputs and e^(G_C) and its cotangent [B, H, K, N]: `_gram_scalar_bwd_kernel`,
+    then dg's in-chunk sums on [B, H, N, C] (small: XLA's)."""
     B, Tp, H, K = q.shape
+    N = Tp // C
     tok = pl.BlockSpec((None, C, None, K), lambda b, h, n: (b, n, h, 0))
     chunk = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
-    return pallas_call(
+    row = pl.BlockSpec((None, None, C), lambda b, h, n: (b, h, n))
+    dq, dk, rest, kgd = pallas_call(
         functools.partial(_gram_scalar_bwd_kernel, C=C, scale=scale, prec="ieee" if exact else "tf32", delta=delta,
                           bk=min(bk, K)),
-        grid=(B, H, Tp // C),
+        grid=(B, H, N),
         in_specs=[tok, tok, pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h)), chunk(C), chunk(C),
                   chunk(K), chunk(K), chunk(K)],
-        out_specs=[tok, tok, chunk(K), pl.BlockSpec((None, None, 1, K), lambda b, h, n: (b, h, n, 0))],
+        out_specs=[tok, tok, row, row],
         out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
-                   jax.ShapeDtypeStruct((B, H, Tp, K), f32), jax.ShapeDtypeStruct((B, H, Tp // C, K), f32)],
+                   jax.ShapeDtypeStruct((B, H, Tp), f32), jax.ShapeDtypeStruct((B, H, Tp), f32)],
         compiler_params=compiler_params(num_warps=GRADS_SCALAR_WARPS, num_stages=1), interpret=interpret,
         name="lineattn_gram_bwd_scalar",
     )(q, k, g, dM, dKK, dQin, dKg, dKin)
+    rest, kgd = rest.reshape(B, H, N, C), kgd.reshape(B, H, N, C)
+    end = jnp.sum(dend * ddend, axis=2)[..., None]  # [B, H, N, 1]
+    dg = jax.lax.cumsum(rest, axis=3, reverse=True) + (jnp.cumsum(kgd, axis=3) - kgd) + end
+    return dq, dk, dg.reshape(B, H, Tp)
 
 
 # ---- `backward_fast`: the backward as kernels only ----
 # gate cumsum kernel -> Gram rows -> whole-tile solve writing R (both skipped with the forward's saved terms) ->
 # the three state passes -> `_wy_bwd_kernel` (the WY part: dv, dbeta, dKK = Diag(b) dA, dKin, one program per
 # chunk) -> `_gram_bwd_kernel` (dq, dk, dG) -> `_dg_kernel` (dg, the in-chunk reverse cumsum; written in the
-# inputs' [B, T, H, .] layout). What XLA still does:
-# padding and small reshapes. (One kernel per (chunk, K tile) for both of the last two, the four 16-row blocks in
-# turn with the reverse cumsum carried, took 5.8 ms at 8 x 4096 x 16 x 128 on the H200 against 1.90 + 1.08 for the
-# pair, run7d: removed.)
+# inputs' [B, T, H, .] layout); for a gate equal across K, `_gram_scalar_bwd_kernel` gives dq, dk and dG's sums over
+# K for dg. What XLA still does: padding, small reshapes and (a scalar gate) dg's in-chunk sums on [B, H, N, C].
+# (One kernel per (chunk, K tile) for both of the last two, the four 16-row blocks in turn with the reverse cumsum
+# carried, took 5.8 ms at 8 x 4096 x 16 x 128 on the H200 against 1.90 + 1.08 for the pair, run7d: removed.)
 
 
 def _wy_bwd_kernel(r_ref, kk_ref, du_ref, dw_ref, v_ref, k_ref, G_ref, beta_ref, dv_ref, dbeta_ref, dkk_ref,
@@ -394,7 +406,7 @@ def _wy_bwd_kernel(r_ref, kk_ref, du_ref, dw_ref, v_ref, k_ref, G_ref, beta_ref,
         dR = dR + dot(dU, beta * v, prec, trans_b=True)
     for t in range(k_ref.shape[-1] // bt):  # the key side: dKin, and dW (bKin)^T into dR
         d = pl.ds(t * bt, bt)
-        dW, kin = dw_ref[:, d], k_ref[:, d].astype(f32) * exp(G_ref[:, d])
+        dW, kin = dw_ref[:, d], k_ref[:, d].astype(f32) * gate_factor(G_ref, d)
         dBk = dot(R, dW, prec, trans_a=True)
         dkin_ref[:, d] = (beta * dBk).astype(dkin_ref.dtype)
         dbeta = dbeta + jnp.sum(dBk * kin, axis=1)
@@ -404,16 +416,16 @@ def _wy_bwd_kernel(r_ref, kk_ref, du_ref, dw_ref, v_ref, k_ref, G_ref, beta_ref,
     dkk_ref[...] = (beta * dA).astype(dkk_ref.dtype)
 
 
-def _combine_rows(q, k, G, G_end, dQin, dKg, dKin, xq, xk, kq, kk, scale):
+def _combine_rows(q, k, G, G_end, dQin, dKg, dKin, xq, xk, kq, kk, scale, kg_term=True):
     """The row-local part of the combine, for rows of q, k, G (fp32) and their cotangent terms: (dq, dk, dG,
-    Kg * dKg). dG is the gradient with respect to the in-chunk cumsum G, without the chunk-end term; dKin is None
-    for the additive write."""
+    Kg * dKg). dG is the gradient with respect to the in-chunk cumsum G, without the chunk-end term (and, without
+    kg_term, without its -Kg * dKg); dKin is None for the additive write."""
     dQin, dKg = dQin.astype(f32), dKg.astype(f32)
     eG, eGk = exp(G), exp(G_end - G)
     gq = eG * dQin + xq  # the cotangent of scale * q e^G, through Qin and M
     Kg = k * eGk
     dk = eGk * dKg + kq + xk + kk
-    dG = scale * q * gq - Kg * dKg - k * kq + k * xk - k * kk
+    dG = scale * q * gq - (Kg * dKg if kg_term else 0.0) - k * kq + k * xk - k * kk
     if dKin is not None:
         dKin = dKin.astype(f32)
         dk = dk + eG * dKin
@@ -457,7 +469,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     qp, kp, vp, gp, bp = pad_to_chunks(q, k, v, g if G is None else None, beta, C)
     Tp = qp.shape[1]
     N = Tp // C
-    scalar = g.ndim == 3  # (the gate cumsum broadcasts it: the solve and state passes take a per-channel G)
+    scalar = g.ndim == 3  # (its cumsum G is [B, Tp, H]; e^(G_C) is broadcast over K for the state passes)
     grads_split = GRADS_SPLIT and chunk_fwd.split_gram(scalar, delta)
     if G is None:  # the forward's call (with its block spreads where its Gram stage is split): XLA may merge the two
         gp = gp.astype(f32)
@@ -498,7 +510,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
         dv, dbeta, dKK, dKin = pallas_call(
             functools.partial(_wy_bwd_kernel, C=C, prec="ieee" if exact else WY_PREC, bt=min(WY_BT, K, V)),
             grid=(B, H, N),
-            in_specs=[chunk(C), chunk(C), chunk(V), chunk(K), tok(V), tok(K), tok(K), tok1],
+            in_specs=[chunk(C), chunk(C), chunk(V), chunk(K), tok(V), tok(K), tok1 if scalar else tok(K), tok1],
             out_specs=[tok(V), tok1, chunk(C), chunk(K)],
             out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), jax.ShapeDtypeStruct((B, Tp, H), beta.dtype),
                        jax.ShapeDtypeStruct((B, H, Tp, C), wy_cot), jax.ShapeDtypeStruct((B, H, Tp, K), wy_cot)],
@@ -509,20 +521,21 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
         dv = jnp.moveaxis(flat(cot.U_BHNCV), 1, 2).astype(v.dtype)
         dbeta, dKK, dKin = None, jnp.zeros((B, H, Tp, C), f32), jnp.zeros((B, H, Tp, K), f32)
     ddend_KN = jnp.swapaxes(cot.decay_end, -1, -2)  # [B, H, K, N] (g is always given to the kernels)
+    grads = (qp, kp, gp if scalar else G, flat(cot.M_BHNCC), dKK, flat(cot.Qin_BHNCK), flat(cot.Kg_BHNCK),
+             dKin)
+    cut = lambda x: None if x is None else x[:, :T]
+    if scalar:  # dg straight from the Gram gradients, [B, H, Tp]
+        dq, dk, dg = gram_grads_scalar(*grads, dend_KN, ddend_KN, C=C, scale=scale, exact=exact,
+                                       interpret=interpret, delta=delta)
+        return cut(dq), cut(dk), cut(dv), cut(jnp.moveaxis(dg, 1, 2).astype(g.dtype)), cut(dbeta), dh0.astype(h0.dtype)
+    dq, dk, dG, kg_dkg = gram_grads_fused(*grads, C=C, scale=scale, exact=exact, interpret=interpret,
+                                          warps=grads_warps or GRADS_WARPS, delta=delta, bk=GRADS_BK,
+                                          spreads=spreads[0] if grads_split else None)
     bk = min(K, DG_BK)  # K tiles: the reverse cumsum is independent per channel
     ktok = pl.BlockSpec((None, C, None, bk), lambda b, h, n, t: (b, n, h, t))
     kchunk = pl.BlockSpec((None, None, C, bk), lambda b, h, n, t: (b, h, n, t))
     kn = pl.BlockSpec((None, None, bk, None), lambda b, h, n, t: (b, h, t, n))
-    grads = (qp, kp, gp if scalar else G, flat(cot.M_BHNCC), dKK, flat(cot.Qin_BHNCK), flat(cot.Kg_BHNCK),
-             dKin)
-    if scalar:
-        dq, dk, dG, kg_dkg = gram_grads_scalar(*grads, C=C, scale=scale, exact=exact, interpret=interpret,
-                                               delta=delta)
-    else:
-        dq, dk, dG, kg_dkg = gram_grads_fused(*grads, C=C, scale=scale, exact=exact, interpret=interpret,
-                                              warps=grads_warps or GRADS_WARPS, delta=delta, bk=GRADS_BK,
-                                              spreads=spreads[0] if grads_split else None)
-    nr = kg_dkg.shape[2] // N  # rows of Kg * dKg column sums per chunk (16-row blocks, or 1 per chunk)
+    nr = kg_dkg.shape[2] // N  # rows of Kg * dKg column sums per chunk (the 16-row blocks)
     dg = pallas_call(
         _dg_kernel, grid=(B, H, N, K // bk),
         in_specs=[kchunk, pl.BlockSpec((None, None, nr, bk), lambda b, h, n, t: (b, h, n, t)), kn, kn],
@@ -530,9 +543,6 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
         compiler_params=compiler_params(num_warps=DG_WARPS, num_stages=1), interpret=interpret,
         name="lineattn_chunk_bwd_dg",
     )(dG, kg_dkg, dend_KN, ddend_KN)
-    cut = lambda x: None if x is None else x[:, :T]
-    if scalar:
-        dg = jnp.sum(dg.astype(f32), axis=-1).astype(g.dtype)
     return cut(dq), cut(dk), cut(dv), cut(dg), cut(dbeta), dh0.astype(h0.dtype)
 
 

@@ -297,8 +297,8 @@ def gram_scalar(q, k, g, beta, *, C, scale, store, exact, delta, interpret, a_dt
 
 def _cumsum_kernel(g_ref, G_ref, dend_ref, *spread_ref):
     g = g_ref[...].astype(f32)
-    if g.ndim == 1:  # a gate equal across K: one cumsum, broadcast over the K tile
-        G_ref[...] = jnp.broadcast_to(jnp.cumsum(g)[:, None], G_ref.shape)
+    if g.ndim == 1:  # a gate equal across K: one cumsum, e^(G_C) broadcast over K for the state passes
+        G_ref[...] = jnp.cumsum(g)
         dend_ref[...] = jnp.broadcast_to(exp(jnp.sum(g)), dend_ref.shape)
         return
     G = jnp.cumsum(g, axis=0)
@@ -321,12 +321,12 @@ CUMSUM_BK, CUMSUM_WARPS = 64, 2
 
 
 def gate_cumsum(g, *, C, K, interpret, spreads=False):
-    """G [B, Tp, H, K] fp32 (cumsum of g within each chunk of C) and e^(G_C) [B, H, K, N], from g [B, Tp, H, K]
-    or [B, Tp, H] (a gate equal across K, broadcast here). spreads (a per-channel g): also every 16-row block's
-    max |G - G_r| (r its middle row) per K tile of CUMSUM_BK, [B, H, N, K tiles, C / 16]."""
+    """G (the cumsum of g within each chunk of C, fp32, g's shape) and e^(G_C) [B, H, K, N], from g [B, Tp, H, K]
+    or [B, Tp, H] (a gate equal across K: G [B, Tp, H], e^(G_C) broadcast over K). spreads (a per-channel g): also
+    every 16-row block's max |G - G_r| (r its middle row) per K tile of CUMSUM_BK, [B, H, N, K tiles, C / 16]."""
     B, Tp, H = g.shape[:3]
     N = Tp // C
-    bk = min(K, CUMSUM_BK)
+    bk = min(K, CUMSUM_BK) if g.ndim == 4 else K  # (a scalar gate: one program per chunk)
     g_spec = (pl.BlockSpec((None, C, None, bk), lambda b, h, n, t: (b, n, h, t)) if g.ndim == 4
               else pl.BlockSpec((None, C, None), lambda b, h, n, t: (b, n, h)))
     spread = ([pl.BlockSpec((None, None, None, None, C // SUB), lambda b, h, n, t: (b, h, n, t, 0))],
@@ -335,9 +335,8 @@ def gate_cumsum(g, *, C, K, interpret, spreads=False):
         _cumsum_kernel,
         grid=(B, H, N, K // bk),
         in_specs=[g_spec],
-        out_specs=[pl.BlockSpec((None, C, None, bk), lambda b, h, n, t: (b, n, h, t)),
-                   pl.BlockSpec((None, None, bk, None), lambda b, h, n, t: (b, h, t, n))] + spread[0],
-        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, K), f32), jax.ShapeDtypeStruct((B, H, K, N), f32)] + spread[1],
+        out_specs=[g_spec, pl.BlockSpec((None, None, bk, None), lambda b, h, n, t: (b, h, t, n))] + spread[0],
+        out_shape=[jax.ShapeDtypeStruct(g.shape, f32), jax.ShapeDtypeStruct((B, H, K, N), f32)] + spread[1],
         compiler_params=compiler_params(num_warps=CUMSUM_WARPS, num_stages=1),
         interpret=interpret,
         name="lineattn_chunk_cumsum",
@@ -427,12 +426,18 @@ def _invert_unit_lower(A, n, inv_prec):
     return X
 
 
+def gate_factor(G_ref, d=slice(None)):
+    """e^G for a chunk's rows and the channels d, from G_ref [C, K] (a channel gate) or [C] (a scalar gate: a
+    column [C, 1] that broadcasts over the channels)."""
+    return exp(G_ref[:, d]) if len(G_ref.shape) == 2 else exp(G_ref[...])[:, None]
+
+
 def _solve_full_kernel(a_ref, k_ref, v_ref, G_ref, beta_ref, w_ref, u_ref, *r_ref, C, prec, inv_prec, kk):
     beta = beta_ref[...].astype(f32)[:, None]
     A = beta * a_ref[...] if kk else a_ref[...]  # kk: a_ref holds the unscaled key Gram KK (strictly lower)
     X = _invert_unit_lower(A, C, inv_prec)
     u_ref[...] = dot(X, beta * v_ref[...].astype(f32), prec).astype(u_ref.dtype)
-    w_ref[...] = dot(X, beta * k_ref[...].astype(f32) * exp(G_ref[...]), prec).astype(w_ref.dtype)
+    w_ref[...] = dot(X, beta * k_ref[...].astype(f32) * gate_factor(G_ref), prec).astype(w_ref.dtype)
     if r_ref:
         r_ref[0][...] = X
 
@@ -449,16 +454,17 @@ def _solve_flagged_kernel(flag_ref, *refs, solve):
 
 def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, with_r=False, kk=False, flags=None,
                into=()):
-    """W, U [B, H, Tp, .] (and R [B, H, Tp, C] fp32 when with_r) by `_solve_full_kernel`; kk: A is the unscaled
-    key Gram (A = Diag(beta) KK is formed in the kernel). flags [B, H, N, C / 16] (`chunk_flags`): solve the
-    flagged chunks only, the others keeping the values of `into` (W, U and R as returned before), which the outputs
-    alias."""
+    """W, U [B, H, Tp, .] (and R [B, H, Tp, C] fp32 when with_r) by `_solve_full_kernel`; G [B, Tp, H, K], or
+    [B, Tp, H] for a gate equal across K; kk: A is the unscaled key Gram (A = Diag(beta) KK is formed in the
+    kernel). flags [B, H, N, C / 16] (`chunk_flags`): solve the flagged chunks only, the others keeping the values
+    of `into` (W, U and R as returned before), which the outputs alias."""
     B, Tp, H, K = k.shape
     V, N = v.shape[-1], Tp // C
     tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
+    tok1 = pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
     chunk_out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
     kernel = functools.partial(_solve_full_kernel, C=C, prec=prec, inv_prec=inv_prec, kk=kk)
-    in_specs = [chunk_out(C), tok(K), tok(V), tok(K), pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))]
+    in_specs = [chunk_out(C), tok(K), tok(V), tok(K) if G.ndim == 4 else tok1, tok1]
     out_specs = [chunk_out(K), chunk_out(V)] + ([chunk_out(C)] if with_r else [])
     args, aliases, name = (A, k, v, G, beta), {}, "lineattn_chunk_solve_full"
     if flags is not None:
@@ -755,7 +761,7 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
         q, k, v, g = map(pad_t, (q, k, v, g))
         beta = pad_t(beta) if delta else None
     Tp, N = T + pad, (T + pad) // C
-    scalar = g.ndim == 3  # (the gate cumsum broadcasts it: the solve and state passes take a per-channel G)
+    scalar = g.ndim == 3  # (its cumsum G is [B, Tp, H]; e^(G_C) is broadcast over K for the state passes)
     dt = q.dtype
     exact = dt == jnp.float32
     store = f32 if exact else dt
