@@ -331,7 +331,7 @@ def _gram_scalar_bwd_kernel(q_ref, k_ref, g_ref, dm_ref, dkk_ref, dqin_ref, dkg_
     `_combine_rows` as in `_gram_bwd_kernel`; for dg, each row's sums over K of dG without its -Kg * dKg term
     (rest) and of Kg * dKg (kgd), [C] each: dg_t = sum_{s >= t} rest_s + sum_{s < t} kgd_s + the chunk-end term
     (`gram_grads_scalar`). (The kgd terms cancel in dG's reverse cumsum; summed over K first, as fp32 sums they
-    made dg 5x less accurate on the CPU with gates at -5.)"""
+    made dg 3-7x less accurate (CPU, fp32, gates at -5).)"""
     G, decay, G_end = chunk_fwd.scalar_decay(g_ref)
     dM, dKK = dm_ref[...] * decay, dkk_ref[...] * decay
     rest = kgd = jnp.zeros((k_ref.shape[0],), f32)
