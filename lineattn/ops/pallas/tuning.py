@@ -23,11 +23,11 @@ def parse(config: str) -> dict[str, bool | int | str]:
     """{"module.NAME": value} from 'module.NAME=value' items joined by '+' ('default' or '': none); "True" and
     "False" become bools (the string "False" would read as true), integer values ints, the rest stay strings."""
     settings: dict[str, bool | int | str] = {}
+    bools = {"True": True, "False": False}
     for item in ([] if config in ("", "default") else config.split("+")):
         name, sep, value = item.partition("=")
         if not sep or not name or not value:
             raise ValueError(f"a setting is 'module.NAME=value', got {item!r} in {config!r}")
-        bools = {"True": True, "False": False}
         settings[name] = bools[value] if value in bools else int(value) if value.lstrip("-").isdigit() else value
     return settings
 
