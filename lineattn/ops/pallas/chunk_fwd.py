@@ -68,8 +68,6 @@ GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES = 2, 4, 4, 64, 3
 # the exact path to a second kernel that rewrites the blocks holding a cut gave no gain: 0.17 ms for that kernel
 # when it read G, and with the Gram kernel writing per-block flags 0.90 + 0.05 ms. With the flags from the gate
 # cumsum kernel instead: GRAM_IMPL "triton-fast" below, the default since run11a.)
-# GRAM_ROW_BLOCKS: 16-row blocks a Gram program, its loads of the chunk's keys and G shared by them.
-GRAM_ROW_BLOCKS = 1
 GRAM_SCALAR_WARPS = 4  # the scalar-gate Gram kernel, one program per chunk (run9a, GDN 8 x 4096: 0.26 ms)
 
 
@@ -89,24 +87,21 @@ def keys_toward(k, G, Gr, limit=LIMIT):
     return k.astype(f32) * exp(jnp.minimum(Gr - G, limit))
 
 
-def _gram_products(q_ref, k_ref, G_ref, blocks, limit, *, scale, prec, delta, bk):
-    """[16, C] rows of (scale q) and k against all keys for each block (r0, ref_row, q0) of `blocks`: the block's
-    rows r0.. of the chunk, factored through its reference row ref_row, its queries at rows q0.. of q_ref. The
-    chunk's keys and G are loaded once per K tile for all the blocks."""
+def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delta, bk, q0=0):
+    """[16, C] rows of (scale q) and k against all keys, factored through the reference row ref_row (the block's
+    queries at rows q0.. of q_ref: 0 for a 16-row block, r0 for a whole chunk)."""
     s, C, K = SUB, k_ref.shape[0], k_ref.shape[-1]
-    acc = [(jnp.zeros((s, C), f32), jnp.zeros((s, C), f32)) for _ in blocks]
+    blk = pl.ds(r0, s)
+    Mx, Ax = jnp.zeros((s, C), f32), jnp.zeros((s, C), f32)
     for t in range(K // bk):
         d = pl.ds(t * bk, bk)
-        k_t, G_t = k_ref[:, d], G_ref[:, d]
-        for i, (r0, ref_row, q0) in enumerate(blocks):
-            Gr = G_ref[pl.ds(ref_row, 1), d]
-            xr = exp(G_ref[pl.ds(r0, s), d] - Gr)
-            kc = keys_toward(k_t, G_t, Gr, limit)
-            Mx = acc[i][0] + dot(q_ref[pl.ds(q0, s), d].astype(f32) * (scale * xr), kc, prec, trans_b=True)
-            Ax = acc[i][1] + dot(k_ref[pl.ds(r0, s), d].astype(f32) * xr, kc, prec, trans_b=True) if delta \
-                else acc[i][1]
-            acc[i] = (Mx, Ax)
-    return acc
+        Gr = G_ref[pl.ds(ref_row, 1), d]
+        xr = exp(G_ref[blk, d] - Gr)
+        kc = keys_toward(k_ref[:, d], G_ref[:, d], Gr, limit)
+        Mx = Mx + dot(q_ref[pl.ds(q0, s), d].astype(f32) * (scale * xr), kc, prec, trans_b=True)
+        if delta:
+            Ax = Ax + dot(k_ref[blk, d].astype(f32) * xr, kc, prec, trans_b=True)
+    return Mx, Ax
 
 
 def _gram_exact(q_ref, k_ref, G_ref, r0, *, scale, prec, delta, bk, q0=0):
@@ -115,7 +110,7 @@ def _gram_exact(q_ref, k_ref, G_ref, r0, *, scale, prec, delta, bk, q0=0):
     s, C, K = SUB, k_ref.shape[0], k_ref.shape[-1]
     blk = pl.ds(r0, s)
     cols = _iota((s, C), 1)
-    [(Mx, Ax)] = _gram_products(q_ref, k_ref, G_ref, [(r0, r0, q0)], 0.0, scale=scale, prec=prec, delta=delta, bk=bk)
+    Mx, Ax = _gram_products(q_ref, k_ref, G_ref, r0, r0, 0.0, scale=scale, prec=prec, delta=delta, bk=bk, q0=q0)
     Mx, Ax = jnp.where(cols < r0, Mx, 0.0), jnp.where(cols < r0, Ax, 0.0)
     rows_s1 = _iota((s, 1), 0)
     for t in range(K // bk):
@@ -147,28 +142,25 @@ def _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, o0=0):
 
 def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta, bk,
                       fast_only=False):
-    """The program's 16-row blocks (q_ref's rows): Qin, Kg and the rows of M and A, the exact path taken by a
-    block-uniform `lax.cond` (or left to `gram_exact_chunks`: fast_only)."""
-    s, rows = SUB, q_ref.shape[0]
-    base = (common.program_id(2) % (C // rows)) * rows
+    """One 16-row block: Qin, Kg and the rows of M and A, the exact path taken by a block-uniform `lax.cond` (or
+    left to `gram_exact_chunks`: fast_only)."""
+    s = SUB
+    r0 = (common.program_id(2) % (C // s)) * s
     K = k_ref.shape[-1]
+    blk = pl.ds(r0, s)
     for t in range(K // bk):
         d = pl.ds(t * bk, bk)
-        Ga = G_ref[pl.ds(base, rows), d]
+        Ga = G_ref[blk, d]
         qin_ref[:, d] = (q_ref[:, d].astype(f32) * scale * exp(Ga)).astype(qin_ref.dtype)
-        kg_ref[:, d] = (k_ref[pl.ds(base, rows), d].astype(f32) * exp(G_ref[pl.ds(C - 1, 1), d] - Ga)
-                        ).astype(kg_ref.dtype)
+        kg_ref[:, d] = (k_ref[blk, d].astype(f32) * exp(G_ref[pl.ds(C - 1, 1), d] - Ga)).astype(kg_ref.dtype)
     kw = dict(scale=scale, prec=prec, delta=delta, bk=bk)
-    blocks = [(base + o, base + o + s // 2, o) for o in range(0, rows, s)]
+    fast = lambda: _gram_products(q_ref, k_ref, G_ref, r0, r0 + s // 2, LIMIT, **kw)
     if fast_only:
-        products = _gram_products(q_ref, k_ref, G_ref, blocks, LIMIT, **kw)
+        Mx, Ax = fast()
     else:
-        products = [jax.lax.cond(_gram_block_spread(G_ref, b[0], K, bk) <= LIMIT,
-                                 lambda b=b: _gram_products(q_ref, k_ref, G_ref, [b], LIMIT, **kw)[0],
-                                 lambda r0=b[0], o=b[2]: _gram_exact(q_ref, k_ref, G_ref, r0, q0=o, **kw))
-                    for b in blocks]
-    for (Mx, Ax), (r0, _, o) in zip(products, blocks):
-        _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, o0=o)
+        Mx, Ax = jax.lax.cond(_gram_block_spread(G_ref, r0, K, bk) <= LIMIT, fast,
+                              lambda: _gram_exact(q_ref, k_ref, G_ref, r0, **kw))
+    _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta)
 
 
 def _gram_outputs(B, H, Tp, C, K, store, a_dtype):
@@ -178,23 +170,20 @@ def _gram_outputs(B, H, Tp, C, K, store, a_dtype):
 
 
 def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, a_dtype=f32, bk=64,
-              fast_only=False, row_blocks=1):
+              fast_only=False):
     """M, A (= Diag(beta) KK, strictly lower), Qin, Kg as [B, H, Tp, .] from q, k [B, Tp, H, K], the in-chunk
     cumsum G (fp32) and beta [B, Tp, H] (see `_gram_rows_kernel`; fast_only: without the exact path, for
-    `gram_exact_chunks` to complete; row_blocks: 16-row blocks a program, sharing its loads of the chunk's keys)."""
+    `gram_exact_chunks` to complete)."""
     B, Tp, H, K = q.shape
-    rows = SUB * row_blocks
-    if C % rows:
-        raise ValueError(f"gram_rows: row_blocks={row_blocks} must divide chunk_size / 16 = {C // SUB}")
-    N, nb = Tp // C, C // rows
-    sub = lambda D: pl.BlockSpec((None, rows, None, D), lambda b, h, i: (b, i, h, 0))
+    N, nb = Tp // C, C // SUB
+    sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i, h, 0))
     whole = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
-    row_out = lambda D: pl.BlockSpec((None, None, rows, D), lambda b, h, i: (b, h, i, 0))
+    row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, i, 0))
     return pallas_call(
         functools.partial(_gram_rows_kernel, C=C, scale=scale, prec=prec, delta=delta, bk=min(bk, K),
                           fast_only=fast_only),
         grid=(B, H, N * nb),
-        in_specs=[sub(K), whole(K), whole(K), pl.BlockSpec((None, rows, None), lambda b, h, i: (b, i, h))],
+        in_specs=[sub(K), whole(K), whole(K), pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i, h))],
         out_specs=[row_out(C), row_out(C), row_out(K), row_out(K)],
         out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype),
         compiler_params=compiler_params(num_warps=warps, num_stages=1),
@@ -520,8 +509,7 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
         return (qin, kg, w, u, m, dend) + ((KK, R[0], *gate) if save else ())
     if split:
         m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=prec if exact else GRAM_PREC,
-                                  delta=True, warps=warps, interpret=interpret, bk=GRAM_BK, fast_only=True,
-                                  row_blocks=GRAM_ROW_BLOCKS)
+                                  delta=True, warps=warps, interpret=interpret, bk=GRAM_BK, fast_only=True)
         m, A = gram_exact_chunks(spreads[0], q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret,
                                  prec=prec if exact else GRAM_PREC)
     elif scalar:
@@ -530,7 +518,7 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     else:
         m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store,
                                   prec=prec if exact else GRAM_PREC, delta=delta, warps=warps, interpret=interpret,
-                                  bk=GRAM_BK, row_blocks=GRAM_ROW_BLOCKS)
+                                  bk=GRAM_BK)
     if not delta:
         return (qin, kg, None, None, m, dend) + ((None, None, *gate) if save else ())
     inv_prec = "ieee" if exact else SOLVE_PREC
