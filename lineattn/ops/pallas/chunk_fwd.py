@@ -192,75 +192,6 @@ def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, 
     )(q, k, G, beta)
 
 
-def _gram_factored_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, bk,
-                          row_blocks):
-    """The fast path (no exact one: `gram_exact_chunks` completes it) for `row_blocks` 16-row blocks of a chunk,
-    the decay factored through every block's middle row m_b: key block b toward its own, R_b = k_b e^(G_mb - G_b)
-    (each |exponent| <= LIMIT), row block a toward its own, X_a = x_a e^(G_a - G_ma), and block (a, b <= a) of M
-    (of A) is (X_a e^(G_ma - G_mb)) R_b^T (the middle rows' factor <= 1). Key blocks after a row block are never
-    formed: zeros. So each key is scaled once a program, not once per row block as in `_gram_rows_kernel`."""
-    s, K = SUB, k_ref.shape[-1]
-    if row_blocks == C // s:  # the whole chunk: static offsets, and the blocks above the diagonal skipped
-        rows = [i * s for i in range(row_blocks)]
-    else:  # (traced offsets: every key block, those after the row block masked to zeros)
-        first = (common.program_id(2) % (C // (s * row_blocks))) * row_blocks
-        rows = [(first + i) * s for i in range(row_blocks)]
-    zeros = jnp.zeros((s, s), f32)
-    acc = {}
-    for t in range(K // bk):
-        d = pl.ds(t * bk, bk)
-        G_end = G_ref[pl.ds(C - 1, 1), d]
-        mid = [G_ref[pl.ds(b * s + s // 2, 1), d] for b in range(C // s)]
-        keys = {}
-        for i, r0 in enumerate(rows):
-            Ga = G_ref[pl.ds(r0, s), d]
-            qa, ka = q_ref[pl.ds(i * s, s), d].astype(f32), k_ref[pl.ds(r0, s), d].astype(f32)
-            qin_ref[pl.ds(i * s, s), d] = (qa * scale * exp(Ga)).astype(qin_ref.dtype)
-            kg_ref[pl.ds(i * s, s), d] = (ka * exp(G_end - Ga)).astype(kg_ref.dtype)
-            mid_a = G_ref[pl.ds(r0 + s // 2, 1), d]
-            xr = exp(Ga - mid_a)
-            Qa, Ka = qa * (scale * xr), ka * xr
-            for b in range(C // s if isinstance(r0, jax.Array) else r0 // s + 1):  # key block b <= row block a
-                if b not in keys:
-                    keys[b] = k_ref[pl.ds(b * s, s), d].astype(f32) * exp(mid[b] - G_ref[pl.ds(b * s, s), d])
-                if isinstance(r0, jax.Array):
-                    F = jnp.where(b * s < r0, exp(jnp.minimum(mid_a - mid[b], 0.0)), 1.0)  # [1, bk], <= 1
-                else:
-                    F = exp(mid_a - mid[b]) if b * s < r0 else 1.0
-                M0, A0 = acc.get((i, b), (zeros, zeros))
-                acc[i, b] = (M0 + dot(Qa * F, keys[b], prec, trans_b=True),
-                             A0 + dot(Ka * F, keys[b], prec, trans_b=True))
-    for i, b in ((i, b) for i in range(row_blocks) for b in range(C // s)):
-        Mx, Ax = acc.get((i, b), (zeros, zeros))
-        r, c = _iota((s, s), 0) + rows[i], _iota((s, s), 1) + b * s
-        out, cols = pl.ds(i * s, s), pl.ds(b * s, s)
-        m_ref[out, cols] = jnp.where(c <= r, Mx, 0.0).astype(m_ref.dtype)
-        a_ref[out, cols] = jnp.where(c < r, beta_ref[out].astype(f32)[:, None] * Ax, 0.0).astype(a_ref.dtype)
-
-
-def gram_factored(q, k, G, beta, *, C, scale, store, prec, warps, interpret, a_dtype=f32, bk=64, row_blocks=1):
-    """`gram_rows(fast_only=True)`'s M, A, Qin, Kg by `_gram_factored_kernel` (delta write; row_blocks: 16-row
-    blocks a program)."""
-    B, Tp, H, K = q.shape
-    rows = SUB * row_blocks
-    if C % rows:
-        raise ValueError(f"gram_factored: row_blocks={row_blocks} must divide chunk_size / 16 = {C // SUB}")
-    N, nb = Tp // C, C // rows
-    sub = lambda D: pl.BlockSpec((None, rows, None, D), lambda b, h, i: (b, i, h, 0))
-    whole = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
-    row_out = lambda D: pl.BlockSpec((None, None, rows, D), lambda b, h, i: (b, h, i, 0))
-    return pallas_call(
-        functools.partial(_gram_factored_kernel, C=C, scale=scale, prec=prec, bk=min(bk, K), row_blocks=row_blocks),
-        grid=(B, H, N * nb),
-        in_specs=[sub(K), whole(K), whole(K), pl.BlockSpec((None, rows, None), lambda b, h, i: (b, i, h))],
-        out_specs=[row_out(C), row_out(C), row_out(K), row_out(K)],
-        out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype),
-        compiler_params=compiler_params(num_warps=warps, num_stages=1),
-        interpret=interpret,
-        name="lineattn_chunk_gram",
-    )(q, k, G, beta)
-
-
 def _gram_exact_chunk_kernel(flag_ref, q_ref, k_ref, G_ref, beta_ref, m_in_ref, a_in_ref, m_ref, a_ref, *, C,
                              scale, prec, bk):
     """One chunk: when flagged, rewrites all of M's and A's rows by the exact path (in place: m_in, a_in alias m,
@@ -451,16 +382,13 @@ SOLVE_IMPL = "auto"
 # (run19a-b; run18a-e, before the exps took ex2.approx: 8.3 ms at first, 206 M register spills; 3.6 with channel
 # tiles of 64; 2.66 with a loop over the row blocks), errors unchanged.
 GRAM_IMPL = "triton-fast"
-# "triton-factored" (`gram_factored`): the fast path with every key scaled once a program, then the same fix-up;
-# its programs' 16-row blocks and warps:
-FACTORED_ROW_BLOCKS, FACTORED_WARPS = 1, 2
 
 
 def split_gram(scalar: bool, delta: bool) -> bool:
     """Whether the Gram stage takes the fast path everywhere and a fix-up after it, GRAM_IMPL "triton-fast" or
     "mosaic" (its gate cumsum then also writes the block spreads: the backward takes them from the forward's saved
     terms, or its own cumsum asks for them too)."""
-    return GRAM_IMPL in ("triton-fast", "triton-factored", "mosaic") and not scalar and delta
+    return GRAM_IMPL in ("triton-fast", "mosaic") and not scalar and delta
 
 
 def mosaic_gram(scalar: bool, delta: bool, exact: bool) -> bool:
@@ -579,13 +507,7 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
                               warps=SOLVE_WARPS, interpret=interpret, with_r=save, kk=True,
                               flags=chunk_flags(spreads[0], C // SUB), into=(w, u, *R))
         return (qin, kg, w, u, m, dend) + ((KK, R[0], *gate) if save else ())
-    if split and GRAM_IMPL == "triton-factored":
-        m, A, qin, kg = gram_factored(q, k, G, gram_beta, C=C, scale=scale, store=store,
-                                      prec=prec if exact else GRAM_PREC, warps=FACTORED_WARPS, interpret=interpret,
-                                      bk=GRAM_BK, row_blocks=FACTORED_ROW_BLOCKS)
-        m, A = gram_exact_chunks(spreads[0], q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret,
-                                 prec=prec if exact else GRAM_PREC)
-    elif split:
+    if split:
         m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=prec if exact else GRAM_PREC,
                                   delta=True, warps=warps, interpret=interpret, bk=GRAM_BK, fast_only=True)
         m, A = gram_exact_chunks(spreads[0], q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret,
