@@ -70,30 +70,6 @@ def test_pallas_gate_extremes(gate, backward, monkeypatch):
     _compare("kda", inputs, tol=1e-3 if gate == "cut" else TOL)
 
 
-@pytest.mark.parametrize("kin", [True, False])
-@pytest.mark.parametrize("gate", ["lower_bound", "cut"])
-def test_pallas_forward_alone_gram_forms_the_gate_cumsum(gate, kin, monkeypatch):
-    # `chunk_fwd.GRAM_CUMSUM` (default): the Gram kernel forms the gate's in-chunk cumsum, so a forward alone runs
-    # no gate-cumsum kernel and (with GRAM_KIN, the solve reading the Gram kernel's Kin) writes G only for the
-    # chunks that its exact fix-up rewrites (the cuts'). fp32 forward against the oracle, chunk 64 and 32 (one
-    # chunk of 64 with cuts and one without, T = 80 ragged); the same with GRAM_KIN off (G written everywhere).
-    from lineattn.ops.pallas import chunk_fwd
-    monkeypatch.setattr(chunk_fwd, "GRAM_KIN", kin)
-    low, high = {"lower_bound": (-5.0, -5.0), "cut": (-1.0, 0.0)}[gate]
-    x = make_inputs("kda", B=1, **SMALL, g_low=low, g_high=high, seed=6)
-    if gate == "cut":
-        x["g"] = x["g"].at[:, jnp.array([3, 20, 61])].set(-1000.0)
-    forward = lambda backend, C=64: ops.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], backend=backend,
-                                                  initial_state=x["initial_state"], output_final_state=True,
-                                                  chunk_size=C)
-    o_ref, ht_ref = forward("recurrent")
-    for C in (64, 32):
-        o, ht = jax.jit(lambda: forward("pallas", C))()
-        assert_close({"o": o, "ht": ht}, {"o": o_ref, "ht": ht_ref}, 1e-3 if gate == "cut" else TOL, f"C={C}")
-    jaxpr = str(jax.make_jaxpr(lambda: forward("pallas"))())
-    assert "name=lineattn_chunk_cumsum" not in jaxpr and "name=lineattn_chunk_gram_exact" in jaxpr
-
-
 @pytest.mark.parametrize("rule,gate,backward", [("gdn", None, "kernels-saved"), ("deltanet", None, "kernels-saved"),
                                                ("gdn", "lower_bound", "kernels-saved"), ("gdn", "cut", "kernels-saved"),
                                                ("gdn", None, "kernels-mml2"), ("deltanet", None, "kernels-mml2")])
@@ -180,8 +156,7 @@ def _assert_bf16_close(rule, inputs, chunk_size, got=None):
 def test_mosaic_solve_matches_the_triton_solve(with_r, gate):
     # `solve_mgpu.solve_mosaic` (Mosaic GPU wgmma kernel, run by its interpreter here) against `solve_full` on the
     # same inputs: two chunks of 64, K = V = 64, bf16; with_r: the backward's form (A the unscaled key Gram,
-    # R written); a scalar gate's G [B, Tp, H] in both, and in `solve_full` equal to the same G broadcast over K;
-    # a channel gate's also with Kin given (both solves).
+    # R written); a scalar gate's G [B, Tp, H] in both, and in `solve_full` equal to the same G broadcast over K.
     from lineattn.ops.pallas import chunk_fwd, solve_mgpu
     rng = np.random.default_rng(21)
     B, Tp, H, K, V, C = 1, 128, 2, 64, 64, 64
@@ -204,21 +179,10 @@ def test_mosaic_solve_matches_the_triton_solve(with_r, gate):
     if gate == "scalar":
         for x, y in zip(want, solve(jnp.broadcast_to(G[..., None], G.shape + (K,)))):
             np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
-    if gate == "channel":  # Kin = Diag(beta) k e^G formed before (`chunk_fwd.GRAM_KIN`), read in place of k, G
-        kin = jnp.moveaxis(beta.astype(jnp.float32)[..., None] * k.astype(jnp.float32) * jnp.exp(G), 1, 2)
-        kin = kin.astype(jnp.bfloat16)
-        got_kin = solve_mgpu.solve_mosaic(A, k, v, G, beta, kin=kin, **kw)
-        want_kin = chunk_fwd.solve_full(A, k, v, G, beta, prec="bf16", inv_prec="bf16x3", warps=4, interpret=True,
-                                        kin=kin, **kw)
-        got = (*got, *got_kin, *want_kin)
-        want = (*want,) * 3
-        with pytest.raises(ValueError, match="kin must be"):
-            solve_mgpu.solve_mosaic(A, k, v, G, beta, kin=kin[:, :1], **kw)
-    for i, (x, y) in enumerate(zip(got, want, strict=True)):
+    for name, x, y in zip("WUR", got, want):
         # W, U: bf16 outputs (an ulp where the two roundings differ); R: fp32 from bf16x3 products
-        name = "WUR"[i % (2 + with_r)]
-        assert _rel_rms(x, y) <= (1e-5 if name == "R" else 1e-3), (i, name)
-    with pytest.raises(ValueError, match="bf16 k, v, kin and store"):
+        assert _rel_rms(x, y) <= (1e-5 if name == "R" else 1e-3), name
+    with pytest.raises(ValueError, match="bf16 k, v and store"):
         solve_mgpu.solve_mosaic(A, k.astype(jnp.float32), v, G, beta, interpret=True, **kw)
     with pytest.raises(ValueError, match="K, V multiples of 64"):
         solve_mgpu.solve_mosaic(A, k[..., :32], v, G[..., :32] if gate == "channel" else G, beta, interpret=True,
@@ -480,8 +444,7 @@ def test_pallas_saved_states(rule, segmented, monkeypatch):
     # backward, which then runs no states pass of its own; False: the backward's own states pass (segmented: 4
     # segments of 2 chunks at chunk 16, T = 120 ragged). fp32: the same gradients both ways (the same products in
     # the same order) and the oracle's to 1e-4; then bf16 within FLA's bounds without saved states. A channel
-    # gate's cumsum G is saved too: the forward's Gram kernel forms it (`chunk_fwd.GRAM_CUMSUM`), and no
-    # gate-cumsum kernel runs (GDN's runs in the forward and again in the backward).
+    # gate's cumsum G is saved too: one gate-cumsum kernel in the forward+backward (GDN's runs again).
     from lineattn.ops.pallas import chunk, segments
     monkeypatch.setattr(segments, "MIN_SEGMENT_CHUNKS", 2 if segmented else 64)
     inputs = make_inputs(rule, B=1, T=120, H=2, K=32, V=32, seed=18)
@@ -493,7 +456,7 @@ def test_pallas_saved_states(rule, segmented, monkeypatch):
         jaxpr = grad_jaxpr(rule, inputs, chunk_size=C, backend="pallas")
         assert ("lineattn_chunk_bwd_states" in jaxpr) == (not save)
         assert ("lineattn_chunk_bwd_reverse_local" in jaxpr) == segmented
-        assert jaxpr.count("name=lineattn_chunk_cumsum") == (0 if rule == "kda" else 2)
+        assert jaxpr.count("name=lineattn_chunk_cumsum") == (1 if rule == "kda" else 2)
     (o1, ht1, grads1), (o0, ht0, grads0) = results[True], results[False]
     assert_close({"o": o1, "ht": ht1, **grads1}, {"o": o0, "ht": ht0, **grads0}, 1e-6, f"{rule}/saved states")
     _compare(rule, inputs, chunk_size=C, got=results[False])  # (SAVE_STATES is False now)

@@ -192,101 +192,6 @@ def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, 
     )(q, k, G, beta)
 
 
-# GRAM_CUMSUM: the Gram stage (GRAM_IMPL "triton-fast") takes g instead of G and forms each chunk's cumsum itself,
-# so the gate-cumsum kernel does not run: `gram_rows_cumsum` also writes e^(G_C), the block spreads and G (G only
-# where read: for the backward, the exact fix-up's flagged chunks, or a solve that forms Kin itself). GRAM_KIN: it
-# also writes Kin = Diag(beta) k e^G (the store dtype) for the solve to read in place of k and G.
-GRAM_CUMSUM, GRAM_KIN = True, True
-
-
-def _gram_cumsum_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, G_ref, dend_ref, spread_ref,
-                        *kin_ref, C, scale, prec, bk, beta_a, all_G):
-    """`_gram_rows_kernel`'s fast path for one 16-row block a, from the log gate g of the chunk: per K tile, the
-    chunk's cumsum G (the keys' factors toward a's middle row r) and a's own in-block cumsum (its rows' factors
-    toward r; Qin, Kg and Kin). The chunk's last block also writes e^(G_C), every block's spread max |G - G_r| and
-    G (all_G, or where a spread exceeds LIMIT). beta_a: A is Diag(beta) KK (else KK, for the backward)."""
-    s, nb, K = SUB, C // SUB, k_ref.shape[-1]
-    a = common.program_id(2) % nb
-    r0 = a * s
-    blk = pl.ds(r0, s)
-    rows, rows_s = _iota((C, bk), 0), _iota((s, bk), 0)
-    row_of = lambda X, rs, r: jnp.sum(jnp.where(rs == r, X, 0.0), axis=0, keepdims=True)  # exact: one term
-    chunk_cumsum = lambda d: jnp.cumsum(g_ref[:, d].astype(f32), axis=0)  # [C, bk]
-    beta = beta_ref[...].astype(f32)[:, None]
-    Mx, Ax = jnp.zeros((s, C), f32), jnp.zeros((s, C), f32)
-    for t in range(K // bk):
-        d = pl.ds(t * bk, bk)
-        Gt = chunk_cumsum(d)
-        Gl = jnp.cumsum(g_ref[blk, d].astype(f32), axis=0)  # [16, bk], from the block's first row
-        Gr, GC = row_of(Gt, rows, r0 + s // 2), row_of(Gt, rows, C - 1)
-        Ga_r = Gl - row_of(Gl, rows_s, s // 2)  # G_a - G_r inside the block
-        Ga = Gr + Ga_r
-        xr = exp(Ga_r)
-        kc = keys_toward(k_ref[:, d], Gt, Gr)
-        ka = k_ref[blk, d].astype(f32)
-        Mx = Mx + dot(q_ref[:, d].astype(f32) * (scale * xr), kc, prec, trans_b=True)
-        Ax = Ax + dot(ka * xr, kc, prec, trans_b=True)
-        qin_ref[:, d] = (q_ref[:, d].astype(f32) * scale * exp(Ga)).astype(qin_ref.dtype)
-        kg_ref[:, d] = (ka * exp(GC - Ga)).astype(kg_ref.dtype)
-        if kin_ref:
-            kin_ref[0][:, d] = (beta * ka * exp(Ga)).astype(kin_ref[0].dtype)
-    r, c = _iota((s, C), 0) + r0, _iota((s, C), 1)
-    m_ref[...] = jnp.where(c <= r, Mx, 0.0).astype(m_ref.dtype)
-    a_ref[...] = jnp.where(c < r, beta * Ax if beta_a else Ax, 0.0)
-
-    @pl.when(a == nb - 1)
-    def _():
-        worst = jnp.float32(0.0)
-        for t in range(K // bk):
-            d = pl.ds(t * bk, bk)
-            Gt = chunk_cumsum(d)
-            dend_ref[d] = exp(jnp.sum(jnp.where(rows == C - 1, Gt, 0.0), axis=0))
-            spreads = jnp.zeros((1, nb), f32)
-            for b in range(nb):
-                spread = jnp.max(jnp.where(rows // s == b, jnp.abs(Gt - row_of(Gt, rows, b * s + s // 2)), 0.0))
-                spreads = jnp.where(_iota((1, nb), 1) == b, spread, spreads)
-            spread_ref[pl.ds(t, 1), :] = spreads
-            worst = jnp.maximum(worst, jnp.max(spreads))
-            if all_G:
-                G_ref[:, d] = Gt
-
-        if not all_G:
-            @pl.when(worst > LIMIT)
-            def _():
-                for t in range(K // bk):
-                    G_ref[:, pl.ds(t * bk, bk)] = chunk_cumsum(pl.ds(t * bk, bk))
-
-
-def gram_rows_cumsum(q, k, g, beta, *, C, scale, store, prec, warps, interpret, bk=64, beta_a=True, all_G=True,
-                     kin=False):
-    """`gram_rows(..., fast_only=True)` with the delta write from the log gate g [B, Tp, H, K] (fp32): M, A, Qin,
-    Kg as `gram_rows`, then `gate_cumsum`'s G (fp32 [B, Tp, H, K]; with all_G False, only the chunks that hold a
-    block of spread > LIMIT: the others are left unwritten), e^(G_C) [B, H, K, N] and spreads [B, H, N, K / bk,
-    C / 16] (K tiles of this kernel's bk), and with kin, Kin = Diag(beta) k e^G [B, H, Tp, K] in `store`.
-    beta_a: A = Diag(beta) KK, else KK (the backward's form)."""
-    B, Tp, H, K = q.shape
-    N, nb, bk = Tp // C, C // SUB, min(bk, K)
-    sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i, h, 0))
-    whole = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
-    row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, i, 0))
-    out_shape = _gram_outputs(B, H, Tp, C, K, store, f32) + [
-        jax.ShapeDtypeStruct(g.shape, f32), jax.ShapeDtypeStruct((B, H, K, N), f32),
-        jax.ShapeDtypeStruct((B, H, N, K // bk, nb), f32)]
-    return pallas_call(
-        functools.partial(_gram_cumsum_kernel, C=C, scale=scale, prec=prec, bk=bk, beta_a=beta_a, all_G=all_G),
-        grid=(B, H, N * nb),
-        in_specs=[sub(K), whole(K), whole(K), pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i, h))],
-        out_specs=[row_out(C), row_out(C), row_out(K), row_out(K), whole(K),
-                   pl.BlockSpec((None, None, K, None), lambda b, h, i: (b, h, 0, i // nb)),
-                   pl.BlockSpec((None, None, None, K // bk, nb), lambda b, h, i: (b, h, i // nb, 0, 0))]
-        + ([row_out(K)] if kin else []),
-        out_shape=out_shape + ([jax.ShapeDtypeStruct((B, H, Tp, K), store)] if kin else []),
-        compiler_params=compiler_params(num_warps=warps, num_stages=1),
-        interpret=interpret,
-        name="lineattn_chunk_gram",
-    )(q, k, g, beta)
-
-
 def _gram_exact_chunk_kernel(flag_ref, q_ref, k_ref, G_ref, beta_ref, m_in_ref, a_in_ref, m_ref, a_ref, *, C,
                              scale, prec, bk):
     """One chunk: when flagged, rewrites all of M's and A's rows by the exact path (in place: m_in, a_in alias m,
@@ -529,14 +434,12 @@ def gate_factor(G_ref, d=slice(None)):
     return exp(G_ref[:, d]) if len(G_ref.shape) == 2 else exp(G_ref[...])[:, None]
 
 
-def _solve_full_kernel(a_ref, k_ref, v_ref, G_ref, beta_ref, w_ref, u_ref, *r_ref, C, prec, inv_prec, kk,
-                       kin=False):
+def _solve_full_kernel(a_ref, k_ref, v_ref, G_ref, beta_ref, w_ref, u_ref, *r_ref, C, prec, inv_prec, kk):
     beta = beta_ref[...].astype(f32)[:, None]
     A = beta * a_ref[...] if kk else a_ref[...]  # kk: a_ref holds the unscaled key Gram KK (strictly lower)
     X = _invert_unit_lower(A, C, inv_prec)
     u_ref[...] = dot(X, beta * v_ref[...].astype(f32), prec).astype(u_ref.dtype)
-    kin_ = k_ref[...].astype(f32) if kin else beta * k_ref[...].astype(f32) * gate_factor(G_ref)  # (G unread)
-    w_ref[...] = dot(X, kin_, prec).astype(w_ref.dtype)
+    w_ref[...] = dot(X, beta * k_ref[...].astype(f32) * gate_factor(G_ref), prec).astype(w_ref.dtype)
     if r_ref:
         r_ref[0][...] = X
 
@@ -552,21 +455,20 @@ def _solve_flagged_kernel(flag_ref, *refs, solve):
 
 
 def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, with_r=False, kk=False, flags=None,
-               into=(), kin=None):
+               into=()):
     """W, U [B, H, Tp, .] (and R [B, H, Tp, C] fp32 when with_r) by `_solve_full_kernel`; G [B, Tp, H, K], or
     [B, Tp, H] for a gate equal across K; kk: A is the unscaled key Gram (A = Diag(beta) KK is formed in the
     kernel). flags [B, H, N, C / 16] (`chunk_flags`): solve the flagged chunks only, the others keeping the values
-    of `into` (W, U and R as returned before), which the outputs alias. kin: Diag(beta) k e^G [B, H, Tp, K] as
-    the Gram kernel formed it (`GRAM_KIN`), read in place of k and G."""
+    of `into` (W, U and R as returned before), which the outputs alias."""
     B, Tp, H, K = k.shape
     V, N = v.shape[-1], Tp // C
     tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
     tok1 = pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
     chunk_out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
-    kernel = functools.partial(_solve_full_kernel, C=C, prec=prec, inv_prec=inv_prec, kk=kk, kin=kin is not None)
-    in_specs = [chunk_out(C), tok(K) if kin is None else chunk_out(K), tok(V), tok(K) if G.ndim == 4 else tok1, tok1]
+    kernel = functools.partial(_solve_full_kernel, C=C, prec=prec, inv_prec=inv_prec, kk=kk)
+    in_specs = [chunk_out(C), tok(K), tok(V), tok(K) if G.ndim == 4 else tok1, tok1]
     out_specs = [chunk_out(K), chunk_out(V)] + ([chunk_out(C)] if with_r else [])
-    args, aliases, name = (A, k if kin is None else kin, v, G, beta), {}, "lineattn_chunk_solve_full"
+    args, aliases, name = (A, k, v, G, beta), {}, "lineattn_chunk_solve_full"
     if flags is not None:
         kernel = functools.partial(_solve_flagged_kernel, solve=kernel)
         in_specs = [pl.BlockSpec((None, None, None, C // SUB), lambda b, h, n: (b, h, n, 0))] + in_specs + out_specs
@@ -594,15 +496,7 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     K = q.shape[-1]
     exact = prec == "ieee"
     split = split_gram(scalar, delta)
-    fused_cumsum = split and GRAM_CUMSUM and not mosaic_gram(scalar, delta, exact)
-    if fused_cumsum:  # the Gram kernel forms G itself
-        m, A, qin, kg, G, dend, spread, *kin = gram_rows_cumsum(
-            q, k, g, beta, C=C, scale=scale, store=store, prec=prec if exact else GRAM_PREC, warps=warps,
-            interpret=interpret, bk=GRAM_BK, beta_a=not save, all_G=save or not GRAM_KIN, kin=GRAM_KIN)
-        spreads = [spread]
-    else:
-        kin = []
-        G, dend, *spreads = gate_cumsum(g, C=C, K=K, interpret=interpret, spreads=split)
+    G, dend, *spreads = gate_cumsum(g, C=C, K=K, interpret=interpret, spreads=split)
     # saved for the backward: a channel gate's G and block spreads (a scalar gate's G is K times its g: recomputed)
     gate = (None, None) if scalar else (G, spreads[0] if split else None)
     gram_beta = jnp.ones_like(beta) if save else beta
@@ -615,10 +509,7 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
                               warps=SOLVE_WARPS, interpret=interpret, with_r=save, kk=True,
                               flags=chunk_flags(spreads[0], C // SUB), into=(w, u, *R))
         return (qin, kg, w, u, m, dend) + ((KK, R[0], *gate) if save else ())
-    if fused_cumsum:
-        m, A = gram_exact_chunks(spreads[0], q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret,
-                                 prec=prec if exact else GRAM_PREC)
-    elif split:
+    if split:
         m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=prec if exact else GRAM_PREC,
                                   delta=True, warps=warps, interpret=interpret, bk=GRAM_BK, fast_only=True)
         m, A = gram_exact_chunks(spreads[0], q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret,
@@ -634,11 +525,10 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
         return (qin, kg, None, None, m, dend) + ((None, None, *gate) if save else ())
     inv_prec = "ieee" if exact else SOLVE_PREC
     if mosaic_solve(exact, C, K, v.shape[-1], interpret):
-        out = solve_mgpu.solve_mosaic(A, k, v, G, beta, C=C, store=store, with_r=save, kk=save, interpret=interpret,
-                                      kin=kin[0] if kin else None)
+        out = solve_mgpu.solve_mosaic(A, k, v, G, beta, C=C, store=store, with_r=save, kk=save, interpret=interpret)
     else:
         out = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec if exact else UW_PREC, inv_prec=inv_prec,
-                         warps=SOLVE_WARPS, interpret=interpret, with_r=save, kk=save, kin=kin[0] if kin else None)
+                         warps=SOLVE_WARPS, interpret=interpret, with_r=save, kk=save)
     if save:
         w, u, R = out
         return qin, kg, w, u, m, dend, A, R, *gate

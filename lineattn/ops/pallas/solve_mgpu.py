@@ -138,20 +138,16 @@ def invert_and_apply(A_, outs, sq, regs: bool, before_apply=None):
     return X
 
 
-def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpret: bool | None = None, kin=None):
+def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpret: bool | None = None):
     """`chunk_fwd.solve_full`'s outputs (W, U [B, H, Tp, .] in `store`, and R [B, H, Tp, C] fp32 when with_r) by
     the Mosaic GPU kernel above; A [B, H, Tp, C] fp32 (kk: the unscaled key Gram, scaled by beta here), k [B, Tp,
     H, K], v [B, Tp, H, V] (bf16), G [B, Tp, H, K] fp32 (or [B, Tp, H] for a gate equal across K), beta [B, Tp,
-    H]. kin: Diag(beta) k e^G [B, H, Tp, K] (bf16) as the Gram kernel formed it (`chunk_fwd.GRAM_KIN`), read in
-    place of k and G (then unread). bf16 inputs only (fp32 inputs keep the exact Triton solve). interpret: the
-    Mosaic GPU interpreter (default: when no GPU is the default backend)."""
+    H]. bf16 inputs only (fp32 inputs keep the exact Triton solve). interpret: the Mosaic GPU interpreter (default:
+    when no GPU is the default backend)."""
     B, Tp, H, K = k.shape
     V, N = v.shape[-1], Tp // C
-    if k.dtype != bf16 or v.dtype != bf16 or store != bf16 or (kin is not None and kin.dtype != bf16):
-        raise ValueError(f"solve_mosaic takes bf16 k, v, kin and store, got {k.dtype}, {v.dtype}, "
-                         f"{None if kin is None else kin.dtype} and {store}")
-    if kin is not None and kin.shape != (B, H, Tp, K):
-        raise ValueError(f"solve_mosaic's kin must be [B, H, Tp, K] = {[B, H, Tp, K]}, got {tuple(kin.shape)}")
+    if k.dtype != bf16 or v.dtype != bf16 or store != bf16:
+        raise ValueError(f"solve_mosaic takes bf16 k, v and store, got {k.dtype}, {v.dtype} and {store}")
     if C != 64 or K % 64 or V % 64:  # wgmma's 64 rows; K = 32 failed Mosaic GPU's layout inference on the H200
         raise ValueError(f"solve_mosaic takes chunk_size 64 and K, V multiples of 64, got {C}, {K} and {V}")
     beta_BHT = jnp.moveaxis(beta.astype(f32), 1, 2)  # [B, H, Tp]: each chunk's beta contiguous for its TMA copy
@@ -166,22 +162,18 @@ def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpre
         rows = pl.ds(n * C, C)
         row_bcast = lambda D, ref=b_s: jax.lax.broadcast_in_dim(plgpu.load(ref, layout=_ROW), (C, D), [0])
 
-        def inputs(a_s, *G_s):  # A into registers; k_s <- Diag(beta) k e^G (or Kin), v_s <- Diag(beta) v (bf16)
-            copies = ((a_g.at[b, h, rows], a_s), (v_g.at[b, rows, h], v_s), (b_g.at[b, h, rows], b_s))
-            if kin is not None:
-                copies += ((k_g.at[b, h, rows], k_s),)
-            else:
-                copies += ((k_g.at[b, rows, h], k_s), (G_g.at[b, h, rows] if scalar else G_g.at[b, rows, h], G_s[0]))
+        def inputs(a_s, G_s):  # A into registers; k_s <- Diag(beta) k e^G, v_s <- Diag(beta) v (bf16)
+            copies = ((a_g.at[b, h, rows], a_s), (k_g.at[b, rows, h], k_s), (v_g.at[b, rows, h], v_s),
+                      (G_g.at[b, h, rows] if scalar else G_g.at[b, rows, h], G_s), (b_g.at[b, h, rows], b_s))
             _copy_in(copies, bar.at[0])
             A_ = _load(a_s)
-            if kin is None:
-                G_ = row_bcast(K, G_s[0]) if scalar else _load(G_s[0])
-                k_s[...] = (row_bcast(K) * _load(k_s).astype(f32) * jnp.exp(G_)).astype(bf16)
+            G_ = row_bcast(K, G_s) if scalar else _load(G_s)
+            k_s[...] = (row_bcast(K) * _load(k_s).astype(f32) * jnp.exp(G_)).astype(bf16)
             v_s[...] = (row_bcast(V) * _load(v_s).astype(f32)).astype(bf16)
             return A_ * row_bcast(C) if kk else A_
 
         G_smem = plgpu.SMEM((C,), f32) if scalar else _smem((C, K), f32)
-        A_ = pl.run_scoped(inputs, _smem((C, C), f32), *([G_smem] if kin is None else []))
+        A_ = pl.run_scoped(inputs, _smem((C, C), f32), G_smem)
         X = pl.run_scoped(lambda *sq: invert_and_apply(A_, (k_s, v_s), sq, regs), *operand_buffers(C, regs))
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(k_s, w_g.at[b, h, rows])
@@ -200,11 +192,11 @@ def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpre
     # formed, the four (LHS_REGS: two) bf16 operand buffers of the doubling, and R: 32 + 48 = 80 KB at C = 64,
     # K = V = 128 (two CTAs per SM on the H200; 48 KB in all with a scalar gate)
     scratch = [_smem((C, K), bf16), _smem((C, V), bf16), plgpu.SMEM((C,), f32),
-               plgpu.Barrier(num_arrivals=5 if kin is None else 4, num_barriers=1)]
+               plgpu.Barrier(num_arrivals=5, num_barriers=1)]
     out = [jax.ShapeDtypeStruct((B, H, Tp, K), bf16), jax.ShapeDtypeStruct((B, H, Tp, V), bf16)]
     out += [jax.ShapeDtypeStruct((B, H, Tp, C), f32)] if with_r else []
     regs = LHS_REGS and not interpret_mode(interpret)
     kernel = plgpu.kernel(body, out_type=out, scratch_types=scratch, grid=(B, H, N), grid_names=("b", "h", "n"),
                           interpret=_interpret_params(interpret), compiler_params=math_params(),
                           kernel_name="lineattn_solve_mosaic")
-    return kernel(A, k if kin is None else kin, v, G, beta_BHT)  # (with kin, G is never read)
+    return kernel(A, k, v, G, beta_BHT)
