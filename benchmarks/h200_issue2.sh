@@ -58,6 +58,8 @@
 #   broadcast over K (ac5d0a2): GDN 8 x 4096 kernels 0.865 / 3.434 ms (run25e), still 2.1-2.2x jla (run25f).
 #   Run26 (session 24): the whole GPU suite passed (99 tests, 284 s with SHARDS=6); two Gram-kernel forms, row
 #   blocks sharing their loads (a77d315) and keys scaled once with 16 x 16 products (3331c0f): no faster, reverted.
+#   Run27 (session 25): the Gram kernel forming the gate's cumsum itself by Triton scans, no cumsum kernel (12059fe):
+#   Gram 2.17 ms against 0.70 + 0.16, reverted.
 #   The long GPU tests take ~30 s each (19 of them): a subset fits a call beside a bench part, e.g.
 #     TEST_TIMEOUT=200 TESTS_K="long_bf16 and default" SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
 #   A/B wall clock of settings, interleaved (not through this script): PYTHONPATH=$PWD python3

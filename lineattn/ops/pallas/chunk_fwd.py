@@ -377,7 +377,9 @@ SOLVE_IMPL = "auto"
 # instead of 80): solve 0.372 against 0.415 but Gram 0.834 against 0.786, the forward 1.602 against 1.595: both
 # removed. Run26b: 2 or 4 row blocks a program sharing the loads of the chunk's k and G, 0.703-1.156 ms against
 # 0.705 (history a77d315); run26c, "triton-factored": each key block scaled once toward its own middle row and the
-# row blocks' factors e^(G_ma - G_mb) on the left operand, as 16 x 16 products: 1.18-8.04 ms (history 3331c0f).)
+# row blocks' factors e^(G_ma - G_mb) on the left operand, as 16 x 16 products: 1.18-8.04 ms (history 3331c0f);
+# run27a, the Gram kernel forming G itself from g by Triton scans (no gate-cumsum kernel) and writing Kin for the
+# solve: 1.95-2.30 ms against 0.70 + 0.16 (history 12059fe).)
 # "mosaic": `gram_mgpu.gram_solve_mosaic`, the Gram and solve stages fused in one Mosaic GPU kernel (Hopper; bf16
 # inputs, chunk 64, K and V multiples of 64) with the same fix-ups, `gram_exact_chunks` and `solve_full` on the
 # flagged chunks; opt-in: H200, 8 x 4096, 1.19 ms against 0.725 + 0.404 for the Gram kernel and the Mosaic solve
