@@ -94,15 +94,14 @@ def test_decode_kernel_lowers_for_sm90(fake_h200, v_fastest, variant):
     assert "__gpu$xla.gpu.triton" in jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("lhs_regs,staged", [(False, False), (True, False), (True, True)])
-def test_mosaic_solve_lowers_for_sm90(fake_h200, monkeypatch, lhs_regs, staged):
+@pytest.mark.parametrize("lhs_regs", [False, True])
+def test_mosaic_solve_lowers_for_sm90(fake_h200, monkeypatch, lhs_regs):
     # `chunk_fwd.SOLVE_IMPL = "auto"` on a Hopper GPU (faked here): the solve as a Mosaic GPU kernel (wgmma)
     # beside the Triton kernels, its left operands from SMEM or (`solve_mgpu.LHS_REGS`, the default, a path the
     # CPU interpreter cannot run) from registers; fp32 inputs keep the Triton solve.
     from lineattn.ops.pallas import chunk_fwd, solve_mgpu
     monkeypatch.setattr(chunk_fwd, "hopper", lambda: True)
     monkeypatch.setattr(solve_mgpu, "LHS_REGS", lhs_regs)
-    monkeypatch.setattr(solve_mgpu, "STAGED_INPUTS", staged)  # (G in a TMA batch after A's)
     text = _lowered(100, jnp.bfloat16, "kernels-saved")
     assert "lineattn_solve_mosaic" in text and "lineattn_chunk_solve_full" not in text
     assert text.count("__gpu$xla.gpu.triton") == 4 + 6

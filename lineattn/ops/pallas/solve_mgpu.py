@@ -65,10 +65,6 @@ LHS_REGS = True
 # (run19a): the solve 0.404 ms against 0.415 (in fwd+bwd 0.425 against 0.445), the fused Gram + solve kernel 1.167
 # against 2.66; o and the gradients' errors unchanged to two digits. Read when a call is traced.
 APPROX_MATH = True
-# STAGED_INPUTS: the solve's inputs in two TMA batches, A (with k, v, beta) and then G, A's fp32 SMEM released
-# before G's comes in: 64 KB of SMEM a CTA at its peak instead of 80 at K = V = 128 (three CTAs an SM can fit
-# instead of two). Read when a call is traced.
-STAGED_INPUTS = False
 
 
 def math_params():
@@ -161,36 +157,23 @@ def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpre
 
     def body(a_g, k_g, v_g, G_g, b_g, w_g, u_g, *rest):
         r_g = rest[0] if with_r else None
-        k_s, v_s, b_s, bar, *bar_g = rest[int(with_r):]
+        k_s, v_s, b_s, bar = rest[int(with_r):]
         b, h, n = jax.lax.axis_index("b"), jax.lax.axis_index("h"), jax.lax.axis_index("n")
         rows = pl.ds(n * C, C)
         row_bcast = lambda D, ref=b_s: jax.lax.broadcast_in_dim(plgpu.load(ref, layout=_ROW), (C, D), [0])
-        G_src = G_g.at[b, h, rows] if scalar else G_g.at[b, rows, h]
 
-        def scale_k(G_s):  # k_s <- Diag(beta) k e^G (bf16)
-            G_ = row_bcast(K, G_s) if scalar else _load(G_s)
-            k_s[...] = (row_bcast(K) * _load(k_s).astype(f32) * jnp.exp(G_)).astype(bf16)
-
-        def inputs(a_s, *G_s):  # A into registers, v_s <- Diag(beta) v (bf16); given G_s, k_s too (one batch)
+        def inputs(a_s, G_s):  # A into registers; k_s <- Diag(beta) k e^G, v_s <- Diag(beta) v (bf16)
             copies = ((a_g.at[b, h, rows], a_s), (k_g.at[b, rows, h], k_s), (v_g.at[b, rows, h], v_s),
-                      (b_g.at[b, h, rows], b_s)) + (((G_src, G_s[0]),) if G_s else ())
+                      (G_g.at[b, h, rows] if scalar else G_g.at[b, rows, h], G_s), (b_g.at[b, h, rows], b_s))
             _copy_in(copies, bar.at[0])
             A_ = _load(a_s)
-            if G_s:
-                scale_k(G_s[0])
+            G_ = row_bcast(K, G_s) if scalar else _load(G_s)
+            k_s[...] = (row_bcast(K) * _load(k_s).astype(f32) * jnp.exp(G_)).astype(bf16)
             v_s[...] = (row_bcast(V) * _load(v_s).astype(f32)).astype(bf16)
             return A_ * row_bcast(C) if kk else A_
 
-        def stage_g(G_s):
-            _copy_in(((G_src, G_s),), bar_g[0].at[0])
-            scale_k(G_s)
-
         G_smem = plgpu.SMEM((C,), f32) if scalar else _smem((C, K), f32)
-        if staged:  # A's SMEM is released before G comes in
-            A_ = pl.run_scoped(inputs, _smem((C, C), f32))
-            pl.run_scoped(stage_g, G_smem)
-        else:
-            A_ = pl.run_scoped(inputs, _smem((C, C), f32), G_smem)
+        A_ = pl.run_scoped(inputs, _smem((C, C), f32), G_smem)
         X = pl.run_scoped(lambda *sq: invert_and_apply(A_, (k_s, v_s), sq, regs), *operand_buffers(C, regs))
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(k_s, w_g.at[b, h, rows])
@@ -208,10 +191,8 @@ def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpre
     # SMEM: the k and v tiles (reused for W and U) throughout, then in turn A and G (fp32) while the inputs are
     # formed, the four (LHS_REGS: two) bf16 operand buffers of the doubling, and R: 32 + 48 = 80 KB at C = 64,
     # K = V = 128 (two CTAs per SM on the H200; 48 KB in all with a scalar gate)
-    staged = STAGED_INPUTS
     scratch = [_smem((C, K), bf16), _smem((C, V), bf16), plgpu.SMEM((C,), f32),
-               plgpu.Barrier(num_arrivals=4 if staged else 5, num_barriers=1)]
-    scratch += [plgpu.Barrier(num_arrivals=1, num_barriers=1)] if staged else []
+               plgpu.Barrier(num_arrivals=5, num_barriers=1)]
     out = [jax.ShapeDtypeStruct((B, H, Tp, K), bf16), jax.ShapeDtypeStruct((B, H, Tp, V), bf16)]
     out += [jax.ShapeDtypeStruct((B, H, Tp, C), f32)] if with_r else []
     regs = LHS_REGS and not interpret_mode(interpret)
