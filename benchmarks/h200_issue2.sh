@@ -59,7 +59,8 @@
 #   Run26 (session 24): the whole GPU suite passed (99 tests, 284 s with SHARDS=6); two Gram-kernel forms, row
 #   blocks sharing their loads (a77d315) and keys scaled once with 16 x 16 products (3331c0f): no faster, reverted.
 #   Run27 (session 25): the Gram kernel forming the gate's cumsum itself by Triton scans, no cumsum kernel (12059fe):
-#   Gram 2.17 ms against 0.70 + 0.16, reverted.
+#   Gram 2.17 ms against 0.70 + 0.16, reverted; the Mosaic solve's G in a TMA batch after A's (251a3b4): 0.422 ms
+#   against 0.403, reverted.
 #   The long GPU tests take ~30 s each (19 of them): a subset fits a call beside a bench part, e.g.
 #     TEST_TIMEOUT=200 TESTS_K="long_bf16 and default" SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
 #   A/B wall clock of settings, interleaved (not through this script): PYTHONPATH=$PWD python3

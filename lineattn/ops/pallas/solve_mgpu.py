@@ -190,7 +190,8 @@ def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpre
 
     # SMEM: the k and v tiles (reused for W and U) throughout, then in turn A and G (fp32) while the inputs are
     # formed, the four (LHS_REGS: two) bf16 operand buffers of the doubling, and R: 32 + 48 = 80 KB at C = 64,
-    # K = V = 128 (two CTAs per SM on the H200; 48 KB in all with a scalar gate)
+    # K = V = 128 (two CTAs per SM on the H200; 48 KB in all with a scalar gate). (G in a second TMA batch after
+    # A's, 64 KB at the peak, was slower: 0.422 ms against 0.403 at 8 x 4096, run27b, history 251a3b4.)
     scratch = [_smem((C, K), bf16), _smem((C, V), bf16), plgpu.SMEM((C,), f32),
                plgpu.Barrier(num_arrivals=5, num_barriers=1)]
     out = [jax.ShapeDtypeStruct((B, H, Tp, K), bf16), jax.ShapeDtypeStruct((B, H, Tp, V), bf16)]
