@@ -65,6 +65,10 @@ LHS_REGS = True
 # (run19a): the solve 0.404 ms against 0.415 (in fwd+bwd 0.425 against 0.445), the fused Gram + solve kernel 1.167
 # against 2.66; o and the gradients' errors unchanged to two digits. Read when a call is traced.
 APPROX_MATH = True
+# FIRST_LEVEL: the first doubling level the solve runs (1: all, X from its 2 x 2 blocks). A timing probe only: a
+# larger value skips levels and gives a wrong R (what the levels within 16 x 16 blocks cost, before computing those
+# blocks' inverses elsewhere).
+FIRST_LEVEL = 1
 
 
 def math_params():
@@ -117,7 +121,7 @@ def invert_and_apply(A_, outs, sq, regs: bool, before_apply=None):
         A_b = jnp.where(((i ^ j) >= b) & ((i ^ j) < 2 * b), A_, zero)
         return X - _product(_product(X, A_b, sq, regs), X, sq, regs)
 
-    X = jax.lax.fori_loop(1, C.bit_length() - 1, level, X)
+    X = jax.lax.fori_loop(FIRST_LEVEL, C.bit_length() - 1, level, X)
     if regs:
         x_op = X.astype(bf16)
     else:
