@@ -87,12 +87,13 @@ def keys_toward(k, G, Gr, limit=LIMIT):
     return k.astype(f32) * exp(jnp.minimum(Gr - G, limit))
 
 
-def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delta, bk, q0=0):
+def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delta, bk, q0=0, diag=False):
     """[16, C] rows of (scale q) and k against all keys, factored through the reference row ref_row (the block's
-    queries at rows q0.. of q_ref: 0 for a 16-row block, r0 for a whole chunk)."""
+    queries at rows q0.. of q_ref: 0 for a 16-row block, r0 for a whole chunk); with diag also the block's own
+    [16, 16] diagonal block of the key products (the same factors, against its own keys only)."""
     s, C, K = SUB, k_ref.shape[0], k_ref.shape[-1]
     blk = pl.ds(r0, s)
-    Mx, Ax = jnp.zeros((s, C), f32), jnp.zeros((s, C), f32)
+    Mx, Ax, Dx = jnp.zeros((s, C), f32), jnp.zeros((s, C), f32), jnp.zeros((s, s), f32)
     for t in range(K // bk):
         d = pl.ds(t * bk, bk)
         Gr = G_ref[pl.ds(ref_row, 1), d]
@@ -100,8 +101,26 @@ def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delt
         kc = keys_toward(k_ref[:, d], G_ref[:, d], Gr, limit)
         Mx = Mx + dot(q_ref[pl.ds(q0, s), d].astype(f32) * (scale * xr), kc, prec, trans_b=True)
         if delta:
-            Ax = Ax + dot(k_ref[blk, d].astype(f32) * xr, kc, prec, trans_b=True)
-    return Mx, Ax
+            ka = k_ref[blk, d].astype(f32) * xr
+            Ax = Ax + dot(ka, kc, prec, trans_b=True)
+            if diag:
+                Dx = Dx + dot(ka, keys_toward(k_ref[blk, d], G_ref[blk, d], Gr, limit), prec, trans_b=True)
+    return (Mx, Ax, Dx) if diag else (Mx, Ax)
+
+
+def unit_lower_inverse_exact(L):
+    """(I + L)^-1 for a strictly lower triangular [n, n] L (fp32) by forward substitution: row c of the inverse
+    is final once the rows above it are, and then leaves -L[:, c] times itself in every row below (exact fp32,
+    n - 1 steps on the whole tile)."""
+    n = L.shape[0]
+    rows, cols = _iota((n, n), 0), _iota((n, n), 1)
+
+    def step(c, X):
+        x_c = jnp.sum(jnp.where(rows == c, X, 0.0), axis=0, keepdims=True)  # [1, n]
+        l_c = jnp.sum(jnp.where(cols == c, L, 0.0), axis=1, keepdims=True)  # [n, 1], zero at rows <= c
+        return X - l_c * x_c
+
+    return jax.lax.fori_loop(0, n - 1, step, jnp.where(rows == cols, 1.0, 0.0))
 
 
 def _gram_exact(q_ref, k_ref, G_ref, r0, *, scale, prec, delta, bk, q0=0):
@@ -130,20 +149,29 @@ def _gram_exact(q_ref, k_ref, G_ref, r0, *, scale, prec, delta, bk, q0=0):
     return Mx, Ax
 
 
-def _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, o0=0):
+def _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, o0=0, Dx=None):
     """The block's rows of M (j <= i) and A (j < i, times beta_i), from its products Mx, Ax [16, C], into rows
-    o0.. of m_ref, a_ref (beta_ref's rows o0..)."""
+    o0.. of m_ref, a_ref (beta_ref's rows o0..). With Dx (the block's diagonal [16, 16] key products), A's
+    diagonal block holds instead the strictly lower part of its inverse, (I + Diag(beta) Dx)^-1 - I (the solve's
+    doubling then starts from the 16 x 16 blocks: `diag_inverse`)."""
     rows, cols = _iota(Mx.shape, 0) + r0, _iota(Mx.shape, 1)
     out = pl.ds(o0, SUB)
     m_ref[out, :] = jnp.where(cols <= rows, Mx, 0.0).astype(m_ref.dtype)
     if delta:
-        a_ref[out, :] = jnp.where(cols < rows, beta_ref[out].astype(f32)[:, None] * Ax, 0.0)
+        beta = beta_ref[out].astype(f32)[:, None]
+        A = jnp.where(cols < rows, beta * Ax, 0.0)
+        if Dx is not None:
+            i, j = _iota(Dx.shape, 0), _iota(Dx.shape, 1)
+            X = unit_lower_inverse_exact(jnp.where(j < i, beta * Dx, 0.0)) - jnp.where(i == j, 1.0, 0.0)
+            place = jnp.where(_iota((SUB, Mx.shape[1]), 1) == _iota((SUB, Mx.shape[1]), 0) + r0, 1.0, 0.0)
+            A = jnp.where(cols // SUB == r0 // SUB, dot(X, place, "ieee"), A)  # (one-hot columns: exact)
+        a_ref[out, :] = A
 
 
 def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta, bk,
-                      fast_only=False):
+                      fast_only=False, diag_inverse=False):
     """One 16-row block: Qin, Kg and the rows of M and A, the exact path taken by a block-uniform `lax.cond` (or
-    left to `gram_exact_chunks`: fast_only)."""
+    left to `gram_exact_chunks`: fast_only; then diag_inverse: A's diagonal block as its inverse, `_store_gram`)."""
     s = SUB
     r0 = (common.program_id(2) % (C // s)) * s
     K = k_ref.shape[-1]
@@ -155,12 +183,15 @@ def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_r
         kg_ref[:, d] = (k_ref[blk, d].astype(f32) * exp(G_ref[pl.ds(C - 1, 1), d] - Ga)).astype(kg_ref.dtype)
     kw = dict(scale=scale, prec=prec, delta=delta, bk=bk)
     fast = lambda: _gram_products(q_ref, k_ref, G_ref, r0, r0 + s // 2, LIMIT, **kw)
-    if fast_only:
+    Dx = None
+    if fast_only and diag_inverse:
+        Mx, Ax, Dx = _gram_products(q_ref, k_ref, G_ref, r0, r0 + s // 2, LIMIT, diag=True, **kw)
+    elif fast_only:
         Mx, Ax = fast()
     else:
         Mx, Ax = jax.lax.cond(_gram_block_spread(G_ref, r0, K, bk) <= LIMIT, fast,
                               lambda: _gram_exact(q_ref, k_ref, G_ref, r0, **kw))
-    _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta)
+    _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, Dx=Dx)
 
 
 def _gram_outputs(B, H, Tp, C, K, store, a_dtype):
@@ -170,10 +201,11 @@ def _gram_outputs(B, H, Tp, C, K, store, a_dtype):
 
 
 def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, a_dtype=f32, bk=64,
-              fast_only=False):
+              fast_only=False, diag_inverse=False):
     """M, A (= Diag(beta) KK, strictly lower), Qin, Kg as [B, H, Tp, .] from q, k [B, Tp, H, K], the in-chunk
     cumsum G (fp32) and beta [B, Tp, H] (see `_gram_rows_kernel`; fast_only: without the exact path, for
-    `gram_exact_chunks` to complete)."""
+    `gram_exact_chunks` to complete; diag_inverse (with fast_only): A's 16 x 16 diagonal blocks hold their
+    inverses' strictly lower parts, see `_store_gram`)."""
     B, Tp, H, K = q.shape
     N, nb = Tp // C, C // SUB
     sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i, h, 0))
@@ -181,7 +213,7 @@ def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, 
     row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, i, 0))
     return pallas_call(
         functools.partial(_gram_rows_kernel, C=C, scale=scale, prec=prec, delta=delta, bk=min(bk, K),
-                          fast_only=fast_only),
+                          fast_only=fast_only, diag_inverse=diag_inverse),
         grid=(B, H, N * nb),
         in_specs=[sub(K), whole(K), whole(K), pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i, h))],
         out_specs=[row_out(C), row_out(C), row_out(K), row_out(K)],
@@ -386,6 +418,11 @@ SOLVE_IMPL = "auto"
 # (run19a-b; run18a-e, before the exps took ex2.approx: 8.3 ms at first, 206 M register spills; 3.6 with channel
 # tiles of 64; 2.66 with a loop over the row blocks), errors unchanged.
 GRAM_IMPL = "triton-fast"
+# DIAG_INVERSE: in a forward alone (nothing saved for the backward) with GRAM_IMPL "triton-fast", the Gram kernel
+# also inverts each 16 x 16 diagonal block of I + A (forward substitution in fp32) and writes it in place of A's
+# diagonal block, so the solve's doubling starts at 16 x 16 blocks (two levels instead of five); the chunks
+# flagged for the exact path, whose A the fix-up rewrites, are solved again from the whole A after it.
+DIAG_INVERSE = True
 
 
 def split_gram(scalar: bool, delta: bool) -> bool:
@@ -418,11 +455,14 @@ def mosaic_solve(exact: bool, C: int, K: int, V: int, interpret: bool) -> bool:
 # products, was slower on the H200: 0.91 ms against 0.81 at 8 x 4096 x 16 x 128, run8b; removed.)
 
 
-def _invert_unit_lower(A, n, inv_prec):
-    """(I + A)^-1 for a strictly lower triangular [n, n] A by the block doubling above."""
+def _invert_unit_lower(A, n, inv_prec, diag_inverse=False):
+    """(I + A)^-1 for a strictly lower triangular [n, n] A by the block doubling above; diag_inverse: A's 16 x 16
+    diagonal blocks hold their inverses' strictly lower parts already (X_16 - I), the doubling starts there."""
     i, j = _iota((n, n), 0), _iota((n, n), 1)
-    X = jnp.where(i == j, 1.0, jnp.where((i // 2 == j // 2) & (i != j), -A, 0.0))  # X_2 = I - A_1
-    b = 2
+    if diag_inverse:
+        X, b = jnp.where(i == j, 1.0, jnp.where(i // SUB == j // SUB, A, 0.0)), SUB
+    else:
+        X, b = jnp.where(i == j, 1.0, jnp.where((i // 2 == j // 2) & (i != j), -A, 0.0)), 2  # X_2 = I - A_1
     while b < n:
         Ab = jnp.where((i // (2 * b) == j // (2 * b)) & (i // b != j // b), A, 0.0)
         X = X - dot(dot(X, Ab, inv_prec), X, inv_prec)
@@ -436,10 +476,11 @@ def gate_factor(G_ref, d=slice(None)):
     return exp(G_ref[:, d]) if len(G_ref.shape) == 2 else exp(G_ref[...])[:, None]
 
 
-def _solve_full_kernel(a_ref, k_ref, v_ref, G_ref, beta_ref, w_ref, u_ref, *r_ref, C, prec, inv_prec, kk):
+def _solve_full_kernel(a_ref, k_ref, v_ref, G_ref, beta_ref, w_ref, u_ref, *r_ref, C, prec, inv_prec, kk,
+                       diag_inverse=False):
     beta = beta_ref[...].astype(f32)[:, None]
     A = beta * a_ref[...] if kk else a_ref[...]  # kk: a_ref holds the unscaled key Gram KK (strictly lower)
-    X = _invert_unit_lower(A, C, inv_prec)
+    X = _invert_unit_lower(A, C, inv_prec, diag_inverse)
     u_ref[...] = dot(X, beta * v_ref[...].astype(f32), prec).astype(u_ref.dtype)
     w_ref[...] = dot(X, beta * k_ref[...].astype(f32) * gate_factor(G_ref), prec).astype(w_ref.dtype)
     if r_ref:
@@ -457,17 +498,19 @@ def _solve_flagged_kernel(flag_ref, *refs, solve):
 
 
 def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, with_r=False, kk=False, flags=None,
-               into=()):
+               into=(), diag_inverse=False):
     """W, U [B, H, Tp, .] (and R [B, H, Tp, C] fp32 when with_r) by `_solve_full_kernel`; G [B, Tp, H, K], or
     [B, Tp, H] for a gate equal across K; kk: A is the unscaled key Gram (A = Diag(beta) KK is formed in the
     kernel). flags [B, H, N, C / 16] (`chunk_flags`): solve the flagged chunks only, the others keeping the values
-    of `into` (W, U and R as returned before), which the outputs alias."""
+    of `into` (W, U and R as returned before), which the outputs alias. diag_inverse: A's diagonal 16 x 16 blocks
+    are their inverses' strictly lower parts (`gram_rows(diag_inverse=True)`)."""
     B, Tp, H, K = k.shape
     V, N = v.shape[-1], Tp // C
     tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
     tok1 = pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
     chunk_out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
-    kernel = functools.partial(_solve_full_kernel, C=C, prec=prec, inv_prec=inv_prec, kk=kk)
+    kernel = functools.partial(_solve_full_kernel, C=C, prec=prec, inv_prec=inv_prec, kk=kk,
+                               diag_inverse=diag_inverse)
     in_specs = [chunk_out(C), tok(K), tok(V), tok(K) if G.ndim == 4 else tok1, tok1]
     out_specs = [chunk_out(K), chunk_out(V)] + ([chunk_out(C)] if with_r else [])
     args, aliases, name = (A, k, v, G, beta), {}, "lineattn_chunk_solve_full"
@@ -511,9 +554,11 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
                               warps=SOLVE_WARPS, interpret=interpret, with_r=save, kk=True,
                               flags=chunk_flags(spreads[0], C // SUB), into=(w, u, *R))
         return (qin, kg, w, u, m, dend) + ((KK, R[0], *gate) if save else ())
+    diag_inverse = split and DIAG_INVERSE and not save
     if split:
         m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=prec if exact else GRAM_PREC,
-                                  delta=True, warps=warps, interpret=interpret, bk=GRAM_BK, fast_only=True)
+                                  delta=True, warps=warps, interpret=interpret, bk=GRAM_BK, fast_only=True,
+                                  diag_inverse=diag_inverse)
         m, A = gram_exact_chunks(spreads[0], q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret,
                                  prec=prec if exact else GRAM_PREC)
     elif scalar:
@@ -527,10 +572,14 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
         return (qin, kg, None, None, m, dend) + ((None, None, *gate) if save else ())
     inv_prec = "ieee" if exact else SOLVE_PREC
     if mosaic_solve(exact, C, K, v.shape[-1], interpret):
-        out = solve_mgpu.solve_mosaic(A, k, v, G, beta, C=C, store=store, with_r=save, kk=save, interpret=interpret)
+        out = solve_mgpu.solve_mosaic(A, k, v, G, beta, C=C, store=store, with_r=save, kk=save, interpret=interpret,
+                                      diag_inverse=diag_inverse)
     else:
         out = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec if exact else UW_PREC, inv_prec=inv_prec,
-                         warps=SOLVE_WARPS, interpret=interpret, with_r=save, kk=save)
+                         warps=SOLVE_WARPS, interpret=interpret, with_r=save, kk=save, diag_inverse=diag_inverse)
+    if diag_inverse:  # the flagged chunks' A is whole again after the exact fix-up: solve those from it
+        out = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec if exact else UW_PREC, inv_prec=inv_prec,
+                         warps=SOLVE_WARPS, interpret=interpret, flags=chunk_flags(spreads[0], C // SUB), into=out)
     if save:
         w, u, R = out
         return qin, kg, w, u, m, dend, A, R, *gate

@@ -103,17 +103,21 @@ def operand_buffers(C: int, regs: bool):
     return [_smem((C, C), bf16) for _ in range(2 if regs else 4)]
 
 
-def invert_and_apply(A_, outs, sq, regs: bool, before_apply=None):
+def invert_and_apply(A_, outs, sq, regs: bool, before_apply=None, diag_inverse: bool = False):
     """R = (I + A)^-1 for a strictly lower [C, C] fp32 A_ (registers, WGMMA layout) by block doubling
     (X_2b = X_b - X_b A_b X_b, A_b: A inside the diagonal blocks of 2b, off those of b; the products bf16x3), then
     R x for each bf16 SMEM tile x [C, D] in outs (e.g. k and v for W and U) on the tensor cores, written back in
-    place. sq: `operand_buffers`; before_apply: called just before those products (e.g. to finish forming v).
-    Returns R (fp32 registers)."""
+    place. sq: `operand_buffers`; before_apply: called just before those products (e.g. to finish forming v);
+    diag_inverse: A_'s 16 x 16 diagonal blocks hold their inverses' strictly lower parts (X_16 - I), and the
+    doubling starts from them. Returns R (fp32 registers)."""
     C = A_.shape[0]
     i = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=_WG)
     j = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=_WG)
     zero = jnp.zeros((C, C), f32)
-    X = jnp.where(i == j, 1.0, jnp.where(((i >> 1) == (j >> 1)) & (i != j), -A_, zero))
+    if diag_inverse:
+        X, first = jnp.where(i == j, 1.0, jnp.where((i >> 4) == (j >> 4), A_, zero)), 4
+    else:
+        X, first = jnp.where(i == j, 1.0, jnp.where(((i >> 1) == (j >> 1)) & (i != j), -A_, zero)), FIRST_LEVEL
     # (i, j in one block of 2b and in two blocks of b: b <= (i ^ j) < 2b; a loop over the levels, b traced: less
     # code than unrolled and no slower, H200 run19a: 0.412 ms against 0.416)
     def level(n, X):
@@ -121,7 +125,7 @@ def invert_and_apply(A_, outs, sq, regs: bool, before_apply=None):
         A_b = jnp.where(((i ^ j) >= b) & ((i ^ j) < 2 * b), A_, zero)
         return X - _product(_product(X, A_b, sq, regs), X, sq, regs)
 
-    X = jax.lax.fori_loop(FIRST_LEVEL, C.bit_length() - 1, level, X)
+    X = jax.lax.fori_loop(first, C.bit_length() - 1, level, X)
     if regs:
         x_op = X.astype(bf16)
     else:
@@ -142,12 +146,16 @@ def invert_and_apply(A_, outs, sq, regs: bool, before_apply=None):
     return X
 
 
-def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpret: bool | None = None):
+def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpret: bool | None = None,
+                 diag_inverse: bool = False):
     """`chunk_fwd.solve_full`'s outputs (W, U [B, H, Tp, .] in `store`, and R [B, H, Tp, C] fp32 when with_r) by
     the Mosaic GPU kernel above; A [B, H, Tp, C] fp32 (kk: the unscaled key Gram, scaled by beta here), k [B, Tp,
     H, K], v [B, Tp, H, V] (bf16), G [B, Tp, H, K] fp32 (or [B, Tp, H] for a gate equal across K), beta [B, Tp,
     H]. bf16 inputs only (fp32 inputs keep the exact Triton solve). interpret: the Mosaic GPU interpreter (default:
-    when no GPU is the default backend)."""
+    when no GPU is the default backend). diag_inverse: A's 16 x 16 diagonal blocks hold their inverses' strictly
+    lower parts (`chunk_fwd.gram_rows(diag_inverse=True)`)."""
+    if diag_inverse and kk:
+        raise ValueError("solve_mosaic: diag_inverse takes A = Diag(beta) KK with its blocks inverted, not kk")
     B, Tp, H, K = k.shape
     V, N = v.shape[-1], Tp // C
     if k.dtype != bf16 or v.dtype != bf16 or store != bf16:
@@ -178,7 +186,8 @@ def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpre
 
         G_smem = plgpu.SMEM((C,), f32) if scalar else _smem((C, K), f32)
         A_ = pl.run_scoped(inputs, _smem((C, C), f32), G_smem)
-        X = pl.run_scoped(lambda *sq: invert_and_apply(A_, (k_s, v_s), sq, regs), *operand_buffers(C, regs))
+        X = pl.run_scoped(lambda *sq: invert_and_apply(A_, (k_s, v_s), sq, regs, diag_inverse=diag_inverse),
+                          *operand_buffers(C, regs))
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(k_s, w_g.at[b, h, rows])
         plgpu.copy_smem_to_gmem(v_s, u_g.at[b, h, rows])
