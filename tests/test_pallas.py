@@ -152,11 +152,25 @@ def _assert_bf16_close(rule, inputs, chunk_size, got=None):
     assert all(errors[n] <= BF16_RMS[n] for n in want), errors
 
 
-@pytest.mark.parametrize("with_r,gate", [(False, "channel"), (True, "channel"), (True, "scalar")])
-def test_mosaic_solve_matches_the_triton_solve(with_r, gate):
+def _diagonal_blocks_inverted(A, C):
+    """A [B, H, Tp, C] (strictly lower per chunk) with each 16 x 16 diagonal block L replaced by (I + L)^-1 - I (fp64
+    inverse): the form `gram_rows(diag_inverse=True)` writes."""
+    A = np.array(A, np.float64)
+    for r0 in range(0, A.shape[2], 16):
+        c0 = r0 % C
+        L = A[:, :, r0:r0 + 16, c0:c0 + 16]
+        A[:, :, r0:r0 + 16, c0:c0 + 16] = np.linalg.inv(np.eye(16) + L) - np.eye(16)
+    return jnp.asarray(A, jnp.float32)
+
+
+@pytest.mark.parametrize("with_r,gate,diag_inverse", [(False, "channel", False), (True, "channel", False),
+                                                      (True, "scalar", False), (False, "channel", True)])
+def test_mosaic_solve_matches_the_triton_solve(with_r, gate, diag_inverse):
     # `solve_mgpu.solve_mosaic` (Mosaic GPU wgmma kernel, run by its interpreter here) against `solve_full` on the
     # same inputs: two chunks of 64, K = V = 64, bf16; with_r: the backward's form (A the unscaled key Gram,
-    # R written); a scalar gate's G [B, Tp, H] in both, and in `solve_full` equal to the same G broadcast over K.
+    # R written); a scalar gate's G [B, Tp, H] in both, and in `solve_full` equal to the same G broadcast over K;
+    # diag_inverse: both solves given A with its 16 x 16 diagonal blocks inverted (the forward alone's form, the
+    # doubling from 16 on) against `solve_full` on the whole A.
     from lineattn.ops.pallas import chunk_fwd, solve_mgpu
     rng = np.random.default_rng(21)
     B, Tp, H, K, V, C = 1, 128, 2, 64, 64, 64
@@ -171,10 +185,18 @@ def test_mosaic_solve_matches_the_triton_solve(with_r, gate):
     KK = jnp.einsum("bnihk,bnjhk->bhnij", kc, kc) * np.tril(np.ones((C, C)), -1)
     A = KK.reshape(B, H, Tp, C) * (1.0 if with_r else jnp.moveaxis(beta.astype(jnp.float32), 1, 2)[..., None])
     kw = dict(C=C, store=jnp.bfloat16, with_r=with_r, kk=with_r)
-    solve = lambda G: chunk_fwd.solve_full(A, k, v, G, beta, prec="bf16", inv_prec="bf16x3", warps=4,
-                                           interpret=True, **kw)
+    solve = lambda G, A=A, **d: chunk_fwd.solve_full(A, k, v, G, beta, prec="bf16", inv_prec="bf16x3", warps=4,
+                                                      interpret=True, **kw, **d)
     want = solve(G)
-    got = solve_mgpu.solve_mosaic(A, k, v, G, beta, **kw)  # compiled on a GPU, the interpreter on the CPU
+    if diag_inverse:
+        A_inv = _diagonal_blocks_inverted(A, C)
+        for name, x, y in zip("WU", solve(G, A_inv, diag_inverse=True), want):
+            assert _rel_rms(x, y) <= 1e-3, name
+        got = solve_mgpu.solve_mosaic(A_inv, k, v, G, beta, **kw, diag_inverse=True)
+        with pytest.raises(ValueError, match="diag_inverse"):
+            solve_mgpu.solve_mosaic(A_inv, k, v, G, beta, **dict(kw, kk=True), diag_inverse=True)
+    else:
+        got = solve_mgpu.solve_mosaic(A, k, v, G, beta, **kw)  # compiled on a GPU, the interpreter on the CPU
     assert len(got) == len(want) == 2 + with_r
     if gate == "scalar":
         for x, y in zip(want, solve(jnp.broadcast_to(G[..., None], G.shape + (K,)))):
@@ -187,6 +209,36 @@ def test_mosaic_solve_matches_the_triton_solve(with_r, gate):
     with pytest.raises(ValueError, match="K, V multiples of 64"):
         solve_mgpu.solve_mosaic(A, k[..., :32], v, G[..., :32] if gate == "channel" else G, beta, interpret=True,
                                 **kw)
+
+
+@pytest.mark.parametrize("gate", ["lower_bound", "cut"])
+def test_forward_alone_inverts_the_diagonal_blocks_in_the_gram_kernel(gate):
+    # `chunk_fwd.DIAG_INVERSE` (a forward that saves nothing): the Gram kernel's A holds each 16 x 16 diagonal
+    # block's inverse (I + L)^-1 - I, exact in fp32, and the same off-diagonal blocks as without it; the forward
+    # alone (chunk 64, T = 80 ragged, fp32, every token at -5 or -1000 cuts: those chunks are solved again from
+    # the whole A after the exact fix-up) matches the oracle.
+    from lineattn.ops.pallas import chunk_fwd, tuning
+    low, high = (-5.0, -5.0) if gate == "lower_bound" else (-1.0, 0.0)
+    x = make_inputs("kda", B=1, **SMALL, g_low=low, g_high=high, seed=8)
+    if gate == "cut":
+        x["g"] = x["g"].at[:, jnp.array([3, 20, 61])].set(-1000.0)
+    C, T = 64, SMALL["T"]
+    pad = lambda y: jnp.pad(y, [(0, 0), (0, -T % C)] + [(0, 0)] * (y.ndim - 2))
+    q, k, g, beta = (pad(x[n]) for n in ("q", "k", "g", "beta"))
+    G, _ = chunk_fwd.gate_cumsum(g, C=C, K=q.shape[-1], interpret=True)
+    gram = lambda d: chunk_fwd.gram_rows(q, k, G, beta, C=C, scale=0.2, store=jnp.float32, prec="ieee", delta=True,
+                                         warps=2, interpret=True, fast_only=True, diag_inverse=d)[1]
+    if gate == "lower_bound":  # (with cuts the fast path's A is rewritten afterwards)
+        np.testing.assert_allclose(gram(True), _diagonal_blocks_inverted(gram(False), C), rtol=0, atol=2e-5)
+    forward = jax.jit(lambda q: ops.linear_attention("kda", q, x["k"], x["v"], x["g"], x["beta"], chunk_size=C,
+                                                     initial_state=x["initial_state"], output_final_state=True,
+                                                     backend="pallas"))
+    o_ref, ht_ref = ops.linear_attention("kda", *(x[n] for n in ("q", "k", "v", "g", "beta")), output_final_state=True,
+                                         initial_state=x["initial_state"], backend="recurrent")
+    with tuning.override({"chunk_fwd.DIAG_INVERSE": True}):
+        assert "lineattn_chunk_solve_flagged" in str(jax.make_jaxpr(forward)(x["q"]))
+        o, ht = forward(x["q"])
+    assert_close({"o": o, "ht": ht}, {"o": o_ref, "ht": ht_ref}, 1e-3 if gate == "cut" else TOL, "diag_inverse")
 
 
 @pytest.mark.parametrize("gate", ["lower_bound", "cut"])
