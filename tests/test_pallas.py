@@ -212,31 +212,28 @@ def test_mosaic_solve_matches_the_triton_solve(with_r, gate, diag_inverse):
 
 
 @pytest.mark.parametrize("gate", ["lower_bound", "cut"])
-def test_forward_alone_inverts_the_diagonal_blocks_in_the_gram_kernel(gate):
-    # `chunk_fwd.DIAG_INVERSE` (a forward that saves nothing): the Gram kernel's A holds each 16 x 16 diagonal
-    # block's inverse (I + L)^-1 - I, exact in fp32, and the same off-diagonal blocks as without it; the forward
-    # alone (chunk 64, T = 80 ragged, fp32, every token at -5 or -1000 cuts: those chunks are solved again from
-    # the whole A after the exact fix-up) matches the oracle.
+def test_forward_alone_inverts_the_diagonal_blocks(gate):
+    # `chunk_fwd.DIAG_INVERSE` (a forward that saves nothing): `invert_diagonal_blocks` replaces each 16 x 16
+    # diagonal block L of A by (I + L)^-1 - I, exact in fp32 (against fp64 inverses), and leaves the rest; the
+    # forward alone (chunk 64, T = 80 ragged, fp32, every token at -5 or -1000 cuts, whose chunks the exact fix-up
+    # rewrites before the inversion) matches the oracle.
     from lineattn.ops.pallas import chunk_fwd, tuning
     low, high = (-5.0, -5.0) if gate == "lower_bound" else (-1.0, 0.0)
     x = make_inputs("kda", B=1, **SMALL, g_low=low, g_high=high, seed=8)
     if gate == "cut":
         x["g"] = x["g"].at[:, jnp.array([3, 20, 61])].set(-1000.0)
-    C, T = 64, SMALL["T"]
-    pad = lambda y: jnp.pad(y, [(0, 0), (0, -T % C)] + [(0, 0)] * (y.ndim - 2))
-    q, k, g, beta = (pad(x[n]) for n in ("q", "k", "g", "beta"))
-    G, _ = chunk_fwd.gate_cumsum(g, C=C, K=q.shape[-1], interpret=True)
-    gram = lambda d: chunk_fwd.gram_rows(q, k, G, beta, C=C, scale=0.2, store=jnp.float32, prec="ieee", delta=True,
-                                         warps=2, interpret=True, fast_only=True, diag_inverse=d)[1]
-    if gate == "lower_bound":  # (with cuts the fast path's A is rewritten afterwards)
-        np.testing.assert_allclose(gram(True), _diagonal_blocks_inverted(gram(False), C), rtol=0, atol=2e-5)
+    C = 64
+    rng = np.random.default_rng(4)
+    A = jnp.asarray(rng.uniform(-1, 1, (1, 2, 128, C)) * np.tile(np.tri(C, k=-1), (2, 1)), jnp.float32)
+    np.testing.assert_allclose(chunk_fwd.invert_diagonal_blocks(A, C=C, interpret=True),
+                               _diagonal_blocks_inverted(A, C), rtol=0, atol=1e-5)
     forward = jax.jit(lambda q: ops.linear_attention("kda", q, x["k"], x["v"], x["g"], x["beta"], chunk_size=C,
                                                      initial_state=x["initial_state"], output_final_state=True,
                                                      backend="pallas"))
     o_ref, ht_ref = ops.linear_attention("kda", *(x[n] for n in ("q", "k", "v", "g", "beta")), output_final_state=True,
                                          initial_state=x["initial_state"], backend="recurrent")
     with tuning.override({"chunk_fwd.DIAG_INVERSE": True}):
-        assert "lineattn_chunk_solve_flagged" in str(jax.make_jaxpr(forward)(x["q"]))
+        assert "lineattn_invert_diagonal_blocks" in str(jax.make_jaxpr(forward)(x["q"]))
         o, ht = forward(x["q"])
     assert_close({"o": o, "ht": ht}, {"o": o_ref, "ht": ht_ref}, 1e-3 if gate == "cut" else TOL, "diag_inverse")
 

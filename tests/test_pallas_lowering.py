@@ -39,7 +39,7 @@ def _lowered(T, dtype, backward, head_gate=False):
 def test_chunk_kernels_lower_for_sm90(fake_h200, dtype, backward):
     text = _lowered(100, dtype, backward)
     # forward: cumsum, gram, its exact fix-up, solve, state pass (no Hopper here: the Triton solve), and where it
-    # saves nothing for the backward ("xla", "kernels-mml2") the flagged chunks' second solve (`chunk_fwd.
+    # saves nothing for the backward ("xla", "kernels-mml2") the inversion of A's diagonal blocks (`chunk_fwd.
     # DIAG_INVERSE`); backward "xla": none; "kernels-mml2": cumsum, gram, solve, states, reverse, chunk grads, WY,
     # Gram gradients with the combine, their exact rewrite, dg; "kernels-saved": the same without the cumsum, Gram,
     # solve and states (the forward's G, terms and states are kept)

@@ -87,13 +87,12 @@ def keys_toward(k, G, Gr, limit=LIMIT):
     return k.astype(f32) * exp(jnp.minimum(Gr - G, limit))
 
 
-def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delta, bk, q0=0, diag=False):
+def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delta, bk, q0=0):
     """[16, C] rows of (scale q) and k against all keys, factored through the reference row ref_row (the block's
-    queries at rows q0.. of q_ref: 0 for a 16-row block, r0 for a whole chunk); with diag also the block's own
-    [16, 16] diagonal block of the key products (the same factors, against its own keys only)."""
+    queries at rows q0.. of q_ref: 0 for a 16-row block, r0 for a whole chunk)."""
     s, C, K = SUB, k_ref.shape[0], k_ref.shape[-1]
     blk = pl.ds(r0, s)
-    Mx, Ax, Dx = jnp.zeros((s, C), f32), jnp.zeros((s, C), f32), jnp.zeros((s, s), f32)
+    Mx, Ax = jnp.zeros((s, C), f32), jnp.zeros((s, C), f32)
     for t in range(K // bk):
         d = pl.ds(t * bk, bk)
         Gr = G_ref[pl.ds(ref_row, 1), d]
@@ -101,26 +100,10 @@ def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delt
         kc = keys_toward(k_ref[:, d], G_ref[:, d], Gr, limit)
         Mx = Mx + dot(q_ref[pl.ds(q0, s), d].astype(f32) * (scale * xr), kc, prec, trans_b=True)
         if delta:
-            ka = k_ref[blk, d].astype(f32) * xr
-            Ax = Ax + dot(ka, kc, prec, trans_b=True)
-            if diag:
-                Dx = Dx + dot(ka, keys_toward(k_ref[blk, d], G_ref[blk, d], Gr, limit), prec, trans_b=True)
-    return (Mx, Ax, Dx) if diag else (Mx, Ax)
+            Ax = Ax + dot(k_ref[blk, d].astype(f32) * xr, kc, prec, trans_b=True)
+    return Mx, Ax
 
 
-def unit_lower_inverse_exact(L):
-    """(I + L)^-1 for a strictly lower triangular [n, n] L (fp32) by forward substitution: row c of the inverse
-    is final once the rows above it are, and then leaves -L[:, c] times itself in every row below (exact fp32,
-    n - 1 steps on the whole tile)."""
-    n = L.shape[0]
-    rows, cols = _iota((n, n), 0), _iota((n, n), 1)
-
-    def step(c, X):
-        x_c = jnp.sum(jnp.where(rows == c, X, 0.0), axis=0, keepdims=True)  # [1, n]
-        l_c = jnp.sum(jnp.where(cols == c, L, 0.0), axis=1, keepdims=True)  # [n, 1], zero at rows <= c
-        return X - l_c * x_c
-
-    return jax.lax.fori_loop(0, n - 1, step, jnp.where(rows == cols, 1.0, 0.0))
 
 
 def _gram_exact(q_ref, k_ref, G_ref, r0, *, scale, prec, delta, bk, q0=0):
@@ -149,29 +132,20 @@ def _gram_exact(q_ref, k_ref, G_ref, r0, *, scale, prec, delta, bk, q0=0):
     return Mx, Ax
 
 
-def _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, o0=0, Dx=None):
+def _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, o0=0):
     """The block's rows of M (j <= i) and A (j < i, times beta_i), from its products Mx, Ax [16, C], into rows
-    o0.. of m_ref, a_ref (beta_ref's rows o0..). With Dx (the block's diagonal [16, 16] key products), A's
-    diagonal block holds instead the strictly lower part of its inverse, (I + Diag(beta) Dx)^-1 - I (the solve's
-    doubling then starts from the 16 x 16 blocks: `diag_inverse`)."""
+    o0.. of m_ref, a_ref (beta_ref's rows o0..)."""
     rows, cols = _iota(Mx.shape, 0) + r0, _iota(Mx.shape, 1)
     out = pl.ds(o0, SUB)
     m_ref[out, :] = jnp.where(cols <= rows, Mx, 0.0).astype(m_ref.dtype)
     if delta:
-        beta = beta_ref[out].astype(f32)[:, None]
-        A = jnp.where(cols < rows, beta * Ax, 0.0)
-        if Dx is not None:
-            i, j = _iota(Dx.shape, 0), _iota(Dx.shape, 1)
-            X = unit_lower_inverse_exact(jnp.where(j < i, beta * Dx, 0.0)) - jnp.where(i == j, 1.0, 0.0)
-            place = jnp.where(_iota((SUB, Mx.shape[1]), 1) == _iota((SUB, Mx.shape[1]), 0) + r0, 1.0, 0.0)
-            A = jnp.where(cols // SUB == r0 // SUB, dot(X, place, "ieee"), A)  # (one-hot columns: exact)
-        a_ref[out, :] = A
+        a_ref[out, :] = jnp.where(cols < rows, beta_ref[out].astype(f32)[:, None] * Ax, 0.0)
 
 
 def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta, bk,
-                      fast_only=False, diag_inverse=False):
+                      fast_only=False):
     """One 16-row block: Qin, Kg and the rows of M and A, the exact path taken by a block-uniform `lax.cond` (or
-    left to `gram_exact_chunks`: fast_only; then diag_inverse: A's diagonal block as its inverse, `_store_gram`)."""
+    left to `gram_exact_chunks`: fast_only)."""
     s = SUB
     r0 = (common.program_id(2) % (C // s)) * s
     K = k_ref.shape[-1]
@@ -183,15 +157,12 @@ def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_r
         kg_ref[:, d] = (k_ref[blk, d].astype(f32) * exp(G_ref[pl.ds(C - 1, 1), d] - Ga)).astype(kg_ref.dtype)
     kw = dict(scale=scale, prec=prec, delta=delta, bk=bk)
     fast = lambda: _gram_products(q_ref, k_ref, G_ref, r0, r0 + s // 2, LIMIT, **kw)
-    Dx = None
-    if fast_only and diag_inverse:
-        Mx, Ax, Dx = _gram_products(q_ref, k_ref, G_ref, r0, r0 + s // 2, LIMIT, diag=True, **kw)
-    elif fast_only:
+    if fast_only:
         Mx, Ax = fast()
     else:
         Mx, Ax = jax.lax.cond(_gram_block_spread(G_ref, r0, K, bk) <= LIMIT, fast,
                               lambda: _gram_exact(q_ref, k_ref, G_ref, r0, **kw))
-    _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, Dx=Dx)
+    _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta)
 
 
 def _gram_outputs(B, H, Tp, C, K, store, a_dtype):
@@ -201,11 +172,10 @@ def _gram_outputs(B, H, Tp, C, K, store, a_dtype):
 
 
 def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, a_dtype=f32, bk=64,
-              fast_only=False, diag_inverse=False):
+              fast_only=False):
     """M, A (= Diag(beta) KK, strictly lower), Qin, Kg as [B, H, Tp, .] from q, k [B, Tp, H, K], the in-chunk
     cumsum G (fp32) and beta [B, Tp, H] (see `_gram_rows_kernel`; fast_only: without the exact path, for
-    `gram_exact_chunks` to complete; diag_inverse (with fast_only): A's 16 x 16 diagonal blocks hold their
-    inverses' strictly lower parts, see `_store_gram`)."""
+    `gram_exact_chunks` to complete)."""
     B, Tp, H, K = q.shape
     N, nb = Tp // C, C // SUB
     sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i, h, 0))
@@ -213,7 +183,7 @@ def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, 
     row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, i, 0))
     return pallas_call(
         functools.partial(_gram_rows_kernel, C=C, scale=scale, prec=prec, delta=delta, bk=min(bk, K),
-                          fast_only=fast_only, diag_inverse=diag_inverse),
+                          fast_only=fast_only),
         grid=(B, H, N * nb),
         in_specs=[sub(K), whole(K), whole(K), pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i, h))],
         out_specs=[row_out(C), row_out(C), row_out(K), row_out(K)],
@@ -266,6 +236,47 @@ def gram_exact_chunks(spreads, q, k, G, beta, m, A, *, C, scale, interpret, prec
         input_output_aliases={5: 0, 6: 1}, compiler_params=compiler_params(num_warps=GRAM_WARPS, num_stages=1),
         interpret=interpret, name="lineattn_chunk_gram_exact",
     )(flags, q, k, G, beta, m, A)
+
+
+def unit_lower_inverse_exact(L):
+    """(I + L)^-1 for a strictly lower triangular [n, n] L (fp32) by forward substitution: row c of the inverse
+    is final once the rows above it are, and then leaves -L[:, c] times itself in every row below (exact fp32)."""
+    n = L.shape[0]
+    rows, cols = _iota((n, n), 0), _iota((n, n), 1)
+
+    X = jnp.where(rows == cols, 1.0, 0.0)
+    for c in range(n - 1):  # (unrolled: Triton's lowering takes no unrolled fori_loop)
+        x_c = jnp.sum(jnp.where(rows == c, X, 0.0), axis=0, keepdims=True)  # [1, n]
+        l_c = jnp.sum(jnp.where(cols == c, L, 0.0), axis=1, keepdims=True)  # [n, 1], zero at rows <= c
+        X = X - l_c * x_c
+    return X
+
+
+def _invert_diagonal_block_kernel(a_ref, o_ref):
+    L = a_ref[...]
+    o_ref[...] = unit_lower_inverse_exact(L) - jnp.where(_iota(L.shape, 0) == _iota(L.shape, 1), 1.0, 0.0)
+
+
+# DIAG_INVERSE: in a forward alone (nothing saved for the backward) with GRAM_IMPL "triton-fast", a small kernel
+# inverts each 16 x 16 diagonal block of I + A in place (forward substitution in fp32, one warp a block) after the
+# exact fix-up, so the solve's doubling starts from 16 x 16 blocks: two levels instead of five. H200, 8 x 4096
+# (run28a): the Mosaic solve 0.257 ms against 0.404; the same inversion inside the Gram kernel took that kernel
+# from 0.696 to 2.478 ms (a loop of cross-warp reductions per 16-row block).
+DIAG_INVERSE = True
+
+
+def invert_diagonal_blocks(A, *, C, interpret):
+    """A [B, H, Tp, C] fp32 (strictly lower per chunk) with each 16 x 16 diagonal block L replaced, in place, by
+    (I + L)^-1 - I, the form the solves take with diag_inverse."""
+    B, H, Tp, _ = A.shape
+    nb = C // SUB
+    block = pl.BlockSpec((None, None, SUB, SUB), lambda b, h, i: (b, h, i, i % nb))
+    return pallas_call(
+        _invert_diagonal_block_kernel, grid=(B, H, Tp // SUB), in_specs=[block], out_specs=block,
+        out_shape=jax.ShapeDtypeStruct(A.shape, A.dtype), input_output_aliases={0: 0},
+        compiler_params=compiler_params(num_warps=1, num_stages=1), interpret=interpret,
+        name="lineattn_invert_diagonal_blocks",
+    )(A)
 
 
 # ---- The Gram matrices for a gate equal across K (GDN, DeltaNet: the `scalar` path) ----
@@ -418,11 +429,6 @@ SOLVE_IMPL = "auto"
 # (run19a-b; run18a-e, before the exps took ex2.approx: 8.3 ms at first, 206 M register spills; 3.6 with channel
 # tiles of 64; 2.66 with a loop over the row blocks), errors unchanged.
 GRAM_IMPL = "triton-fast"
-# DIAG_INVERSE: in a forward alone (nothing saved for the backward) with GRAM_IMPL "triton-fast", the Gram kernel
-# also inverts each 16 x 16 diagonal block of I + A (forward substitution in fp32) and writes it in place of A's
-# diagonal block, so the solve's doubling starts at 16 x 16 blocks (two levels instead of five); the chunks
-# flagged for the exact path, whose A the fix-up rewrites, are solved again from the whole A after it.
-DIAG_INVERSE = True
 
 
 def split_gram(scalar: bool, delta: bool) -> bool:
@@ -557,10 +563,11 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     diag_inverse = split and DIAG_INVERSE and not save
     if split:
         m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=prec if exact else GRAM_PREC,
-                                  delta=True, warps=warps, interpret=interpret, bk=GRAM_BK, fast_only=True,
-                                  diag_inverse=diag_inverse)
+                                  delta=True, warps=warps, interpret=interpret, bk=GRAM_BK, fast_only=True)
         m, A = gram_exact_chunks(spreads[0], q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret,
                                  prec=prec if exact else GRAM_PREC)
+        if diag_inverse:
+            A = invert_diagonal_blocks(A, C=C, interpret=interpret)
     elif scalar:
         m, A, qin, kg = gram_scalar(q, k, g, gram_beta, C=C, scale=scale, store=store, exact=exact,
                                     delta=delta, interpret=interpret)
@@ -577,9 +584,6 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     else:
         out = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec if exact else UW_PREC, inv_prec=inv_prec,
                          warps=SOLVE_WARPS, interpret=interpret, with_r=save, kk=save, diag_inverse=diag_inverse)
-    if diag_inverse:  # the flagged chunks' A is whole again after the exact fix-up: solve those from it
-        out = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec if exact else UW_PREC, inv_prec=inv_prec,
-                         warps=SOLVE_WARPS, interpret=interpret, flags=chunk_flags(spreads[0], C // SUB), into=out)
     if save:
         w, u, R = out
         return qin, kg, w, u, m, dend, A, R, *gate
