@@ -9,8 +9,10 @@ The intra-chunk stage, parallel over (batch, head, chunk) (`_intra`):
     lie within LIMIT (40) nats of it, and is computed exactly otherwise (pair by pair, masked before the exp):
     exact for any g <= 0 (also -1000). By default (GRAM_IMPL "triton-fast") the kernel takes the fast path
     everywhere and `gram_exact_chunks` rewrites the chunks that `gate_cumsum` flags beyond LIMIT;
+  - in a forward alone (DIAG_INVERSE), `invert_diagonal_blocks`: each 16 x 16 diagonal block of I + A inverted in
+    place by forward substitution in fp32;
   - `solve_full`: R = (I + A)^-1 for the whole chunk by block doubling (the same numbers as block forward
-    substitution, 16 -> 32 -> 64), then U = R Diag(b) V and W = R Diag(b) Kin (on a Hopper GPU, for bf16 at
+    substitution, 16 -> 32 -> 64; from the inverted 16 x 16 blocks in a forward alone), then U = R Diag(b) V and W = R Diag(b) Kin (on a Hopper GPU, for bf16 at
     chunk 64, the same algebra as a Mosaic GPU kernel: `solve_mgpu.solve_mosaic`, see SOLVE_IMPL).
 `state_pass`, one program per (batch, head, V tile): the sequential pass over chunks with the fp32 state in
 registers, E = U - W S, O = Qin S + M E, S <- Diag(e^(G_C)) S + Kg^T E; writes O and the final state (and, for
@@ -260,8 +262,10 @@ def _invert_diagonal_block_kernel(a_ref, o_ref):
 # DIAG_INVERSE: in a forward alone (nothing saved for the backward) with GRAM_IMPL "triton-fast", a small kernel
 # inverts each 16 x 16 diagonal block of I + A in place (forward substitution in fp32, one warp a block) after the
 # exact fix-up, so the solve's doubling starts from 16 x 16 blocks: two levels instead of five. H200, 8 x 4096
-# (run28a): the Mosaic solve 0.257 ms against 0.404; the same inversion inside the Gram kernel took that kernel
-# from 0.696 to 2.478 ms (a loop of cross-warp reductions per 16-row block).
+# (run28b): the Mosaic solve 0.257 ms against 0.403, this kernel 0.040, forward kernels 1.382 against 1.490; errors
+# unchanged. The same inversion inside the Gram kernel took that kernel from 0.696 to 2.478 ms (run28a, history
+# 00afc93: cross-warp reductions in each 16-row program). A forward that saves for the backward keeps the
+# unscaled key Gram for it and the whole doubling.
 DIAG_INVERSE = True
 
 
