@@ -61,6 +61,10 @@
 #   Run27 (session 25): the Gram kernel forming the gate's cumsum itself by Triton scans, no cumsum kernel (12059fe):
 #   Gram 2.17 ms against 0.70 + 0.16, reverted; the Mosaic solve's G in a TMA batch after A's (251a3b4): 0.422 ms
 #   against 0.403, reverted.
+#   Run28 (session 26): in a forward alone the 16 x 16 diagonal blocks of I + A inverted before the solve, inside
+#   the Gram kernel (00afc93: Gram 2.48 ms, removed) and then as their own kernel (f8a58eb, the default: 0.04 ms,
+#   solve 0.26 against 0.40, forward kernels 1.38 against 1.49); bench fwd 1.66 / 2.25 ms; the whole GPU suite
+#   passed (102 tests).
 #   The long GPU tests take ~30 s each (19 of them): a subset fits a call beside a bench part, e.g.
 #     TEST_TIMEOUT=200 TESTS_K="long_bf16 and default" SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
 #   A/B wall clock of settings, interleaved (not through this script): PYTHONPATH=$PWD python3
