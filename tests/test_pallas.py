@@ -154,7 +154,7 @@ def _assert_bf16_close(rule, inputs, chunk_size, got=None):
 
 def _diagonal_blocks_inverted(A, C):
     """A [B, H, Tp, C] (strictly lower per chunk) with each 16 x 16 diagonal block L replaced by (I + L)^-1 - I (fp64
-    inverse): the form `gram_rows(diag_inverse=True)` writes."""
+    inverse): the form `chunk_fwd.invert_diagonal_blocks` writes."""
     A = np.array(A, np.float64)
     for r0 in range(0, A.shape[2], 16):
         c0 = r0 % C

@@ -12,8 +12,9 @@ The intra-chunk stage, parallel over (batch, head, chunk) (`_intra`):
   - in a forward alone (DIAG_INVERSE), `invert_diagonal_blocks`: each 16 x 16 diagonal block of I + A inverted in
     place by forward substitution in fp32;
   - `solve_full`: R = (I + A)^-1 for the whole chunk by block doubling (the same numbers as block forward
-    substitution, 16 -> 32 -> 64; from the inverted 16 x 16 blocks in a forward alone), then U = R Diag(b) V and W = R Diag(b) Kin (on a Hopper GPU, for bf16 at
-    chunk 64, the same algebra as a Mosaic GPU kernel: `solve_mgpu.solve_mosaic`, see SOLVE_IMPL).
+    substitution, 16 -> 32 -> 64; from the inverted 16 x 16 blocks in a forward alone), then U = R Diag(b) V and
+    W = R Diag(b) Kin (on a Hopper GPU, for bf16 at chunk 64, the same algebra as a Mosaic GPU kernel:
+    `solve_mgpu.solve_mosaic`, see SOLVE_IMPL).
 `state_pass`, one program per (batch, head, V tile): the sequential pass over chunks with the fp32 state in
 registers, E = U - W S, O = Qin S + M E, S <- Diag(e^(G_C)) S + Kg^T E; writes O and the final state (and, for
 the backward, every chunk's S and E); on a Hopper GPU where it fits, the same as a Mosaic GPU kernel
@@ -513,7 +514,7 @@ def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, 
     [B, Tp, H] for a gate equal across K; kk: A is the unscaled key Gram (A = Diag(beta) KK is formed in the
     kernel). flags [B, H, N, C / 16] (`chunk_flags`): solve the flagged chunks only, the others keeping the values
     of `into` (W, U and R as returned before), which the outputs alias. diag_inverse: A's diagonal 16 x 16 blocks
-    are their inverses' strictly lower parts (`gram_rows(diag_inverse=True)`)."""
+    are their inverses' strictly lower parts (`invert_diagonal_blocks`)."""
     B, Tp, H, K = k.shape
     V, N = v.shape[-1], Tp // C
     tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))

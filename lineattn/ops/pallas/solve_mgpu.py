@@ -5,8 +5,8 @@ One CTA (one warpgroup) per (batch, head, chunk): A [C, C] (and the chunk's k, v
 (I + A)^-1 by the same block doubling as `chunk_fwd._invert_unit_lower` (X_2b = X_b - X_b A_b X_b), each product
 on the tensor cores as three bf16 wgmmas (hi hi + hi lo + lo hi of the fp32 operands split into bf16 parts, as the
 Triton kernel's "bf16x3"), from X_2 or, in a forward alone, from the 16 x 16 diagonal blocks' inverses that
-`chunk_fwd.invert_diagonal_blocks` wrote into A (`chunk_fwd.DIAG_INVERSE`: two levels instead of five); then U = R Diag(beta) V and W = R Diag(beta) (k e^G) as one bf16 wgmma each, written
-back by TMA. The register arrays live in the WGMMA accumulator layout; the products' right operands (and, without
+`chunk_fwd.invert_diagonal_blocks` wrote into A (`chunk_fwd.DIAG_INVERSE`: two levels instead of five); then
+U = R Diag(beta) V and W = R Diag(beta) (k e^G) as one bf16 wgmma each, written back by TMA. The register arrays live in the WGMMA accumulator layout; the products' right operands (and, without
 LHS_REGS, their left ones) go through swizzled SMEM. Without a GPU it runs in the Mosaic GPU interpreter
 (`plgpu.InterpretGPUParams`).
 """
@@ -151,7 +151,7 @@ def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpre
     H, K], v [B, Tp, H, V] (bf16), G [B, Tp, H, K] fp32 (or [B, Tp, H] for a gate equal across K), beta [B, Tp,
     H]. bf16 inputs only (fp32 inputs keep the exact Triton solve). interpret: the Mosaic GPU interpreter (default:
     when no GPU is the default backend). diag_inverse: A's 16 x 16 diagonal blocks hold their inverses' strictly
-    lower parts (`chunk_fwd.gram_rows(diag_inverse=True)`)."""
+    lower parts (`chunk_fwd.invert_diagonal_blocks`)."""
     if diag_inverse and kk:
         raise ValueError("solve_mosaic: diag_inverse takes A = Diag(beta) KK with its blocks inverted, not kk")
     B, Tp, H, K = k.shape
