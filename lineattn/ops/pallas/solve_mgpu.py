@@ -6,9 +6,9 @@ One CTA (one warpgroup) per (batch, head, chunk): A [C, C] (and the chunk's k, v
 on the tensor cores as three bf16 wgmmas (hi hi + hi lo + lo hi of the fp32 operands split into bf16 parts, as the
 Triton kernel's "bf16x3"), from X_2 or, in a forward alone, from the 16 x 16 diagonal blocks' inverses that
 `chunk_fwd.invert_diagonal_blocks` wrote into A (`chunk_fwd.DIAG_INVERSE`: two levels instead of five); then
-U = R Diag(beta) V and W = R Diag(beta) (k e^G) as one bf16 wgmma each, written back by TMA. The register arrays live in the WGMMA accumulator layout; the products' right operands (and, without
-LHS_REGS, their left ones) go through swizzled SMEM. Without a GPU it runs in the Mosaic GPU interpreter
-(`plgpu.InterpretGPUParams`).
+U = R Diag(beta) V and W = R Diag(beta) (k e^G) as one bf16 wgmma each, written back by TMA. The register arrays
+live in the WGMMA accumulator layout; the products' right operands (and, without LHS_REGS, their left ones) go
+through swizzled SMEM. Without a GPU it runs in the Mosaic GPU interpreter (`plgpu.InterpretGPUParams`).
 """
 
 from __future__ import annotations
