@@ -107,8 +107,6 @@ def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delt
     return Mx, Ax
 
 
-
-
 def _gram_exact(q_ref, k_ref, G_ref, r0, *, scale, prec, delta, bk, q0=0):
     """The exact path: off-diagonal columns through the block's first row, the diagonal block by a 16-step column
     loop on [16, bk] tiles (few registers)."""
@@ -246,9 +244,8 @@ def unit_lower_inverse_exact(L):
     is final once the rows above it are, and then leaves -L[:, c] times itself in every row below (exact fp32)."""
     n = L.shape[0]
     rows, cols = _iota((n, n), 0), _iota((n, n), 1)
-
     X = jnp.where(rows == cols, 1.0, 0.0)
-    for c in range(n - 1):  # (unrolled: Triton's lowering takes no unrolled fori_loop)
+    for c in range(n - 1):  # (a Python loop: Triton's lowering refuses `fori_loop(..., unroll=True)`)
         x_c = jnp.sum(jnp.where(rows == c, X, 0.0), axis=0, keepdims=True)  # [1, n]
         l_c = jnp.sum(jnp.where(cols == c, L, 0.0), axis=1, keepdims=True)  # [n, 1], zero at rows <= c
         X = X - l_c * x_c
