@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from lineattn.ops.pallas.common import interpret_mode
+from lineattn.ops.pallas.common import SUB, interpret_mode
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 _WG = plgpu.Layout.WGMMA
@@ -112,7 +112,8 @@ def invert_and_apply(A_, outs, sq, regs: bool, before_apply=None, diag_inverse: 
     j = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=_WG)
     zero = jnp.zeros((C, C), f32)
     if diag_inverse:
-        X, first = jnp.where(i == j, 1.0, jnp.where((i >> 4) == (j >> 4), A_, zero)), 4
+        first = SUB.bit_length() - 1  # the level that doubles SUB x SUB blocks (`invert_diagonal_blocks`' size)
+        X = jnp.where(i == j, 1.0, jnp.where((i >> first) == (j >> first), A_, zero))
     else:
         X, first = jnp.where(i == j, 1.0, jnp.where(((i >> 1) == (j >> 1)) & (i != j), -A_, zero)), 1
     # (i, j in one block of 2b and in two blocks of b: b <= (i ^ j) < 2b; a loop over the levels, b traced: less
