@@ -50,12 +50,14 @@ def test_chunk_kernels_lower_for_sm90(fake_h200, dtype, backward):
 @pytest.mark.parametrize("backward", ["kernels-saved", "kernels-mml2"])
 def test_scalar_gate_kernels_lower_for_sm90(fake_h200, backward):
     # A head gate (GDN): the one-program-per-chunk Gram kernel and Gram-gradient kernel in place of the 16-row ones;
-    # the latter also gives dg (no dg kernel).
+    # the latter also gives dg (no dg kernel). The "kernels-mml2" forward saves nothing, so it inverts A's diagonal
+    # blocks before the solve (`chunk_fwd.DIAG_INVERSE`).
     text = _lowered(100, jnp.bfloat16, backward, head_gate=True)
     assert "lineattn_chunk_gram_scalar" in text and "lineattn_gram_bwd_scalar" in text
     assert "lineattn_chunk_gram\"" not in text and "lineattn_gram_bwd_combine" not in text
     assert "lineattn_chunk_bwd_dg" not in text
-    assert text.count("__gpu$xla.gpu.triton") == 4 + {"kernels-saved": 5, "kernels-mml2": 8}[backward]
+    assert ("lineattn_invert_diagonal_blocks" in text) == (backward == "kernels-mml2")
+    assert text.count("__gpu$xla.gpu.triton") == 4 + {"kernels-saved": 5, "kernels-mml2": 1 + 8}[backward]
 
 
 def test_segmented_state_passes_lower_for_sm90(fake_h200, monkeypatch):

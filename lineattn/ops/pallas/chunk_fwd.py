@@ -257,10 +257,11 @@ def _invert_diagonal_block_kernel(a_ref, o_ref):
     o_ref[...] = unit_lower_inverse_exact(L) - jnp.where(_iota(L.shape, 0) == _iota(L.shape, 1), 1.0, 0.0)
 
 
-# DIAG_INVERSE: in a forward alone (nothing saved for the backward) with GRAM_IMPL "triton-fast", a small kernel
-# inverts each 16 x 16 diagonal block of I + A in place (forward substitution in fp32, one warp a block) after the
-# exact fix-up, so the solve's doubling starts from 16 x 16 blocks: two levels instead of five. H200, 8 x 4096
-# (run28b): the Mosaic solve 0.257 ms against 0.403, this kernel 0.040, forward kernels 1.382 against 1.490; errors
+# DIAG_INVERSE: in a forward alone (nothing saved for the backward), a small kernel inverts each 16 x 16 diagonal
+# block of I + A in place (forward substitution in fp32, one warp a block) once A is final (after the exact fix-up
+# where there is one), so the solve's doubling starts from 16 x 16 blocks: two levels instead of five. H200,
+# 8 x 4096: KDA (run28b) the Mosaic solve 0.257 ms against 0.403, this kernel 0.040, forward kernels 1.382 against
+# 1.490; GDN's scalar-gate path (run29a) 0.239 against 0.387, forward kernels 0.759 against 0.865; errors
 # unchanged. The same inversion inside the Gram kernel took that kernel from 0.696 to 2.478 ms (run28a, history
 # 00afc93: cross-warp reductions in each 16-row program). A forward that saves for the backward keeps the
 # unscaled key Gram for it and the whole doubling.
@@ -562,14 +563,11 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
                               warps=SOLVE_WARPS, interpret=interpret, with_r=save, kk=True,
                               flags=chunk_flags(spreads[0], C // SUB), into=(w, u, *R))
         return (qin, kg, w, u, m, dend) + ((KK, R[0], *gate) if save else ())
-    diag_inverse = split and DIAG_INVERSE and not save
     if split:
         m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=prec if exact else GRAM_PREC,
                                   delta=True, warps=warps, interpret=interpret, bk=GRAM_BK, fast_only=True)
         m, A = gram_exact_chunks(spreads[0], q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret,
                                  prec=prec if exact else GRAM_PREC)
-        if diag_inverse:
-            A = invert_diagonal_blocks(A, C=C, interpret=interpret)
     elif scalar:
         m, A, qin, kg = gram_scalar(q, k, g, gram_beta, C=C, scale=scale, store=store, exact=exact,
                                     delta=delta, interpret=interpret)
@@ -579,6 +577,9 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
                                   bk=GRAM_BK)
     if not delta:
         return (qin, kg, None, None, m, dend) + ((None, None, *gate) if save else ())
+    diag_inverse = DIAG_INVERSE and not save  # (A is final here: after the exact fix-up where there is one)
+    if diag_inverse:
+        A = invert_diagonal_blocks(A, C=C, interpret=interpret)
     inv_prec = "ieee" if exact else SOLVE_PREC
     if mosaic_solve(exact, C, K, v.shape[-1], interpret):
         out = solve_mgpu.solve_mosaic(A, k, v, G, beta, C=C, store=store, with_r=save, kk=save, interpret=interpret,
