@@ -97,6 +97,20 @@ def test_pallas_scalar_gate_bf16_and_varlen(monkeypatch):
     _compare("gdn", make_inputs("gdn", B=1, T=101, H=1, K=32, V=32, num_seqs=3, seed=3), cu_seqlens=cu_seqlens)
 
 
+@pytest.mark.parametrize("trans_a", [False, True])
+def test_kernel_dot_precisions(trans_a):
+    # `common.dot`: "bf16x2" (a split into bf16 parts, b taken in bf16; the scalar Gram gradients' products with the
+    # bf16 inputs as right operands) against fp64: for a bf16 b as accurate as "bf16x3" (relative max error below
+    # 2e-5), where "bf16" is off by over 1e-3.
+    from lineattn.ops.pallas.common import dot
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((64, 64)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((64, 32)), jnp.bfloat16)
+    want = (np.asarray(a, np.float64).T if trans_a else np.asarray(a, np.float64)) @ np.asarray(b, np.float64)
+    err = lambda p: np.max(np.abs(np.asarray(dot(a, b, p, trans_a=trans_a)) - want)) / np.max(np.abs(want))
+    assert err("bf16x2") < 2e-5 and err("bf16x3") < 2e-5 and err("bf16") > 1e-3
+
+
 def test_pallas_head_gate_broadcast_and_retrace(monkeypatch):
     # A head gate through the per-channel kernels (`api.SCALAR_GATE = False`: the gate broadcast over K), and the
     # jitted forward retracing when a module constant changes after a first call with the same shapes: with

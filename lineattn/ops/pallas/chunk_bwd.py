@@ -79,7 +79,18 @@ GRADS_SPLIT = True
 # 1.589 with 2 parts on 8 warps but its exact-path kernel 0.112 against 0.057; with the exact path on one program
 # per chunk (run17e) 1.586 (exact 0.017) against 1.573 (exact 0.032), fwd+bwd 4.831 against 4.838 ms.
 GRADS_ROW_SPLIT = 1
-GRADS_SCALAR_WARPS = 4  # the scalar-gate Gram gradients (`gram_grads_scalar`; run9a, GDN 8 x 4096: 1.58 ms)
+# GRADS_PREC, GRADS_SCALAR_PREC: the products of the Gram gradients (`gram_grads_fused`; `gram_grads_scalar`, a
+# gate equal across K) for bf16 inputs: "tf32"; "bf16x3" (three bf16 tensor-core products of the fp32 operands'
+# parts: about 16 mantissa bits against TF32's 10); "bf16x2" (the scalar kernel's right operands are the bf16
+# inputs themselves: two products, the numbers of bf16x3). GRADS_SCALAR_WARPS, GRADS_SCALAR_BK: the scalar
+# kernel's warps and K tile. H200, 8 x 4096, kernel time (run29a-c): KDA's kernel 2.197 ms with bf16x3 against
+# 1.290 with tf32 (dg 2.9e-3 against 5.7e-3 from the fp32 XLA chunk form); GDN's, K tile 64 / 32 / 16 on 4 warps
+# with bf16x2: 1.090 / 0.964 / 0.823 ms (the default; 1.220 before run29, tf32 with scale * q as an operand,
+# dg 4.5e-3 against 2.7e-3 now); K tile 32: tf32 1.014, bf16x3 1.305, 8 warps 1.236 (bf16x3 on 8: 1.878); K tile
+# 64: 8 warps 0.980, bf16x3 1.061. (Plain bf16 products: dg's error 1.3e-2 against 1.8e-3, CPU, T = 512.) Read
+# when a call is traced.
+GRADS_PREC = "tf32"
+GRADS_SCALAR_PREC, GRADS_SCALAR_WARPS, GRADS_SCALAR_BK = "bf16x2", 4, 16
 # dq, dk and dG are formed inside the Gram-gradient kernel, row by row, and `_dg_kernel` takes dg's reverse
 # cumsum. (A separate combine kernel reading four fp32 Gram gradients back was slower on the H200, run8a: 1.62 +
 # 1.05 ms against 2.13 + 0.18; removed.)
@@ -295,7 +306,7 @@ def gram_grads_fused(q, k, G, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, inte
     chunk_mat = pl.BlockSpec((None, None, C, C), lambda b, h, i: (b, h, i // nb, 0))
     rows = pl.BlockSpec((None, None, SUB, K), lambda b, h, i: (b, h, i, 0))
     tok_rows = pl.BlockSpec((None, SUB, None, K), lambda b, h, i: (b, i, h, 0))
-    prec = "ieee" if exact else "tf32"  # (bf16 products: dg's error 1.3e-2 against 1.8e-3, CPU, T = 512)
+    prec = "ieee" if exact else GRADS_PREC
     out_specs = [tok_rows, tok_rows, rows, pl.BlockSpec((None, None, 1, K), lambda b, h, i: (b, h, i, 0))]
     out_shape = [jax.ShapeDtypeStruct((B, Tp, H, K), q.dtype), jax.ShapeDtypeStruct((B, Tp, H, K), k.dtype),
                  jax.ShapeDtypeStruct((B, H, Tp, K), f32), jax.ShapeDtypeStruct((B, H, N * nb, K), f32)]
@@ -337,9 +348,10 @@ def _gram_scalar_bwd_kernel(q_ref, k_ref, g_ref, dm_ref, dkk_ref, dqin_ref, dkg_
     rest = kgd = jnp.zeros((k_ref.shape[0],), f32)
     for t in range(k_ref.shape[-1] // bk):
         d = pl.ds(t * bk, bk)
-        q, k = q_ref[:, d].astype(f32), k_ref[:, d].astype(f32)
-        xq, xk = dot(dM, k, prec), dot(dKK, k, prec)
-        kq, kk = dot(dM, q * scale, prec, trans_a=True), dot(dKK, k, prec, trans_a=True)
+        q_in, k_in = q_ref[:, d], k_ref[:, d]  # (as given: exact right operands for "bf16x2")
+        xq, xk = dot(dM, k_in, prec), dot(dKK, k_in, prec)
+        kq, kk = scale * dot(dM, q_in, prec, trans_a=True), dot(dKK, k_in, prec, trans_a=True)
+        q, k = q_in.astype(f32), k_in.astype(f32)
         dq, dk, dG, kg_dkg = _combine_rows(q, k, G, G_end, dqin_ref[:, d], dkg_ref[:, d],
                                            dkin_ref[:, d] if delta else None, xq, xk, kq, kk, scale, kg_term=False)
         dq_ref[:, d] = dq.astype(dq_ref.dtype)
@@ -349,7 +361,7 @@ def _gram_scalar_bwd_kernel(q_ref, k_ref, g_ref, dm_ref, dkk_ref, dqin_ref, dkg_
 
 
 def gram_grads_scalar(q, k, g, dM, dKK, dQin, dKg, dKin, dend, ddend, *, C, scale, exact, interpret, delta=True,
-                      bk=64):
+                      bk=None):
     """dq, dk [B, Tp, H, K] and dg [B, H, Tp] fp32 for a gate equal across K (g [B, Tp, H] fp32, the scalar log
     gate), from `gram_grads_fused`'s inputs and e^(G_C) and its cotangent [B, H, K, N]: `_gram_scalar_bwd_kernel`,
     then dg's in-chunk sums on [B, H, N, C] (small: XLA's)."""
@@ -359,8 +371,8 @@ def gram_grads_scalar(q, k, g, dM, dKK, dQin, dKg, dKin, dend, ddend, *, C, scal
     chunk = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
     row = pl.BlockSpec((None, None, C), lambda b, h, n: (b, h, n))
     dq, dk, rest, kgd = pallas_call(
-        functools.partial(_gram_scalar_bwd_kernel, C=C, scale=scale, prec="ieee" if exact else "tf32", delta=delta,
-                          bk=min(bk, K)),
+        functools.partial(_gram_scalar_bwd_kernel, C=C, scale=scale, prec="ieee" if exact else GRADS_SCALAR_PREC,
+                          delta=delta, bk=min(bk or GRADS_SCALAR_BK, K)),
         grid=(B, H, N),
         in_specs=[tok, tok, pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h)), chunk(C), chunk(C),
                   chunk(K), chunk(K), chunk(K)],

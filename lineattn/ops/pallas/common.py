@@ -114,7 +114,14 @@ def compiler_params(num_warps: int = 4, num_stages: int = 1):
 def dot(a, b, precision, *, trans_a: bool = False, trans_b: bool = False):
     """2-D matmul with fp32 accumulation. precision: "bf16" casts both operands to bf16 (tensor cores), "tf32"
     keeps fp32 operands at TF32, "bf16x3" splits fp32 operands into bf16 parts (three tensor-core products, about
-    16 mantissa bits), "ieee" is exact fp32 (HIGHEST: no tensor cores)."""
+    16 mantissa bits), "ieee" is exact fp32 (HIGHEST: no tensor cores), "bf16x2" splits a into bf16 parts and
+    takes b in bf16 (two tensor-core products: for a b that bf16 holds exactly, such as bf16 inputs, the numbers of
+    "bf16x3")."""
+    if precision == "bf16x2":
+        hi = a.astype(jnp.bfloat16)
+        lo = (a.astype(jnp.float32) - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+        part = lambda x: dot(x, b, "bf16", trans_a=trans_a, trans_b=trans_b)
+        return part(hi) + part(lo)
     if precision == "bf16x3":
         a, b, prec = a.astype(jnp.float32), b.astype(jnp.float32), jax.lax.DotAlgorithmPreset.BF16_BF16_F32_X3
     elif precision == "bf16":
