@@ -65,6 +65,11 @@
 #   the Gram kernel (00afc93: Gram 2.48 ms, removed) and then as their own kernel (f8a58eb, the default: 0.04 ms,
 #   solve 0.26 against 0.40, forward kernels 1.38 against 1.49); bench fwd 1.66 / 2.25 ms; the whole GPU suite
 #   passed (102 tests).
+#   Run29 (session 27): the same inversion in GDN's forward alone (forward kernels 0.76 against 0.87 ms); the scalar
+#   Gram gradients as bf16x2 products on K tiles of 16 (0.82 against 1.22 ms); KDA's in bf16x3 (2.20 against 1.29:
+#   KDA keeps TF32); two profiles in one call, each with its own --out, then the grep:
+#     SKIP_BENCH=1 SHARDS=3 TESTS_K="gdn or deltanet" bash benchmarks/h200_issue2.sh; export PYTHONPATH=$PWD/.site:$PWD
+#     python3 benchmarks/profile_pallas_kda.py --out $OUT/gdn --rule gdn --impls lineattn --check --configs "..."
 #   The long GPU tests take ~30 s each (19 of them): a subset fits a call beside a bench part, e.g.
 #     TEST_TIMEOUT=200 TESTS_K="long_bf16 and default" SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
 #   A/B wall clock of settings, interleaved (not through this script): PYTHONPATH=$PWD python3
