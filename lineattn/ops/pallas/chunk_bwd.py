@@ -360,8 +360,7 @@ def _gram_scalar_bwd_kernel(q_ref, k_ref, g_ref, dm_ref, dkk_ref, dqin_ref, dkg_
     rest_ref[...], kgd_ref[...] = rest, kgd
 
 
-def gram_grads_scalar(q, k, g, dM, dKK, dQin, dKg, dKin, dend, ddend, *, C, scale, exact, interpret, delta=True,
-                      bk=None):
+def gram_grads_scalar(q, k, g, dM, dKK, dQin, dKg, dKin, dend, ddend, *, C, scale, exact, interpret, delta=True):
     """dq, dk [B, Tp, H, K] and dg [B, H, Tp] fp32 for a gate equal across K (g [B, Tp, H] fp32, the scalar log
     gate), from `gram_grads_fused`'s inputs and e^(G_C) and its cotangent [B, H, K, N]: `_gram_scalar_bwd_kernel`,
     then dg's in-chunk sums on [B, H, N, C] (small: XLA's)."""
@@ -372,7 +371,7 @@ def gram_grads_scalar(q, k, g, dM, dKK, dQin, dKg, dKin, dend, ddend, *, C, scal
     row = pl.BlockSpec((None, None, C), lambda b, h, n: (b, h, n))
     dq, dk, rest, kgd = pallas_call(
         functools.partial(_gram_scalar_bwd_kernel, C=C, scale=scale, prec="ieee" if exact else GRADS_SCALAR_PREC,
-                          delta=delta, bk=min(bk or GRADS_SCALAR_BK, K)),
+                          delta=delta, bk=min(GRADS_SCALAR_BK, K)),
         grid=(B, H, N),
         in_specs=[tok, tok, pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h)), chunk(C), chunk(C),
                   chunk(K), chunk(K), chunk(K)],

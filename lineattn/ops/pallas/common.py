@@ -111,6 +111,12 @@ def compiler_params(num_warps: int = 4, num_stages: int = 1):
     return pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+def split_bf16(x):
+    """fp32 x as bf16 parts (hi, lo) with hi + lo = x to about 16 mantissa bits."""
+    hi = x.astype(jnp.bfloat16)
+    return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+
 def dot(a, b, precision, *, trans_a: bool = False, trans_b: bool = False):
     """2-D matmul with fp32 accumulation. precision: "bf16" casts both operands to bf16 (tensor cores), "tf32"
     keeps fp32 operands at TF32, "bf16x3" splits fp32 operands into bf16 parts (three tensor-core products, about
@@ -118,8 +124,7 @@ def dot(a, b, precision, *, trans_a: bool = False, trans_b: bool = False):
     takes b in bf16 (two tensor-core products: for a b that bf16 holds exactly, such as bf16 inputs, the numbers of
     "bf16x3")."""
     if precision == "bf16x2":
-        hi = a.astype(jnp.bfloat16)
-        lo = (a.astype(jnp.float32) - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+        hi, lo = split_bf16(a.astype(jnp.float32))
         part = lambda x: dot(x, b, "bf16", trans_a=trans_a, trans_b=trans_b)
         return part(hi) + part(lo)
     if precision == "bf16x3":

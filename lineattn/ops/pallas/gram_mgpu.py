@@ -27,9 +27,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from lineattn.ops.pallas.common import SUB, interpret_mode
-from lineattn.ops.pallas.solve_mgpu import (_ROW, _copy_in, _interpret_params, _load, _smem, _split,
-                                            invert_and_apply, math_params, operand_buffers)
+from lineattn.ops.pallas.common import SUB, interpret_mode, split_bf16
+from lineattn.ops.pallas.solve_mgpu import (_ROW, _copy_in, _interpret_params, _load, _smem, invert_and_apply,
+                                            math_params, operand_buffers)
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 _COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column of a WGMMA-layout array
@@ -100,7 +100,7 @@ def gram_solve_mosaic(q, k, v, G, beta, *, C, scale, limit, save=False, interpre
             def products(acc_m, acc_a):
                 def row_operands(toward, kf, t):
                     """The bf16 parts of L^k = kf toward and L^q = scale q toward [C, bk] (kf: tile t's keys, fp32)."""
-                    return (*_split(kf * toward), *_split(_load(q_s.at[t]).astype(f32) * (scale * toward)))
+                    return (*split_bf16(kf * toward), *split_bf16(_load(q_s.at[t]).astype(f32) * (scale * toward)))
 
                 def own_operands(t):  # every row toward its own block's middle row (LOOP "tiles")
                     G_ref_rows = G_row(0, t)
@@ -116,7 +116,7 @@ def gram_solve_mosaic(q, k, v, G, beta, *, C, scale, limit, save=False, interpre
                     Gr, G_ = G_row(a, t), _load(G_s.at[t])
                     kf = _load(k_s.at[t]).astype(f32)
                     keys = kf * jnp.exp(jnp.minimum(Gr - G_, limit))
-                    keys = _split(keys) if KEYS_SPLIT else (keys.astype(bf16),)
+                    keys = split_bf16(keys) if KEYS_SPLIT else (keys.astype(bf16),)
                     if OVERLAP:  # the last block's products on this tile have read its buffers
                         plgpu.wgmma_wait(6 * (nt - 1) if KEYS_SPLIT else 4 * (nt - 1))
                     for buf, part in zip((r_s.at[t], rlo_s.at[t]), keys):

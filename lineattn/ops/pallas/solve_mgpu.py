@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from lineattn.ops.pallas.common import SUB, interpret_mode
+from lineattn.ops.pallas.common import SUB, interpret_mode, split_bf16
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 _WG = plgpu.Layout.WGMMA
@@ -51,12 +51,6 @@ def _interpret_params(interpret: bool | None):
     return plgpu.InterpretGPUParams() if interpret_mode(interpret) else None
 
 
-def _split(x):
-    """fp32 x as bf16 parts (hi, lo) with hi + lo = x to about 16 mantissa bits."""
-    hi = x.astype(bf16)
-    return hi, (x - hi.astype(f32)).astype(bf16)
-
-
 # LHS_REGS: the left operands of the wgmmas (X's bf16 parts) straight from registers instead of SMEM (fewer SMEM
 # stores, 16 KB less SMEM); the Mosaic GPU interpreter takes SMEM operands only, so on the CPU they are staged
 # through SMEM either way (read when a call is traced). H200, 8 x 4096 x 16 x 128 (run11a): 0.415 ms against 0.471.
@@ -77,7 +71,7 @@ def _product(lhs, rhs, bufs, regs: bool):
     """lhs @ rhs for fp32 register arrays [C, C] (WGMMA layout) on the tensor cores as three bf16 wgmmas (hi hi +
     hi lo + lo hi). bufs: [C, C] bf16 SMEM buffers for the parts: (rhs_hi, rhs_lo) with regs (the lhs parts from
     registers), else (lhs_hi, lhs_lo, rhs_hi, rhs_lo)."""
-    (a_hi, a_lo), (b_hi, b_lo) = _split(lhs), _split(rhs)
+    (a_hi, a_lo), (b_hi, b_lo) = split_bf16(lhs), split_bf16(rhs)
     bufs[-2][...], bufs[-1][...] = b_hi, b_lo
     if regs:
         a_hi_op, a_lo_op = a_hi, a_lo
