@@ -298,8 +298,8 @@ def scalar_decay(g_ref):
     return Gs[:, None], decay, jnp.sum(g)
 
 
-def _gram_scalar_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta,
-                        bk):
+def _gram_scalar_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, *gated_refs, C, scale, prec, delta, bk):
+    """gated_refs: Qin, Kg (or none: a state pass that applies the row factors itself, `forward`'s row_gate)."""
     i, j = _iota((C, C), 0), _iota((C, C), 1)
     G, decay, G_end = scalar_decay(g_ref)
     to_end = exp(G_end - G)
@@ -307,8 +307,10 @@ def _gram_scalar_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg
     for t in range(k_ref.shape[-1] // bk):
         d = pl.ds(t * bk, bk)
         q, k = q_ref[:, d], k_ref[:, d]
-        qin_ref[:, d] = (q.astype(f32) * (scale * exp(G))).astype(qin_ref.dtype)
-        kg_ref[:, d] = (k.astype(f32) * to_end).astype(kg_ref.dtype)
+        if gated_refs:
+            qin_ref, kg_ref = gated_refs
+            qin_ref[:, d] = (q.astype(f32) * (scale * exp(G))).astype(qin_ref.dtype)
+            kg_ref[:, d] = (k.astype(f32) * to_end).astype(kg_ref.dtype)
         QK = QK + dot(q, k, prec, trans_b=True)
         if delta:
             KK = KK + dot(k, k, prec, trans_b=True)
@@ -317,25 +319,27 @@ def _gram_scalar_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg
         a_ref[...] = jnp.where(j < i, beta_ref[...].astype(f32)[:, None] * KK * decay, 0.0)
 
 
-def gram_scalar(q, k, g, beta, *, C, scale, store, exact, delta, interpret, a_dtype=f32, bk=64):
+def gram_scalar(q, k, g, beta, *, C, scale, store, exact, delta, interpret, a_dtype=f32, bk=64, gated=True):
     """`gram_rows`'s outputs (M, A, Qin, Kg [B, H, Tp, .]) for a gate equal across K, by `_gram_scalar_kernel`;
-    g [B, Tp, H] fp32 is the scalar log gate (its in-chunk cumsum is taken in the kernel)."""
+    g [B, Tp, H] fp32 is the scalar log gate (its in-chunk cumsum is taken in the kernel). gated False: Qin and
+    Kg are not written (None)."""
     B, Tp, H, K = q.shape
     kernel = functools.partial(_gram_scalar_kernel, C=C, scale=scale, prec="ieee" if exact else "bf16", delta=delta,
                                bk=min(bk, K))
     tok = pl.BlockSpec((None, C, None, K), lambda b, h, n: (b, n, h, 0))
     tok1 = pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
     out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
-    return pallas_call(
+    outs = 4 if gated else 2
+    return (*pallas_call(
         kernel,
         grid=(B, H, Tp // C),
         in_specs=[tok, tok, tok1, tok1],
-        out_specs=[out(C), out(C), out(K), out(K)],
-        out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype),
+        out_specs=[out(C), out(C), out(K), out(K)][:outs],
+        out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype)[:outs],
         compiler_params=compiler_params(num_warps=GRAM_SCALAR_WARPS, num_stages=1),
         interpret=interpret,
         name="lineattn_chunk_gram_scalar",
-    )(q, k, g, beta)
+    )(q, k, g, beta), *(() if gated else (None, None)))
 
 
 # ---- Gate cumsum as a kernel (XLA's cumsum over the chunk axis took 0.6 ms at 8 x 4096 x 16 x 128) ----
@@ -542,11 +546,13 @@ def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, 
     )(*args)
 
 
-def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, save=False, scalar=False):
+def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, save=False, scalar=False,
+           row_gate=False):
     """The intra-chunk stage's outputs (qin, kg, w, u, m, e^(G_C) as [B, H, K, N]): the gate-cumsum kernel, the
     Gram rows (or `gram_scalar`) and the whole-chunk solve. save: also the unscaled key Gram KK and
     R = (I + A)^-1 (fp32 [B, H, Tp, C]) for the backward (the Gram kernel then writes KK and the solve scales it
-    by beta), G and the block spreads (see `forward`'s save)."""
+    by beta), G and the block spreads (see `forward`'s save). row_gate (a scalar gate, not with save): qin and kg
+    None, and the scalar gate's G [B, Tp, H] last (see ROW_GATE)."""
     K = q.shape[-1]
     exact = prec == "ieee"
     split = split_gram(scalar, delta)
@@ -570,7 +576,7 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
                                  prec=prec if exact else GRAM_PREC)
     elif scalar:
         m, A, qin, kg = gram_scalar(q, k, g, gram_beta, C=C, scale=scale, store=store, exact=exact,
-                                    delta=delta, interpret=interpret)
+                                    delta=delta, interpret=interpret, gated=not row_gate)
     else:
         m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store,
                                   prec=prec if exact else GRAM_PREC, delta=delta, warps=warps, interpret=interpret,
@@ -591,7 +597,7 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
         w, u, R = out
         return qin, kg, w, u, m, dend, A, R, *gate
     w, u = out
-    return qin, kg, w, u, m, dend
+    return (qin, kg, w, u, m, dend) + ((G,) if row_gate else ())
 
 
 def saved_gate(saved):
@@ -699,6 +705,10 @@ PASS_MAX_BV = 64
 # pass 0.264 against 0.447; kernels fwd 1.602 against 1.742 ms, fwd+bwd 5.089 against 5.429 (GDN 0.978 / 4.007
 # against 1.120 / 4.340); o and the five gradients' errors against the fp32 XLA chunk form unchanged to two digits.
 PASS_IMPL = "auto"
+# ROW_GATE: in a forward alone with a scalar gate (GDN) and the Mosaic state pass, the pass reads the raw q and k
+# and applies the gate as row factors, O = Diag(scale e^G) (q S) + M E and Kg^T E = k^T Diag(e^(G_C - G)) E, so the
+# scalar Gram kernel writes no Qin, Kg (2 K bf16 values per token and head). Read when traced.
+ROW_GATE = True
 
 
 def mosaic_pass(dtype, delta: bool, C: int, K: int, V: int, BV: int, exporting: bool, keep_dtype,
@@ -828,17 +838,25 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     if not delta:
         beta = jnp.zeros((B, Tp, H), dt)  # unused by the additive kernel
 
+    nseg = pass_segments(B * H, N, V, save, bool(export_chunks))
+    BV = block_v or pick_block_v(B * H * nseg, V)
+    row_gate = (ROW_GATE and scalar and delta and not save and not only_intra and nseg == 1
+                and mosaic_pass(store, delta, C, K, V, BV, bool(export_chunks), None, interpret))
     qin, kg, w, u, m, dend, *extra = _intra(
         q, k, v, g, beta, C=C, scale=scale, store=store, prec="ieee" if exact else "tf32", delta=delta,
-        warps=warps[0], interpret=interpret, save=save, scalar=scalar)
+        warps=warps[0], interpret=interpret, save=save, scalar=scalar, row_gate=row_gate)
     if only_intra:
         return qin, kg, w, u, m, dend
     if not delta:
         u = jnp.moveaxis(v, 2, 1).astype(store)
         w = qin  # unread by the additive state pass
+    if row_gate:  # Qin = Diag(scale e^G) q and Kg = Diag(e^(G_C - G)) k by their row factors [B, H, Tp]
+        G = extra[0].reshape(B, N, C, H)
+        rows = [jnp.moveaxis(x.reshape(B, Tp, H), 1, 2) for x in (scale * jnp.exp(G), jnp.exp(G[:, :, -1:] - G))]
+        o, ends = state_mgpu.state_pass_mosaic(q, k, w, u, m, jnp.swapaxes(dend, -1, -2), h0.astype(f32),
+                                               out_dtype=dt, block_v=BV, rows=rows, interpret=interpret)
+        return o[:, :T], ends
 
-    nseg = pass_segments(B * H, N, V, save, bool(export_chunks))
-    BV = block_v or pick_block_v(B * H * nseg, V)
     prec = "ieee" if exact else "bf16"
     # grid (B, H, segments, V tiles): the block specs of the backward's passes (`segments`)
     whole, vtile, state, per_chunk, kn, tokens = segments.block_specs(Tp, N, K, nseg, BV)

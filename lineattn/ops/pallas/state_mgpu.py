@@ -117,35 +117,55 @@ def _segmented(state):
     return state if state.ndim == 5 else state[:, :, None]
 
 
+def _row_factor(row_s, C, bv):
+    """A chunk's row factors [C] from SMEM as a [C, bv] column broadcast in the WGMMA layout."""
+    return jax.lax.broadcast_in_dim(plgpu.load(row_s, layout=_ROW, optimized=False), (C, bv), [0])
+
+
 def _decay(dend_s, K, bv):
     """e^(G_C) [K] from SMEM as a [K, bv] row broadcast in the WGMMA layout."""
     return jax.lax.broadcast_in_dim(plgpu.load(dend_s, layout=_ROW, optimized=False), (K, bv), [0])
 
 
 def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None, block_v: int = BV,
-                      interpret: bool | None = None):
+                      rows=None, interpret: bool | None = None):
     """o [B, Tp, H, V] (out_dtype) and the final state [B, H, K, V] fp32 of the delta-rule state pass; with
     keep_dtype also every chunk's incoming state [B, H, N K, V] and E = U - W S [B, H, Tp, V] in keep_dtype.
 
     qin, kg, w [B, H, Tp, K], u [B, H, Tp, V], m [B, H, Tp, C] (bf16, C = 64), dend = e^(G_C) [B, H, N, K] fp32,
     h0 [B, H, K, V] fp32, or every segment's true start [B, H, nseg, K, V] (the segments of N / nseg chunks then
     run side by side, and the final state is each segment's end, [B, H, nseg, K, V]); block_v the V tile (16, 32
-    or 64)."""
-    B, H, Tp, K = qin.shape
+    or 64). rows (a gate equal across K, one segment, no keep_dtype): the row factors (scale e^G, e^(G_C - G))
+    [B, H, Tp] fp32 of Qin and Kg, which then come raw as q and k [B, Tp, H, K]: O = Diag(scale e^G) (q S) + M E
+    and Kg^T E = k^T (Diag(e^(G_C - G)) E), so that no Qin, Kg need be written."""
+    B, H, Tp, K = w.shape
+    if rows is not None:
+        B, Tp, H, K = qin.shape
+        if (keep_dtype is not None or _segmented(h0).shape[2] != 1 or kg.shape != qin.shape
+                or w.shape != (B, H, Tp, K) or [r.shape for r in rows] != [(B, H, Tp)] * 2):
+            raise ValueError(f"state_pass_mosaic: rows takes one segment, no keep_dtype, q and k [B, Tp, H, K] = "
+                             f"{(B, Tp, H, K)} and two row factors [B, H, Tp], got k {kg.shape}, w {w.shape}, rows "
+                             f"{[r.shape for r in rows]}")
     V, C = u.shape[-1], m.shape[-1]
     N, bv = Tp // C, block_v
     nseg = _check("state_pass_mosaic", C, K, V, bv, (qin, kg, w, u, m), dend, h0, B, H, N)
     Ns = N // nseg
     keep = keep_dtype is not None
 
-    def body(qin_g, kg_g, w_g, u_g, m_g, dend_g, h0_g, o_g, ht_g, *rest):
+    def body(qin_g, kg_g, w_g, u_g, m_g, dend_g, *rest):
+        if rows is not None:
+            (qrow_g, krow_g), rest = rest[:2], rest[2:]
+        h0_g, o_g, ht_g, *rest = rest
         keep_g, (s_s, e_s, *outs_s, bar) = rest[:2 * keep], rest[2 * keep:]
+        if rows is not None:
+            ek_s, *outs_s = outs_s
         b, sg, h, j = _where(nseg)
         cols, first = pl.ds(j * bv, bv), sg * Ns  # (this segment's first chunk)
 
-        def step(idx, qin_s, kg_s, w_s, u_s, m_s, dend_s, S):
+        def step(idx, qin_s, kg_s, w_s, u_s, m_s, dend_s, *rest):
+            *row_s, S = rest
             n = first + idx[0]
-            slot, rows = idx[0] % 2, pl.ds(n * C, C)
+            slot, tok = idx[0] % 2, pl.ds(n * C, C)
             # the copies out of this slot (two chunks back) must have read it: at most the last chunk's in flight
             plgpu.wait_smem_to_gmem(len(outs_s), wait_read_only=True)
             s_s[...] = S.astype(bf16)
@@ -156,34 +176,50 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
             e_s[...] = E.astype(bf16)
             if keep:
                 outs_s[2].at[slot][...] = E.astype(keep_dtype)
+            if row_s:  # (the right operand of k^T: E's rows scaled by e^(G_C - G))
+                ek_s[...] = (E * _row_factor(row_s[1], C, bv)).astype(bf16)
             plgpu.commit_smem()
-            O, KgE = _products([(qin_s, s_s), (m_s, e_s)], [(kg_s.transpose((1, 0)), e_s)])
+            if row_s:
+                QS, ME, KgE = _products([(qin_s, s_s)], [(m_s, e_s)], [(kg_s.transpose((1, 0)), ek_s)])
+                O = QS * _row_factor(row_s[0], C, bv) + ME
+            else:
+                O, KgE = _products([(qin_s, s_s), (m_s, e_s)], [(kg_s.transpose((1, 0)), e_s)])
             outs_s[0].at[slot][...] = O.astype(out_dtype)
-            _copy_out([(outs_s[0].at[slot], o_g.at[b, rows, h, cols])]
+            _copy_out([(outs_s[0].at[slot], o_g.at[b, tok, h, cols])]
                       + ([(outs_s[1].at[slot], keep_g[0].at[b, h, pl.ds(n * K, K), cols]),
-                          (outs_s[2].at[slot], keep_g[1].at[b, h, rows, cols])] if keep else []))
+                          (outs_s[2].at[slot], keep_g[1].at[b, h, tok, cols])] if keep else []))
             return S * _decay(dend_s, K, bv) + KgE
 
         rows_k = lambda n: (first + n, 0)
         in_specs = [_spec((C, K), rows_k, bv), _spec((C, K), rows_k, bv), _spec((C, K), rows_k, bv),
                     _spec((C, bv), lambda n: (first + n, j), bv), _spec((C, C), rows_k, bv),
                     plgpu.BlockSpec((K,), lambda n: (first + n,))]
+        if rows is None:
+            operands = (qin_g.at[b, h], kg_g.at[b, h])
+        else:
+            in_specs += [plgpu.BlockSpec((C,), lambda n: (first + n,))] * 2
+            operands = (qin_g.at[b, :, h, :], kg_g.at[b, :, h, :])
+        operands += (w_g.at[b, h], u_g.at[b, h], m_g.at[b, h], dend_g.at[b, h])
+        if rows is not None:
+            operands += (qrow_g.at[b, h], krow_g.at[b, h])
         S = plgpu.emit_pipeline(step, grid=(Ns,), in_specs=in_specs, max_concurrent_steps=2,
-                                init_carry=_read_state(h0_g.at[b, h, sg, :, cols], bar, K, bv))(
-            qin_g.at[b, h], kg_g.at[b, h], w_g.at[b, h], u_g.at[b, h], m_g.at[b, h], dend_g.at[b, h])
+                                init_carry=_read_state(h0_g.at[b, h, sg, :, cols], bar, K, bv))(*operands)
         _write_state(S, ht_g.at[b, h, sg, :, cols], K, bv)
 
     out = [jax.ShapeDtypeStruct((B, Tp, H, V), out_dtype), jax.ShapeDtypeStruct((B, H, nseg, K, V), f32)]
     # SMEM at K = 128, bv = 64: two pipeline slots of (Qin, Kg, W, U, M, e^(G_C)) = 2 x 64.5 KB and of o (and of
     # the kept S, E: 2 x 24 KB), S and E in bf16 (24 KB): 169 KB (217 KB with keep; the fp32 state's 32 KB for its
-    # first load and last store are scoped outside the pipeline). The H200 has 227 KB per block: one CTA per SM.
-    scratch = [_operand((K, bv), bv), _operand((C, bv), bv), _smem((2, C, bv), out_dtype)]
+    # first load and last store are scoped outside the pipeline; rows: 8.5 KB more for the scaled E and the row
+    # factors). The H200 has 227 KB per block: one CTA per SM.
+    scratch = [_operand((K, bv), bv), _operand((C, bv), bv)]
+    scratch += [_operand((C, bv), bv)] if rows is not None else []
+    scratch += [_smem((2, C, bv), out_dtype)]
     if keep:
         out += [jax.ShapeDtypeStruct((B, H, N * K, V), keep_dtype), jax.ShapeDtypeStruct((B, H, Tp, V), keep_dtype)]
         scratch += [_smem((2, K, bv), keep_dtype), _smem((2, C, bv), keep_dtype)]
     # (each chunk's e^(G_C) is a 1-D block of the flattened [B, H, N K])
-    o, ends, *kept = _run(body, (qin, kg, w, u, m, dend.reshape(B, H, N * K), _segmented(h0)), out, scratch, B, H,
-                          V, bv, nseg, "lineattn_state_pass_mosaic", interpret)
+    inputs = (qin, kg, w, u, m, dend.reshape(B, H, N * K)) + tuple(rows or ()) + (_segmented(h0),)
+    o, ends, *kept = _run(body, inputs, out, scratch, B, H, V, bv, nseg, "lineattn_state_pass_mosaic", interpret)
     return (o, ends if h0.ndim == 5 else ends[:, :, 0], *kept)
 
 
