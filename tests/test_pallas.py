@@ -408,10 +408,11 @@ def _out_avals(jaxpr_text, name):
 
 def test_mosaic_pass_applies_a_scalar_gate_by_rows():
     # `chunk_fwd.ROW_GATE`: a GDN forward alone through the Mosaic state pass (its interpreter here) reads the raw q
-    # and k and applies the gate's row factors, and the scalar Gram kernel writes M and A only (no Qin, Kg). bf16, T
-    # = 150 (3 chunks of 64, ragged), K = 64, V = 128, a non-zero h0: o and the final state equal those of the pass
-    # over Qin and Kg to rounding (CPU: 3.7e-4 / 2.0e-4 relative RMS; the bf16 operands differ) and the fp32 form's
-    # within FLA's 5e-3 (CPU: 3.2e-3 / 1.9e-3 either way).
+    # and k and applies the gate's row factors, and the scalar Gram kernel writes M and A only (no Qin, Kg); with
+    # INVERSE_IN_PASS the solve writes R = (I + A)^-1 alone (`solve_mgpu.inverse_mosaic`) and the pass forms E from
+    # R and the raw v. bf16, T = 150 (3 chunks of 64, ragged), K = 64, V = 128, a non-zero h0: o and the final state
+    # equal those of the pass over Qin, Kg, W and U to rounding (CPU: o 3.7e-4 / 6.8e-4, the state 2.0e-4 / 2.4e-4
+    # relative RMS; the bf16 operands differ) and the fp32 form's within FLA's 5e-3 (CPU: 3.2e-3 / 1.9e-3 each way).
     from lineattn.ops.pallas import chunk_fwd, state_mgpu, tuning
     x = make_inputs("gdn", B=2, T=150, H=2, K=64, V=128, seed=22)
     args = tuple(x[n].astype(jnp.bfloat16) for n in ("q", "k", "v")) + (x["g"], x["beta"].astype(jnp.bfloat16),
@@ -419,16 +420,19 @@ def test_mosaic_pass_applies_a_scalar_gate_by_rows():
     fwd = lambda *a: chunk_fwd.forward(*a, scale=64**-0.5, interpret=True)
     want = fwd(*(a.astype(jnp.float32) for a in args))
     got = {}
-    for row_gate in (False, True):
-        with tuning.override({"chunk_fwd.PASS_IMPL": "mosaic", "chunk_fwd.ROW_GATE": row_gate}):
-            got[row_gate] = fwd(*args)
+    for row_gate, inverse in ((False, False), (True, False), (True, True)):
+        with tuning.override({"chunk_fwd.PASS_IMPL": "mosaic", "chunk_fwd.ROW_GATE": row_gate,
+                              "chunk_fwd.INVERSE_IN_PASS": inverse}):
+            got[row_gate, inverse] = fwd(*args)
             text = str(jax.make_jaxpr(fwd)(*args))
         assert _out_avals(text, "lineattn_chunk_gram_scalar") == (2 if row_gate else 4)
         assert "lineattn_state_pass_mosaic" in text
+        assert ("lineattn_inverse_mosaic" in text) == inverse
         for i, name in enumerate(("o", "ht")):
-            assert _rel_rms(got[row_gate][i], want[i]) <= 5e-3, (row_gate, name)
-    for i, name in enumerate(("o", "ht")):
-        assert _rel_rms(got[True][i], got[False][i]) <= 1e-3, name
+            assert _rel_rms(got[row_gate, inverse][i], want[i]) <= 5e-3, (row_gate, inverse, name)
+    for key in ((True, False), (True, True)):
+        for i, name in enumerate(("o", "ht")):
+            assert _rel_rms(got[key][i], got[False, False][i]) <= 1.5e-3, (key, name)
     q = k = jnp.zeros((2, 192, 2, 64), jnp.bfloat16)
     w, u, m = (jnp.zeros((2, 2, 192, n), jnp.bfloat16) for n in (64, 128, 64))
     rows = [jnp.ones((2, 2, 192), jnp.float32)] * 2
@@ -439,6 +443,12 @@ def test_mosaic_pass_applies_a_scalar_gate_by_rows():
     with pytest.raises(ValueError, match="rows takes one segment"):
         state_mgpu.state_pass_mosaic(q, k, w, u, m, dend, x["initial_state"], out_dtype=jnp.bfloat16,
                                      rows=rows[:1], interpret=True)
+    with pytest.raises(ValueError, match="rows takes one segment"):  # (the inverse form takes four row factors)
+        state_mgpu.state_pass_mosaic(q, k, None, q, m, dend, x["initial_state"], out_dtype=jnp.bfloat16, rows=rows,
+                                     inverse=m, interpret=True)
+    with pytest.raises(ValueError, match="inverse takes rows"):
+        state_mgpu.state_pass_mosaic(q, k, w, u, m, dend, x["initial_state"], out_dtype=jnp.bfloat16, inverse=m,
+                                     interpret=True)
 
 
 @pytest.mark.parametrize("rule,block_v,nseg", [("kda", 64, 1), ("gdn", 16, 1), ("kda", 64, 2)])

@@ -146,18 +146,23 @@ def test_gram_gradients_unsplit_lower_for_sm90(fake_h200, monkeypatch):
 
 def test_scalar_gate_forward_alone_lowers_with_row_factors(fake_h200, monkeypatch):
     # A GDN forward alone on a Hopper GPU (faked) with V tiles of 64: the Mosaic state pass applies the gate's row
-    # factors to the raw q and k (`chunk_fwd.ROW_GATE`), so the scalar Gram kernel has two outputs (M, A), not four.
+    # factors to the raw q and k (`chunk_fwd.ROW_GATE`), so the scalar Gram kernel has two outputs (M, A), not four;
+    # with INVERSE_IN_PASS (the default) the solve is `solve_mgpu.inverse_mosaic` (R alone; its left operands from
+    # registers, which the CPU interpreter cannot run) and the pass applies it.
     from lineattn.ops.pallas import chunk_fwd
     monkeypatch.setattr(chunk_fwd, "hopper", lambda: True)
     monkeypatch.setattr(chunk_fwd, "PASS_MIN_PROGRAMS", 1)
     B, T, H, K, V = 1, 100, 2, 128, 128
     args = (S((B, T, H, K), jnp.bfloat16), S((B, T, H, K), jnp.bfloat16), S((B, T, H, V), jnp.bfloat16),
             S((B, T, H), jnp.float32), S((B, T, H), jnp.bfloat16), S((B, H, K, V), jnp.float32))
-    for row_gate, outputs in ((True, 2), (False, 4)):
+    for row_gate, inverse, outputs in ((True, True, 2), (True, False, 2), (False, True, 4)):
         monkeypatch.setattr(chunk_fwd, "ROW_GATE", row_gate)
+        monkeypatch.setattr(chunk_fwd, "INVERSE_IN_PASS", inverse)
         text = jax.jit(lambda *a: chunk_fwd.forward(*a, scale=K**-0.5, interpret=False)).trace(*args).lower(
             lowering_platforms=("cuda",)).as_text()
         gram = [line for line in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in line
                 and "lineattn_chunk_gram_scalar" in line]
         assert len(gram) == 1 and f":{outputs} = " in gram[0]
         assert "lineattn_state_pass_mosaic" in text
+        assert ("lineattn_inverse_mosaic" in text) == (row_gate and inverse)
+        assert ("lineattn_solve_mosaic" in text) == (not (row_gate and inverse))

@@ -552,7 +552,8 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     Gram rows (or `gram_scalar`) and the whole-chunk solve. save: also the unscaled key Gram KK and
     R = (I + A)^-1 (fp32 [B, H, Tp, C]) for the backward (the Gram kernel then writes KK and the solve scales it
     by beta), G and the block spreads (see `forward`'s save). row_gate (a scalar gate, not with save): qin and kg
-    None, and the scalar gate's G [B, Tp, H] last (see ROW_GATE)."""
+    None, and the scalar gate's G [B, Tp, H] last (see ROW_GATE); with INVERSE_IN_PASS, R = (I + A)^-1 [B, H,
+    Tp, C] bf16 in w's place and u None."""
     K = q.shape[-1]
     exact = prec == "ieee"
     split = split_gram(scalar, delta)
@@ -587,6 +588,9 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     if diag_inverse:
         A = invert_diagonal_blocks(A, C=C, interpret=interpret)
     inv_prec = "ieee" if exact else SOLVE_PREC
+    if row_gate and INVERSE_IN_PASS:
+        R = solve_mgpu.inverse_mosaic(A, C=C, diag_inverse=diag_inverse, interpret=interpret)
+        return qin, kg, R, None, m, dend, G
     if mosaic_solve(exact, C, K, v.shape[-1], interpret):
         out = solve_mgpu.solve_mosaic(A, k, v, G, beta, C=C, store=store, with_r=save, kk=save, interpret=interpret,
                                       diag_inverse=diag_inverse)
@@ -709,6 +713,9 @@ PASS_IMPL = "auto"
 # and applies the gate as row factors, O = Diag(scale e^G) (q S) + M E and Kg^T E = k^T Diag(e^(G_C - G)) E, so the
 # scalar Gram kernel writes no Qin, Kg (2 K bf16 values per token and head). Read when traced.
 ROW_GATE = True
+# INVERSE_IN_PASS: with ROW_GATE, the solve writes R = (I + A)^-1 alone (`solve_mgpu.inverse_mosaic`, bf16) and the
+# state pass forms E = R (Diag(beta) V - Diag(beta e^G) (k S)) from the raw v and k: no W, U are written or read.
+INVERSE_IN_PASS = True
 
 
 def mosaic_pass(dtype, delta: bool, C: int, K: int, V: int, BV: int, exporting: bool, keep_dtype,
@@ -852,9 +859,15 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
         w = qin  # unread by the additive state pass
     if row_gate:  # Qin = Diag(scale e^G) q and Kg = Diag(e^(G_C - G)) k by their row factors [B, H, Tp]
         G = extra[0].reshape(B, N, C, H)
-        rows = [jnp.moveaxis(x.reshape(B, Tp, H), 1, 2) for x in (scale * jnp.exp(G), jnp.exp(G[:, :, -1:] - G))]
-        o, ends = state_mgpu.state_pass_mosaic(q, k, w, u, m, jnp.swapaxes(dend, -1, -2), h0.astype(f32),
-                                               out_dtype=dt, block_v=BV, rows=rows, interpret=interpret)
+        rows = [scale * jnp.exp(G), jnp.exp(G[:, :, -1:] - G)]
+        if INVERSE_IN_PASS:  # (w holds R; the pass takes the raw v and the factors beta, beta e^G)
+            beta_ = beta.astype(f32).reshape(B, N, C, H)
+            rows += [beta_, beta_ * jnp.exp(G)]
+        rows = [jnp.moveaxis(x.reshape(B, Tp, H), 1, 2) for x in rows]
+        o, ends = state_mgpu.state_pass_mosaic(
+            q, k, None if INVERSE_IN_PASS else w, v if INVERSE_IN_PASS else u, m, jnp.swapaxes(dend, -1, -2),
+            h0.astype(f32), out_dtype=dt, block_v=BV, rows=rows, inverse=w if INVERSE_IN_PASS else None,
+            interpret=interpret)
         return o[:, :T], ends
 
     prec = "ieee" if exact else "bf16"

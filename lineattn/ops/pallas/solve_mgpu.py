@@ -119,6 +119,8 @@ def invert_and_apply(A_, outs, sq, regs: bool, before_apply=None, diag_inverse: 
 
     # (levels 1-3, inside the 16 x 16 blocks, cost 0.15 ms of the solve's 0.40 at 8 x 4096, run28a)
     X = jax.lax.fori_loop(first, C.bit_length() - 1, level, X)
+    if not outs:
+        return X
     if regs:
         x_op = X.astype(bf16)
     else:
@@ -207,3 +209,33 @@ def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpre
                           interpret=_interpret_params(interpret), compiler_params=math_params(),
                           kernel_name="lineattn_solve_mosaic")
     return kernel(A, k, v, G, beta_BHT)
+
+
+def inverse_mosaic(A, *, C: int, diag_inverse: bool = False, interpret: bool | None = None):
+    """R = (I + A)^-1 [B, H, Tp, C] in bf16 for a strictly lower A [B, H, Tp, C] fp32 per chunk of C = 64 (diag_inverse:
+    its 16 x 16 diagonal blocks hold their inverses' strictly lower parts, `chunk_fwd.invert_diagonal_blocks`), by
+    `invert_and_apply`'s block doubling, one CTA per (batch, head, chunk). For a scalar gate's forward alone, whose
+    state pass applies R itself (`state_mgpu.state_pass_mosaic`'s inverse): no W, U are formed or written."""
+    B, H, Tp, _ = A.shape
+    if C != 64 or A.shape[-1] != C or A.dtype != f32:
+        raise ValueError(f"inverse_mosaic takes chunk_size 64 and A [B, H, Tp, 64] fp32, got {C} and A "
+                         f"{A.shape} {A.dtype}")
+
+    def body(a_g, r_g, a_s, r_s, bar):
+        b, h, n = jax.lax.axis_index("b"), jax.lax.axis_index("h"), jax.lax.axis_index("n")
+        rows = pl.ds(n * C, C)
+        _copy_in(((a_g.at[b, h, rows], a_s),), bar.at[0])
+        A_ = _load(a_s)
+        X = pl.run_scoped(lambda *sq: invert_and_apply(A_, (), sq, regs, diag_inverse=diag_inverse),
+                          *operand_buffers(C, regs))
+        r_s[...] = X.astype(bf16)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(r_s, r_g.at[b, h, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    regs = LHS_REGS and not interpret_mode(interpret)
+    scratch = [_smem((C, C), f32), _smem((C, C), bf16), plgpu.Barrier(num_arrivals=1, num_barriers=1)]
+    kernel = plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((B, H, Tp, C), bf16), scratch_types=scratch,
+                          grid=(B, H, Tp // C), grid_names=("b", "h", "n"), interpret=_interpret_params(interpret),
+                          compiler_params=math_params(), kernel_name="lineattn_inverse_mosaic")
+    return kernel(A)

@@ -128,34 +128,47 @@ def _decay(dend_s, K, bv):
 
 
 def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None, block_v: int = BV,
-                      rows=None, interpret: bool | None = None):
+                      rows=None, inverse=None, interpret: bool | None = None):
     """o [B, Tp, H, V] (out_dtype) and the final state [B, H, K, V] fp32 of the delta-rule state pass; with
     keep_dtype also every chunk's incoming state [B, H, N K, V] and E = U - W S [B, H, Tp, V] in keep_dtype.
 
     qin, kg, w [B, H, Tp, K], u [B, H, Tp, V], m [B, H, Tp, C] (bf16, C = 64), dend = e^(G_C) [B, H, N, K] fp32,
     h0 [B, H, K, V] fp32, or every segment's true start [B, H, nseg, K, V] (the segments of N / nseg chunks then
     run side by side, and the final state is each segment's end, [B, H, nseg, K, V]); block_v the V tile (16, 32
-    or 64). rows (a gate equal across K, one segment, no keep_dtype): the row factors (scale e^G, e^(G_C - G))
-    [B, H, Tp] fp32 of Qin and Kg, which then come raw as q and k [B, Tp, H, K]: O = Diag(scale e^G) (q S) + M E
-    and Kg^T E = k^T (Diag(e^(G_C - G)) E), so that no Qin, Kg need be written."""
-    B, H, Tp, K = w.shape
+    or 64).
+
+    A gate equal across K (one segment, no keep_dtype) may come as row factors [B, H, Tp] fp32, with the raw q and
+    k [B, Tp, H, K] in place of Qin and Kg: rows = (scale e^G, e^(G_C - G)) gives O = Diag(scale e^G) (q S) + M E
+    and Kg^T E = k^T (Diag(e^(G_C - G)) E), so that no Qin, Kg need be written. With inverse = R = (I + A)^-1
+    [B, H, Tp, C] bf16 as well, rows = (scale e^G, e^(G_C - G), beta, beta e^G), w None and u the raw v [B, Tp, H,
+    V], the pass also applies the WY form itself, E = R (Diag(beta) V - Diag(beta e^G) (k S)) (= U - W S): no W, U
+    either."""
+    B, H, Tp, K = qin.shape if w is None else w.shape
     if rows is not None:
         B, Tp, H, K = qin.shape
-        if (keep_dtype is not None or _segmented(h0).shape[2] != 1 or kg.shape != qin.shape
-                or w.shape != (B, H, Tp, K) or [r.shape for r in rows] != [(B, H, Tp)] * 2):
+        n_rows = 2 if inverse is None else 4
+        want = {"k": (kg.shape, qin.shape), "rows": ([r.shape for r in rows], [(B, H, Tp)] * n_rows)}
+        if inverse is not None:
+            want.update(v=(u.shape[:3], (B, Tp, H)), inverse=(inverse.shape, (B, H, Tp, m.shape[-1])))
+        else:
+            want.update(w=(w.shape, (B, H, Tp, K)))
+        bad = {n: got for n, (got, expected) in want.items() if got != expected}
+        if keep_dtype is not None or _segmented(h0).shape[2] != 1 or bad:
             raise ValueError(f"state_pass_mosaic: rows takes one segment, no keep_dtype, q and k [B, Tp, H, K] = "
-                             f"{(B, Tp, H, K)} and two row factors [B, H, Tp], got k {kg.shape}, w {w.shape}, rows "
-                             f"{[r.shape for r in rows]}")
+                             f"{(B, Tp, H, K)}, {n_rows} row factors [B, H, Tp] (and with inverse v [B, Tp, H, V], R "
+                             f"[B, H, Tp, C]); got {bad}")
+    elif inverse is not None:
+        raise ValueError("state_pass_mosaic: inverse takes rows")
     V, C = u.shape[-1], m.shape[-1]
     N, bv = Tp // C, block_v
-    nseg = _check("state_pass_mosaic", C, K, V, bv, (qin, kg, w, u, m), dend, h0, B, H, N)
+    nseg = _check("state_pass_mosaic", C, K, V, bv, (qin, kg, u, m) + ((w,) if inverse is None else (inverse,)),
+                  dend, h0, B, H, N)
     Ns = N // nseg
     keep = keep_dtype is not None
+    n_rows = 0 if rows is None else len(rows)
 
     def body(qin_g, kg_g, w_g, u_g, m_g, dend_g, *rest):
-        if rows is not None:
-            (qrow_g, krow_g), rest = rest[:2], rest[2:]
-        h0_g, o_g, ht_g, *rest = rest
+        row_gs, (h0_g, o_g, ht_g, *rest) = rest[:n_rows], rest[n_rows:]
         keep_g, (s_s, e_s, *outs_s, bar) = rest[:2 * keep], rest[2 * keep:]
         if rows is not None:
             ek_s, *outs_s = outs_s
@@ -164,6 +177,7 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
 
         def step(idx, qin_s, kg_s, w_s, u_s, m_s, dend_s, *rest):
             *row_s, S = rest
+            factor = lambda i: _row_factor(row_s[i], C, bv)
             n = first + idx[0]
             slot, tok = idx[0] % 2, pl.ds(n * C, C)
             # the copies out of this slot (two chunks back) must have read it: at most the last chunk's in flight
@@ -172,16 +186,25 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
             if keep:
                 outs_s[1].at[slot][...] = S.astype(keep_dtype)
             plgpu.commit_smem()
-            E = _load(u_s).astype(f32) - _products([(w_s, s_s)])[0]
+            if inverse is None:
+                E = _load(u_s).astype(f32) - _products([(w_s, s_s)])[0]
+            else:  # (w_s holds R; e_s first takes the right operand of R)
+                KS, QS = _products([(kg_s, s_s)], [(qin_s, s_s)])
+                e_s[...] = (factor(2) * _load(u_s).astype(f32) - factor(3) * KS).astype(bf16)
+                plgpu.commit_smem()
+                E = _products([(w_s, e_s)])[0]
             e_s[...] = E.astype(bf16)
             if keep:
                 outs_s[2].at[slot][...] = E.astype(keep_dtype)
             if row_s:  # (the right operand of k^T: E's rows scaled by e^(G_C - G))
-                ek_s[...] = (E * _row_factor(row_s[1], C, bv)).astype(bf16)
+                ek_s[...] = (E * factor(1)).astype(bf16)
             plgpu.commit_smem()
-            if row_s:
+            if inverse is not None:
+                ME, KgE = _products([(m_s, e_s)], [(kg_s.transpose((1, 0)), ek_s)])
+                O = QS * factor(0) + ME
+            elif row_s:
                 QS, ME, KgE = _products([(qin_s, s_s)], [(m_s, e_s)], [(kg_s.transpose((1, 0)), ek_s)])
-                O = QS * _row_factor(row_s[0], C, bv) + ME
+                O = QS * factor(0) + ME
             else:
                 O, KgE = _products([(qin_s, s_s), (m_s, e_s)], [(kg_s.transpose((1, 0)), e_s)])
             outs_s[0].at[slot][...] = O.astype(out_dtype)
@@ -191,17 +214,15 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
             return S * _decay(dend_s, K, bv) + KgE
 
         rows_k = lambda n: (first + n, 0)
-        in_specs = [_spec((C, K), rows_k, bv), _spec((C, K), rows_k, bv), _spec((C, K), rows_k, bv),
+        in_specs = [_spec((C, K), rows_k, bv), _spec((C, K), rows_k, bv),
+                    _spec((C, K) if inverse is None else (C, C), rows_k, bv),
                     _spec((C, bv), lambda n: (first + n, j), bv), _spec((C, C), rows_k, bv),
                     plgpu.BlockSpec((K,), lambda n: (first + n,))]
-        if rows is None:
-            operands = (qin_g.at[b, h], kg_g.at[b, h])
-        else:
-            in_specs += [plgpu.BlockSpec((C,), lambda n: (first + n,))] * 2
-            operands = (qin_g.at[b, :, h, :], kg_g.at[b, :, h, :])
-        operands += (w_g.at[b, h], u_g.at[b, h], m_g.at[b, h], dend_g.at[b, h])
-        if rows is not None:
-            operands += (qrow_g.at[b, h], krow_g.at[b, h])
+        in_specs += [plgpu.BlockSpec((C,), lambda n: (first + n,))] * n_rows
+        by_token = lambda x_g: x_g.at[b, :, h, :]  # (a raw [B, Tp, H, D] input)
+        operands = ((qin_g.at[b, h], kg_g.at[b, h]) if rows is None else (by_token(qin_g), by_token(kg_g)))
+        operands += (w_g.at[b, h], by_token(u_g) if inverse is not None else u_g.at[b, h], m_g.at[b, h],
+                     dend_g.at[b, h]) + tuple(r_g.at[b, h] for r_g in row_gs)
         S = plgpu.emit_pipeline(step, grid=(Ns,), in_specs=in_specs, max_concurrent_steps=2,
                                 init_carry=_read_state(h0_g.at[b, h, sg, :, cols], bar, K, bv))(*operands)
         _write_state(S, ht_g.at[b, h, sg, :, cols], K, bv)
@@ -218,8 +239,9 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
         out += [jax.ShapeDtypeStruct((B, H, N * K, V), keep_dtype), jax.ShapeDtypeStruct((B, H, Tp, V), keep_dtype)]
         scratch += [_smem((2, K, bv), keep_dtype), _smem((2, C, bv), keep_dtype)]
     # (each chunk's e^(G_C) is a 1-D block of the flattened [B, H, N K])
-    inputs = (qin, kg, w, u, m, dend.reshape(B, H, N * K)) + tuple(rows or ()) + (_segmented(h0),)
-    o, ends, *kept = _run(body, inputs, out, scratch, B, H, V, bv, nseg, "lineattn_state_pass_mosaic", interpret)
+    inputs = (qin, kg, w if inverse is None else inverse, u, m, dend.reshape(B, H, N * K)) + tuple(rows or ())
+    o, ends, *kept = _run(body, inputs + (_segmented(h0),), out, scratch, B, H, V, bv, nseg,
+                          "lineattn_state_pass_mosaic", interpret)
     return (o, ends if h0.ndim == 5 else ends[:, :, 0], *kept)
 
 
