@@ -406,49 +406,58 @@ def _out_avals(jaxpr_text, name):
     return after[after.index("out_avals="):].splitlines()[0].count("ShapedArray")
 
 
-def test_mosaic_pass_applies_a_scalar_gate_by_rows():
-    # `chunk_fwd.ROW_GATE`: a GDN forward alone through the Mosaic state pass (its interpreter here) reads the raw q
-    # and k and applies the gate's row factors, and the scalar Gram kernel writes M and A only (no Qin, Kg); with
-    # INVERSE_IN_PASS the solve writes R = (I + A)^-1 alone (`solve_mgpu.inverse_mosaic`) and the pass forms E from
-    # R and the raw v. bf16, T = 150 (3 chunks of 64, ragged), K = 64, V = 128, a non-zero h0: o and the final state
-    # equal those of the pass over Qin, Kg, W and U to rounding (CPU: o 3.7e-4 / 6.8e-4, the state 2.0e-4 / 2.4e-4
-    # relative RMS; the bf16 operands differ) and the fp32 form's within FLA's 5e-3 (CPU: 3.2e-3 / 1.9e-3 each way).
-    from lineattn.ops.pallas import chunk_fwd, state_mgpu, tuning
-    x = make_inputs("gdn", B=2, T=150, H=2, K=64, V=128, seed=22)
+@pytest.mark.parametrize("rule", ["gdn", "kda"])
+def test_mosaic_pass_forms_of_a_forward_alone(rule):
+    # A forward alone through the Mosaic state pass (its interpreter here). `chunk_fwd.ROW_GATE` (GDN): the pass
+    # reads the raw q and k and applies the gate's row factors, and the scalar Gram kernel writes M and A only (no
+    # Qin, Kg). INVERSE_IN_PASS: the solve writes R = (I + A)^-1 alone (`solve_mgpu.inverse_mosaic`) and the pass
+    # forms E from R, the raw v and Kin (KDA: a fifth output of the Gram kernel; GDN: the raw k). bf16, T = 150 (3
+    # chunks of 64, ragged), K = 64, V = 128, a non-zero h0: o and the final state equal those of the pass over Qin,
+    # Kg, W and U to rounding (CPU, GDN: o 3.7e-4 / 6.8e-4, the state 2.0e-4 / 2.4e-4 relative RMS; KDA: o 1.0e-3;
+    # the bf16 operands differ) and the fp32 form's within FLA's 5e-3 (CPU: 3.2e-3 / 1.9e-3 for GDN, 3.3e-3 /
+    # 2.6e-3 for KDA, each way).
+    from lineattn.ops.pallas import chunk_fwd, tuning
+    x = make_inputs(rule, B=2, T=150, H=2, K=64, V=128, seed=22)
     args = tuple(x[n].astype(jnp.bfloat16) for n in ("q", "k", "v")) + (x["g"], x["beta"].astype(jnp.bfloat16),
                                                                           x["initial_state"])
     fwd = lambda *a: chunk_fwd.forward(*a, scale=64**-0.5, interpret=True)
     want = fwd(*(a.astype(jnp.float32) for a in args))
     got = {}
-    for row_gate, inverse in ((False, False), (True, False), (True, True)):
+    settings = [(False, False), (True, False), (True, True)] if rule == "gdn" else [(False, False), (False, True)]
+    for row_gate, inverse in settings:
         with tuning.override({"chunk_fwd.PASS_IMPL": "mosaic", "chunk_fwd.ROW_GATE": row_gate,
                               "chunk_fwd.INVERSE_IN_PASS": inverse}):
             got[row_gate, inverse] = fwd(*args)
             text = str(jax.make_jaxpr(fwd)(*args))
-        assert _out_avals(text, "lineattn_chunk_gram_scalar") == (2 if row_gate else 4)
+        if rule == "gdn":
+            assert _out_avals(text, "lineattn_chunk_gram_scalar") == (2 if row_gate else 4)
+        else:
+            assert _out_avals(text, "lineattn_chunk_gram") == (5 if inverse else 4)
         assert "lineattn_state_pass_mosaic" in text
         assert ("lineattn_inverse_mosaic" in text) == inverse
+        assert ("lineattn_chunk_solve_full" in text) == (not inverse)
         for i, name in enumerate(("o", "ht")):
             assert _rel_rms(got[row_gate, inverse][i], want[i]) <= 5e-3, (row_gate, inverse, name)
-    for key in ((True, False), (True, True)):
+    for key in settings[1:]:
         for i, name in enumerate(("o", "ht")):
             assert _rel_rms(got[key][i], got[False, False][i]) <= 1.5e-3, (key, name)
+
+
+def test_mosaic_pass_forms_reject_bad_arguments():
+    # `state_mgpu.state_pass_mosaic`'s raw_qk and inverse forms: a ValueError naming the shapes for kept states, a
+    # wrong number of row factors, Kin given beside raw_qk's raw k, or no Kin without raw_qk.
+    from lineattn.ops.pallas import state_mgpu
     q = k = jnp.zeros((2, 192, 2, 64), jnp.bfloat16)
     w, u, m = (jnp.zeros((2, 2, 192, n), jnp.bfloat16) for n in (64, 128, 64))
     rows = [jnp.ones((2, 2, 192), jnp.float32)] * 2
-    dend = jnp.ones((2, 2, 3, 64), jnp.float32)
-    with pytest.raises(ValueError, match="rows takes one segment"):
-        state_mgpu.state_pass_mosaic(q, k, w, u, m, dend, x["initial_state"], out_dtype=jnp.bfloat16, rows=rows,
-                                     keep_dtype=jnp.bfloat16, interpret=True)
-    with pytest.raises(ValueError, match="rows takes one segment"):
-        state_mgpu.state_pass_mosaic(q, k, w, u, m, dend, x["initial_state"], out_dtype=jnp.bfloat16,
-                                     rows=rows[:1], interpret=True)
-    with pytest.raises(ValueError, match="rows takes one segment"):  # (the inverse form takes four row factors)
-        state_mgpu.state_pass_mosaic(q, k, None, q, m, dend, x["initial_state"], out_dtype=jnp.bfloat16, rows=rows,
-                                     inverse=m, interpret=True)
-    with pytest.raises(ValueError, match="inverse takes rows"):
-        state_mgpu.state_pass_mosaic(q, k, w, u, m, dend, x["initial_state"], out_dtype=jnp.bfloat16, inverse=m,
-                                     interpret=True)
+    dend, h0 = jnp.ones((2, 2, 3, 64), jnp.float32), jnp.zeros((2, 2, 64, 128), jnp.float32)
+    v = jnp.zeros((2, 192, 2, 128), jnp.bfloat16)
+    bad = [dict(raw_qk=rows, keep_dtype=jnp.bfloat16), dict(raw_qk=rows[:1]), dict(raw_qk=rows, inverse=(m, *rows)),
+           dict(inverse=(m, *rows), w=None, u=v)]  # (inverse: v [B, Tp, H, V]; w None only with raw_qk)
+    for kwargs in bad:
+        args = dict(w=w, u=u, out_dtype=jnp.bfloat16, interpret=True) | kwargs
+        with pytest.raises(ValueError, match="raw_qk and inverse take one segment"):
+            state_mgpu.state_pass_mosaic(q, k, args.pop("w"), args.pop("u"), m, dend, h0, **args)
 
 
 @pytest.mark.parametrize("rule,block_v,nseg", [("kda", 64, 1), ("gdn", 16, 1), ("kda", 64, 2)])

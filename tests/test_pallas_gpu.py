@@ -95,27 +95,31 @@ def test_pallas_mosaic_state_passes_head_dim_128(rule, B, T):
     assert all(errors[n] <= RMS[n] for n in errors), errors
 
 
-def test_gdn_forward_alone_row_gate_head_dim_128():
-    # A GDN forward alone (no gradient) with V tiles of 64 on the Mosaic state pass: the pass applies the gate's
-    # row factors to the raw q and k (`chunk_fwd.ROW_GATE`) and R = (I + A)^-1 to the raw v and k (INVERSE_IN_PASS),
-    # the defaults. B = 4, T = 1021 (ragged), H = 32, K = V = 128, bf16: o and the final state within FLA's bounds
-    # of the XLA chunk form in fp32 each way, and within 1.5e-3 of the pass over Qin, Kg, W and U (ROW_GATE False).
-    bf16, rounded = _bf16_and_rounded(make_inputs("gdn", B=4, T=1024 - 3, H=32, K=128, V=128, seed=14))
-    fwd = jax.jit(lambda x: ops.linear_attention("gdn", x["q"], x["k"], x["v"], x["g"], x["beta"],
+@pytest.mark.parametrize("rule", ["gdn", "kda"])
+def test_forward_alone_mosaic_pass_forms_head_dim_128(rule):
+    # A forward alone (no gradient) with V tiles of 64 on the Mosaic state pass, with the defaults: the pass applies
+    # R = (I + A)^-1 to the raw v (`chunk_fwd.INVERSE_IN_PASS`; the solve writes R alone) and, for GDN, the gate's
+    # row factors to the raw q and k (ROW_GATE). B = 4, T = 1021 (ragged), H = 32, K = V = 128, bf16: o and the
+    # final state within FLA's bounds of the XLA chunk form in fp32 for each setting, and within 1.5e-3 of the pass
+    # over Qin, Kg, W and U (both off).
+    bf16, rounded = _bf16_and_rounded(make_inputs(rule, B=4, T=1024 - 3, H=32, K=128, V=128, seed=14))
+    fwd = jax.jit(lambda x: ops.linear_attention(rule, x["q"], x["k"], x["v"], x["g"], x["beta"],
                                                  initial_state=x["initial_state"], output_final_state=True,
                                                  backend="pallas"))
-    want = ops.linear_attention("gdn", rounded["q"], rounded["k"], rounded["v"], rounded["g"], rounded["beta"],
+    want = ops.linear_attention(rule, rounded["q"], rounded["k"], rounded["v"], rounded["g"], rounded["beta"],
                                 initial_state=rounded["initial_state"], output_final_state=True, backend="chunk")
     text = str(jax.make_jaxpr(fwd)(bf16))
     assert "lineattn_state_pass_mosaic" in text and "lineattn_inverse_mosaic" in text
     got = {}
-    for settings in ((True, True), (True, False), (False, True)):
-        with tuning.override({"chunk_fwd.ROW_GATE": settings[0], "chunk_fwd.INVERSE_IN_PASS": settings[1]}):
-            got[settings] = fwd(bf16)
-        errors = {n: _rel_rms(got[settings][i], want[i]) for i, n in enumerate(("o", "ht"))}
-        print("gdn forward alone, ROW_GATE, INVERSE_IN_PASS", settings, {n: f"{e:.1e}" for n, e in errors.items()})
+    settings = [(True, True), (True, False), (False, False)] if rule == "gdn" else [(True, True), (True, False)]
+    for row_gate, inverse in settings:
+        with tuning.override({"chunk_fwd.ROW_GATE": row_gate, "chunk_fwd.INVERSE_IN_PASS": inverse}):
+            got[row_gate, inverse] = fwd(bf16)
+        errors = {n: _rel_rms(got[row_gate, inverse][i], want[i]) for i, n in enumerate(("o", "ht"))}
+        print(rule, "forward alone, ROW_GATE, INVERSE_IN_PASS", (row_gate, inverse),
+              {n: f"{e:.1e}" for n, e in errors.items()})
         assert all(e <= RMS[n] for n, e in errors.items()), errors
-    assert all(_rel_rms(got[key][i], got[False, True][i]) <= 1.5e-3 for key in got for i in range(2))
+    assert all(_rel_rms(got[key][i], got[settings[-1]][i]) <= 1.5e-3 for key in got for i in range(2))
 
 
 @pytest.mark.parametrize("B,v_fastest,variant", [(8, False, {}), (64, False, {}), (64, True, {}),

@@ -166,3 +166,13 @@ def test_scalar_gate_forward_alone_lowers_with_row_factors(fake_h200, monkeypatc
         assert "lineattn_state_pass_mosaic" in text
         assert ("lineattn_inverse_mosaic" in text) == (row_gate and inverse)
         assert ("lineattn_solve_mosaic" in text) == (not (row_gate and inverse))
+    # KDA: with INVERSE_IN_PASS the Gram kernel also writes Kin (five outputs) and the solve is the inverse alone
+    args = args[:3] + (S((B, T, H, K), jnp.float32),) + args[4:]
+    for inverse, outputs in ((True, 5), (False, 4)):
+        monkeypatch.setattr(chunk_fwd, "INVERSE_IN_PASS", inverse)
+        text = jax.jit(lambda *a: chunk_fwd.forward(*a, scale=K**-0.5, interpret=False)).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+        gram = [line for line in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in line
+                and "lineattn_chunk_gram\"" in line]
+        assert len(gram) == 1 and f":{outputs} = " in gram[0]
+        assert ("lineattn_inverse_mosaic" in text) == inverse and ("lineattn_solve_mosaic" in text) != inverse

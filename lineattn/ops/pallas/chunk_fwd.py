@@ -143,10 +143,10 @@ def _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, o0=0):
         a_ref[out, :] = jnp.where(cols < rows, beta_ref[out].astype(f32)[:, None] * Ax, 0.0)
 
 
-def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *, C, scale, prec, delta, bk,
-                      fast_only=False):
-    """One 16-row block: Qin, Kg and the rows of M and A, the exact path taken by a block-uniform `lax.cond` (or
-    left to `gram_exact_chunks`: fast_only)."""
+def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *kin_ref, C, scale, prec, delta,
+                      bk, fast_only=False):
+    """One 16-row block: Qin, Kg (and Kin = k e^G: kin_ref) and the rows of M and A, the exact path taken by a
+    block-uniform `lax.cond` (or left to `gram_exact_chunks`: fast_only)."""
     s = SUB
     r0 = (common.program_id(2) % (C // s)) * s
     K = k_ref.shape[-1]
@@ -156,6 +156,8 @@ def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_r
         Ga = G_ref[blk, d]
         qin_ref[:, d] = (q_ref[:, d].astype(f32) * scale * exp(Ga)).astype(qin_ref.dtype)
         kg_ref[:, d] = (k_ref[blk, d].astype(f32) * exp(G_ref[pl.ds(C - 1, 1), d] - Ga)).astype(kg_ref.dtype)
+        if kin_ref:
+            kin_ref[0][:, d] = (k_ref[blk, d].astype(f32) * exp(Ga)).astype(kin_ref[0].dtype)
     kw = dict(scale=scale, prec=prec, delta=delta, bk=bk)
     fast = lambda: _gram_products(q_ref, k_ref, G_ref, r0, r0 + s // 2, LIMIT, **kw)
     if fast_only:
@@ -173,10 +175,10 @@ def _gram_outputs(B, H, Tp, C, K, store, a_dtype):
 
 
 def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, a_dtype=f32, bk=64,
-              fast_only=False):
-    """M, A (= Diag(beta) KK, strictly lower), Qin, Kg as [B, H, Tp, .] from q, k [B, Tp, H, K], the in-chunk
-    cumsum G (fp32) and beta [B, Tp, H] (see `_gram_rows_kernel`; fast_only: without the exact path, for
-    `gram_exact_chunks` to complete)."""
+              fast_only=False, kin=False):
+    """M, A (= Diag(beta) KK, strictly lower), Qin, Kg (and with kin Kin = k e^G) as [B, H, Tp, .] from q, k [B,
+    Tp, H, K], the in-chunk cumsum G (fp32) and beta [B, Tp, H] (see `_gram_rows_kernel`; fast_only: without the
+    exact path, for `gram_exact_chunks` to complete)."""
     B, Tp, H, K = q.shape
     N, nb = Tp // C, C // SUB
     sub = lambda D: pl.BlockSpec((None, SUB, None, D), lambda b, h, i: (b, i, h, 0))
@@ -187,8 +189,8 @@ def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, 
                           fast_only=fast_only),
         grid=(B, H, N * nb),
         in_specs=[sub(K), whole(K), whole(K), pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i, h))],
-        out_specs=[row_out(C), row_out(C), row_out(K), row_out(K)],
-        out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype),
+        out_specs=[row_out(C), row_out(C), row_out(K), row_out(K)] + [row_out(K)] * kin,
+        out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype) + [jax.ShapeDtypeStruct((B, H, Tp, K), store)] * kin,
         compiler_params=compiler_params(num_warps=warps, num_stages=1),
         interpret=interpret,
         name="lineattn_chunk_gram",
@@ -547,13 +549,14 @@ def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, 
 
 
 def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, save=False, scalar=False,
-           row_gate=False):
+           row_gate=False, inverse_in_pass=False):
     """The intra-chunk stage's outputs (qin, kg, w, u, m, e^(G_C) as [B, H, K, N]): the gate-cumsum kernel, the
     Gram rows (or `gram_scalar`) and the whole-chunk solve. save: also the unscaled key Gram KK and
     R = (I + A)^-1 (fp32 [B, H, Tp, C]) for the backward (the Gram kernel then writes KK and the solve scales it
     by beta), G and the block spreads (see `forward`'s save). row_gate (a scalar gate, not with save): qin and kg
-    None, and the scalar gate's G [B, Tp, H] last (see ROW_GATE); with INVERSE_IN_PASS, R = (I + A)^-1 [B, H,
-    Tp, C] bf16 in w's place and u None."""
+    None, and the scalar gate's G [B, Tp, H] last (see ROW_GATE). inverse_in_pass (not with save): R = (I + A)^-1
+    [B, H, Tp, C] bf16 in w's place and Kin = k e^G [B, H, Tp, K] in u's (None for a scalar gate; see
+    INVERSE_IN_PASS)."""
     K = q.shape[-1]
     exact = prec == "ieee"
     split = split_gram(scalar, delta)
@@ -571,26 +574,28 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
                               flags=chunk_flags(spreads[0], C // SUB), into=(w, u, *R))
         return (qin, kg, w, u, m, dend) + ((KK, R[0], *gate) if save else ())
     if split:
-        m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=prec if exact else GRAM_PREC,
-                                  delta=True, warps=warps, interpret=interpret, bk=GRAM_BK, fast_only=True)
+        m, A, qin, kg, *kin = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store,
+                                        prec=prec if exact else GRAM_PREC, delta=True, warps=warps,
+                                        interpret=interpret, bk=GRAM_BK, fast_only=True, kin=inverse_in_pass)
         m, A = gram_exact_chunks(spreads[0], q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret,
                                  prec=prec if exact else GRAM_PREC)
     elif scalar:
         m, A, qin, kg = gram_scalar(q, k, g, gram_beta, C=C, scale=scale, store=store, exact=exact,
                                     delta=delta, interpret=interpret, gated=not row_gate)
+        kin = []
     else:
-        m, A, qin, kg = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store,
-                                  prec=prec if exact else GRAM_PREC, delta=delta, warps=warps, interpret=interpret,
-                                  bk=GRAM_BK)
+        m, A, qin, kg, *kin = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store,
+                                        prec=prec if exact else GRAM_PREC, delta=delta, warps=warps,
+                                        interpret=interpret, bk=GRAM_BK, kin=inverse_in_pass)
     if not delta:
         return (qin, kg, None, None, m, dend) + ((None, None, *gate) if save else ())
     diag_inverse = DIAG_INVERSE and not save  # (A is final here: after the exact fix-up where there is one)
     if diag_inverse:
         A = invert_diagonal_blocks(A, C=C, interpret=interpret)
     inv_prec = "ieee" if exact else SOLVE_PREC
-    if row_gate and INVERSE_IN_PASS:
+    if inverse_in_pass:
         R = solve_mgpu.inverse_mosaic(A, C=C, diag_inverse=diag_inverse, interpret=interpret)
-        return qin, kg, R, None, m, dend, G
+        return (qin, kg, R, kin[0] if kin else None, m, dend) + ((G,) if row_gate else ())
     if mosaic_solve(exact, C, K, v.shape[-1], interpret):
         out = solve_mgpu.solve_mosaic(A, k, v, G, beta, C=C, store=store, with_r=save, kk=save, interpret=interpret,
                                       diag_inverse=diag_inverse)
@@ -713,8 +718,10 @@ PASS_IMPL = "auto"
 # and applies the gate as row factors, O = Diag(scale e^G) (q S) + M E and Kg^T E = k^T Diag(e^(G_C - G)) E, so the
 # scalar Gram kernel writes no Qin, Kg (2 K bf16 values per token and head). Read when traced.
 ROW_GATE = True
-# INVERSE_IN_PASS: with ROW_GATE, the solve writes R = (I + A)^-1 alone (`solve_mgpu.inverse_mosaic`, bf16) and the
-# state pass forms E = R (Diag(beta) V - Diag(beta e^G) (k S)) from the raw v and k: no W, U are written or read.
+# INVERSE_IN_PASS: in a forward alone with the delta write and the Mosaic state pass, the solve writes R = (I + A)^-1
+# alone (`solve_mgpu.inverse_mosaic`, bf16) and the state pass forms E = R (Diag(beta) V - Diag(beta) (Kin S)) from
+# the raw v (W = R Diag(beta) Kin, U = R Diag(beta) V): no W, U are formed or written. Kin = k e^G comes from the
+# Gram kernel (a channel gate) or, with ROW_GATE, is the raw k with the row factor e^G. Read when traced.
 INVERSE_IN_PASS = True
 
 
@@ -847,27 +854,32 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
 
     nseg = pass_segments(B * H, N, V, save, bool(export_chunks))
     BV = block_v or pick_block_v(B * H * nseg, V)
-    row_gate = (ROW_GATE and scalar and delta and not save and not only_intra and nseg == 1
-                and mosaic_pass(store, delta, C, K, V, BV, bool(export_chunks), None, interpret))
+    fused = (delta and not save and not only_intra and nseg == 1 and not mosaic_gram(scalar, delta, exact)
+             and mosaic_pass(store, delta, C, K, V, BV, bool(export_chunks), None, interpret))
+    row_gate = ROW_GATE and scalar and fused
+    inverse_in_pass = INVERSE_IN_PASS and fused and (row_gate or not scalar)
     qin, kg, w, u, m, dend, *extra = _intra(
         q, k, v, g, beta, C=C, scale=scale, store=store, prec="ieee" if exact else "tf32", delta=delta,
-        warps=warps[0], interpret=interpret, save=save, scalar=scalar, row_gate=row_gate)
+        warps=warps[0], interpret=interpret, save=save, scalar=scalar, row_gate=row_gate,
+        inverse_in_pass=inverse_in_pass)
     if only_intra:
         return qin, kg, w, u, m, dend
     if not delta:
         u = jnp.moveaxis(v, 2, 1).astype(store)
         w = qin  # unread by the additive state pass
-    if row_gate:  # Qin = Diag(scale e^G) q and Kg = Diag(e^(G_C - G)) k by their row factors [B, H, Tp]
-        G = extra[0].reshape(B, N, C, H)
-        rows = [scale * jnp.exp(G), jnp.exp(G[:, :, -1:] - G)]
-        if INVERSE_IN_PASS:  # (w holds R; the pass takes the raw v and the factors beta, beta e^G)
-            beta_ = beta.astype(f32).reshape(B, N, C, H)
-            rows += [beta_, beta_ * jnp.exp(G)]
-        rows = [jnp.moveaxis(x.reshape(B, Tp, H), 1, 2) for x in rows]
+    if row_gate or inverse_in_pass:  # the row factors [B, H, Tp] of state_pass_mosaic's raw_qk and inverse forms
+        by_row = lambda *xs: [jnp.moveaxis(x.reshape(B, Tp, H), 1, 2) for x in xs]
+        raw_qk = inverse = None
+        if row_gate:  # Qin = Diag(scale e^G) q and Kg = Diag(e^(G_C - G)) k
+            G = extra[0].reshape(B, N, C, H)
+            raw_qk = by_row(scale * jnp.exp(G), jnp.exp(G[:, :, -1:] - G))
+        if inverse_in_pass:  # w holds R, u Kin (None: the raw k, whose row factor e^G joins beta's)
+            beta_ = beta.astype(f32)
+            inverse = (w, *by_row(beta_, beta_ * jnp.exp(extra[0]) if row_gate else beta_))
+            w, u = u, v
         o, ends = state_mgpu.state_pass_mosaic(
-            q, k, None if INVERSE_IN_PASS else w, v if INVERSE_IN_PASS else u, m, jnp.swapaxes(dend, -1, -2),
-            h0.astype(f32), out_dtype=dt, block_v=BV, rows=rows, inverse=w if INVERSE_IN_PASS else None,
-            interpret=interpret)
+            q if row_gate else qin, k if row_gate else kg, w, u, m, jnp.swapaxes(dend, -1, -2), h0.astype(f32),
+            out_dtype=dt, block_v=BV, raw_qk=raw_qk, inverse=inverse, interpret=interpret)
         return o[:, :T], ends
 
     prec = "ieee" if exact else "bf16"

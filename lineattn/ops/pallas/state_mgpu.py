@@ -128,55 +128,59 @@ def _decay(dend_s, K, bv):
 
 
 def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None, block_v: int = BV,
-                      rows=None, inverse=None, interpret: bool | None = None):
+                      raw_qk=None, inverse=None, interpret: bool | None = None):
     """o [B, Tp, H, V] (out_dtype) and the final state [B, H, K, V] fp32 of the delta-rule state pass; with
     keep_dtype also every chunk's incoming state [B, H, N K, V] and E = U - W S [B, H, Tp, V] in keep_dtype.
 
     qin, kg, w [B, H, Tp, K], u [B, H, Tp, V], m [B, H, Tp, C] (bf16, C = 64), dend = e^(G_C) [B, H, N, K] fp32,
     h0 [B, H, K, V] fp32, or every segment's true start [B, H, nseg, K, V] (the segments of N / nseg chunks then
     run side by side, and the final state is each segment's end, [B, H, nseg, K, V]); block_v the V tile (16, 32
-    or 64).
-
-    A gate equal across K (one segment, no keep_dtype) may come as row factors [B, H, Tp] fp32, with the raw q and
-    k [B, Tp, H, K] in place of Qin and Kg: rows = (scale e^G, e^(G_C - G)) gives O = Diag(scale e^G) (q S) + M E
-    and Kg^T E = k^T (Diag(e^(G_C - G)) E), so that no Qin, Kg need be written. With inverse = R = (I + A)^-1
-    [B, H, Tp, C] bf16 as well, rows = (scale e^G, e^(G_C - G), beta, beta e^G), w None and u the raw v [B, Tp, H,
-    V], the pass also applies the WY form itself, E = R (Diag(beta) V - Diag(beta e^G) (k S)) (= U - W S): no W, U
-    either."""
-    B, H, Tp, K = qin.shape if w is None else w.shape
-    if rows is not None:
+    or 64). Two forms for a forward alone (one segment, no keep_dtype), each with row factors [B, H, Tp] fp32:
+    - raw_qk = (scale e^G, e^(G_C - G)) for a gate equal across K: qin and kg are the raw q and k [B, Tp, H, K],
+      O = Diag(scale e^G) (q S) + M E and Kg^T E = k^T (Diag(e^(G_C - G)) E): no Qin, Kg need be written;
+    - inverse = (R, a, b) with R = (I + A)^-1 [B, H, Tp, C] bf16: u is the raw v [B, Tp, H, V], w is Kin = k e^G
+      (or None with raw_qk: the raw k), and E = R (Diag(a) V - Diag(b) (w S)), which is U - W S for a = beta,
+      b = beta (b = beta e^G with the raw k): no W, U need be formed or written."""
+    B, H, Tp, K = w.shape if w is not None else qin.shape
+    if raw_qk is not None:
         B, Tp, H, K = qin.shape
-        n_rows = 2 if inverse is None else 4
-        want = {"k": (kg.shape, qin.shape), "rows": ([r.shape for r in rows], [(B, H, Tp)] * n_rows)}
+    rows = tuple(raw_qk or ()) + tuple(inverse[1:] if inverse is not None else ())
+    if raw_qk is not None or inverse is not None:
+        n_rows = 2 * (raw_qk is not None) + 2 * (inverse is not None)
+        want = {"k": (kg.shape, qin.shape), "rows": ([r.shape for r in rows], [(B, H, Tp)] * n_rows),
+                "w": (None if w is None else w.shape, None if raw_qk is not None and inverse is not None else
+                      (B, H, Tp, K))}
         if inverse is not None:
-            want.update(v=(u.shape[:3], (B, Tp, H)), inverse=(inverse.shape, (B, H, Tp, m.shape[-1])))
-        else:
-            want.update(w=(w.shape, (B, H, Tp, K)))
+            want.update(v=(u.shape[:3], (B, Tp, H)), R=(inverse[0].shape, (B, H, Tp, m.shape[-1])))
         bad = {n: got for n, (got, expected) in want.items() if got != expected}
         if keep_dtype is not None or _segmented(h0).shape[2] != 1 or bad:
-            raise ValueError(f"state_pass_mosaic: rows takes one segment, no keep_dtype, q and k [B, Tp, H, K] = "
-                             f"{(B, Tp, H, K)}, {n_rows} row factors [B, H, Tp] (and with inverse v [B, Tp, H, V], R "
-                             f"[B, H, Tp, C]); got {bad}")
-    elif inverse is not None:
-        raise ValueError("state_pass_mosaic: inverse takes rows")
+            raise ValueError(f"state_pass_mosaic: raw_qk and inverse take one segment, no keep_dtype, q and k [B, "
+                             f"Tp, H, K] = {(B, Tp, H, K)} (raw_qk) or w [B, H, Tp, K] and row factors [B, H, Tp] "
+                             f"(v [B, Tp, H, V], R [B, H, Tp, C] with inverse); got {bad}")
     V, C = u.shape[-1], m.shape[-1]
     N, bv = Tp // C, block_v
-    nseg = _check("state_pass_mosaic", C, K, V, bv, (qin, kg, u, m) + ((w,) if inverse is None else (inverse,)),
-                  dend, h0, B, H, N)
+    matrices = (qin, kg, u, m) + ((w,) if w is not None else ()) + ((inverse[0],) if inverse is not None else ())
+    nseg = _check("state_pass_mosaic", C, K, V, bv, matrices, dend, h0, B, H, N)
     Ns = N // nseg
     keep = keep_dtype is not None
-    n_rows = 0 if rows is None else len(rows)
+    n_qk, inv = 2 * (raw_qk is not None), inverse is not None
+    raw_k = inv and w is None  # (the W S product's left operand: the raw k)
 
-    def body(qin_g, kg_g, w_g, u_g, m_g, dend_g, *rest):
-        row_gs, (h0_g, o_g, ht_g, *rest) = rest[:n_rows], rest[n_rows:]
+    def body(qin_g, kg_g, *rest):
+        w_g, rest = (None, rest) if raw_k else (rest[0], rest[1:])
+        r_g, rest = (rest[0], rest[1:]) if inv else (None, rest)
+        u_g, m_g, dend_g, *rest = rest
+        row_gs, (h0_g, o_g, ht_g, *rest) = rest[:len(rows)], rest[len(rows):]
         keep_g, (s_s, e_s, *outs_s, bar) = rest[:2 * keep], rest[2 * keep:]
-        if rows is not None:
+        if n_qk:
             ek_s, *outs_s = outs_s
         b, sg, h, j = _where(nseg)
         cols, first = pl.ds(j * bv, bv), sg * Ns  # (this segment's first chunk)
 
-        def step(idx, qin_s, kg_s, w_s, u_s, m_s, dend_s, *rest):
-            *row_s, S = rest
+        def step(idx, qin_s, kg_s, *rest):
+            w_s, rest = (kg_s, rest) if raw_k else (rest[0], rest[1:])
+            r_s, rest = (rest[0], rest[1:]) if inv else (None, rest)
+            u_s, m_s, dend_s, *row_s, S = rest
             factor = lambda i: _row_factor(row_s[i], C, bv)
             n = first + idx[0]
             slot, tok = idx[0] % 2, pl.ds(n * C, C)
@@ -186,24 +190,23 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
             if keep:
                 outs_s[1].at[slot][...] = S.astype(keep_dtype)
             plgpu.commit_smem()
-            if inverse is None:
-                E = _load(u_s).astype(f32) - _products([(w_s, s_s)])[0]
-            else:  # (w_s holds R; e_s first takes the right operand of R)
-                KS, QS = _products([(kg_s, s_s)], [(qin_s, s_s)])
-                e_s[...] = (factor(2) * _load(u_s).astype(f32) - factor(3) * KS).astype(bf16)
+            QS = None
+            if inv:  # E = R (Diag(a) V - Diag(b) (w S)); e_s first holds R's right operand
+                WS, *QS = _products([(w_s, s_s)], *([[(qin_s, s_s)]] if n_qk else []))
+                e_s[...] = (factor(n_qk) * _load(u_s).astype(f32) - factor(n_qk + 1) * WS).astype(bf16)
                 plgpu.commit_smem()
-                E = _products([(w_s, e_s)])[0]
+                E = _products([(r_s, e_s)])[0]
+            else:
+                E = _load(u_s).astype(f32) - _products([(w_s, s_s)])[0]
             e_s[...] = E.astype(bf16)
             if keep:
                 outs_s[2].at[slot][...] = E.astype(keep_dtype)
-            if row_s:  # (the right operand of k^T: E's rows scaled by e^(G_C - G))
+            if n_qk:  # (the right operand of k^T: E's rows scaled by e^(G_C - G))
                 ek_s[...] = (E * factor(1)).astype(bf16)
             plgpu.commit_smem()
-            if inverse is not None:
-                ME, KgE = _products([(m_s, e_s)], [(kg_s.transpose((1, 0)), ek_s)])
-                O = QS * factor(0) + ME
-            elif row_s:
-                QS, ME, KgE = _products([(qin_s, s_s)], [(m_s, e_s)], [(kg_s.transpose((1, 0)), ek_s)])
+            if n_qk:
+                QS, ME, KgE = (*QS, *_products([(m_s, e_s)], [(kg_s.transpose((1, 0)), ek_s)])) if QS else \
+                    _products([(qin_s, s_s)], [(m_s, e_s)], [(kg_s.transpose((1, 0)), ek_s)])
                 O = QS * factor(0) + ME
             else:
                 O, KgE = _products([(qin_s, s_s), (m_s, e_s)], [(kg_s.transpose((1, 0)), e_s)])
@@ -214,15 +217,15 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
             return S * _decay(dend_s, K, bv) + KgE
 
         rows_k = lambda n: (first + n, 0)
-        in_specs = [_spec((C, K), rows_k, bv), _spec((C, K), rows_k, bv),
-                    _spec((C, K) if inverse is None else (C, C), rows_k, bv),
-                    _spec((C, bv), lambda n: (first + n, j), bv), _spec((C, C), rows_k, bv),
-                    plgpu.BlockSpec((K,), lambda n: (first + n,))]
-        in_specs += [plgpu.BlockSpec((C,), lambda n: (first + n,))] * n_rows
         by_token = lambda x_g: x_g.at[b, :, h, :]  # (a raw [B, Tp, H, D] input)
-        operands = ((qin_g.at[b, h], kg_g.at[b, h]) if rows is None else (by_token(qin_g), by_token(kg_g)))
-        operands += (w_g.at[b, h], by_token(u_g) if inverse is not None else u_g.at[b, h], m_g.at[b, h],
-                     dend_g.at[b, h]) + tuple(r_g.at[b, h] for r_g in row_gs)
+        qk = (by_token(qin_g), by_token(kg_g)) if n_qk else (qin_g.at[b, h], kg_g.at[b, h])
+        in_specs = [_spec((C, K), rows_k, bv)] * (2 if raw_k else 3) + [_spec((C, C), rows_k, bv)] * inv
+        operands = qk + (() if raw_k else (w_g.at[b, h],)) + ((r_g.at[b, h],) if inv else ())
+        in_specs += [_spec((C, bv), lambda n: (first + n, j), bv), _spec((C, C), rows_k, bv),
+                     plgpu.BlockSpec((K,), lambda n: (first + n,))] + [plgpu.BlockSpec((C,), lambda n: (first + n,))] \
+            * len(rows)
+        operands += (by_token(u_g) if inv else u_g.at[b, h], m_g.at[b, h], dend_g.at[b, h])
+        operands += tuple(r_g.at[b, h] for r_g in row_gs)
         S = plgpu.emit_pipeline(step, grid=(Ns,), in_specs=in_specs, max_concurrent_steps=2,
                                 init_carry=_read_state(h0_g.at[b, h, sg, :, cols], bar, K, bv))(*operands)
         _write_state(S, ht_g.at[b, h, sg, :, cols], K, bv)
@@ -230,17 +233,16 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
     out = [jax.ShapeDtypeStruct((B, Tp, H, V), out_dtype), jax.ShapeDtypeStruct((B, H, nseg, K, V), f32)]
     # SMEM at K = 128, bv = 64: two pipeline slots of (Qin, Kg, W, U, M, e^(G_C)) = 2 x 64.5 KB and of o (and of
     # the kept S, E: 2 x 24 KB), S and E in bf16 (24 KB): 169 KB (217 KB with keep; the fp32 state's 32 KB for its
-    # first load and last store are scoped outside the pipeline; rows: 8.5 KB more for the scaled E and the row
-    # factors). The H200 has 227 KB per block: one CTA per SM.
-    scratch = [_operand((K, bv), bv), _operand((C, bv), bv)]
-    scratch += [_operand((C, bv), bv)] if rows is not None else []
+    # first load and last store are scoped outside the pipeline; raw_qk: 8.5 KB more for the scaled E and the row
+    # factors; inverse with Kin: 16 KB more for R's slots). The H200 has 227 KB per block: one CTA per SM.
+    scratch = [_operand((K, bv), bv), _operand((C, bv), bv)] + [_operand((C, bv), bv)] * (n_qk > 0)
     scratch += [_smem((2, C, bv), out_dtype)]
     if keep:
         out += [jax.ShapeDtypeStruct((B, H, N * K, V), keep_dtype), jax.ShapeDtypeStruct((B, H, Tp, V), keep_dtype)]
         scratch += [_smem((2, K, bv), keep_dtype), _smem((2, C, bv), keep_dtype)]
     # (each chunk's e^(G_C) is a 1-D block of the flattened [B, H, N K])
-    inputs = (qin, kg, w if inverse is None else inverse, u, m, dend.reshape(B, H, N * K)) + tuple(rows or ())
-    o, ends, *kept = _run(body, inputs + (_segmented(h0),), out, scratch, B, H, V, bv, nseg,
+    inputs = (qin, kg) + (() if raw_k else (w,)) + ((inverse[0],) if inv else ()) + (u, m, dend.reshape(B, H, N * K))
+    o, ends, *kept = _run(body, inputs + rows + (_segmented(h0),), out, scratch, B, H, V, bv, nseg,
                           "lineattn_state_pass_mosaic", interpret)
     return (o, ends if h0.ndim == 5 else ends[:, :, 0], *kept)
 
