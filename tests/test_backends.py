@@ -13,6 +13,10 @@ from conftest import assert_close, loss_and_grads, make_inputs
 from lineattn import ops
 
 TOL = 1e-4
+# The ragged-length, gate-extreme and cut-gate tests share these shapes (inputs are arguments of the jitted function,
+# so the same (rule, backend) compiles to the same program for all three, and XLA's compile, which is most of the
+# time, is served from the session's compilation cache after the first).
+SHAPE = dict(B=2, T=150, H=2, K=32, V=24)
 FAST_PATHS = [
     (name, backend)
     for name, rule in ops.RULES.items()
@@ -30,7 +34,7 @@ def _compare(rule, backend, inputs, tol=TOL, cu_seqlens=None, **kwargs):
 @pytest.mark.parametrize("rule,backend", FAST_PATHS)
 def test_matches_oracle_ragged_length_nonzero_state(rule, backend):
     # T = 150: two full chunks and a ragged one; H > 1, K != V, non-zero initial state.
-    _compare(rule, backend, make_inputs(rule, B=2, T=150, H=2, K=32, V=24))
+    _compare(rule, backend, make_inputs(rule, **SHAPE))
 
 
 @pytest.mark.parametrize("rule,backend", FAST_PATHS)
@@ -48,14 +52,14 @@ EXTREME_RULES = [(n, b) for n, b in FAST_PATHS if ops.RULES[n].gate in ("head", 
 def test_matches_oracle_at_gate_extremes(rule, backend, gate):
     # Every token at the safe gate's lower bound (-5: a chunk's cumulative decay reaches -320), or at 0.
     low, high = (-5.0, -5.0) if gate == "lower_bound" else (0.0, 0.0)
-    _compare(rule, backend, make_inputs(rule, T=100, g_low=low, g_high=high, seed=5))
+    _compare(rule, backend, make_inputs(rule, **SHAPE, g_low=low, g_high=high, seed=5))
 
 
 @pytest.mark.parametrize("rule,backend", EXTREME_RULES)
 def test_cut_gates_are_finite_and_exact(rule, backend):
     # g = -1000 at a few tokens cuts the sequence there (exp underflows to exactly 0). Summing gates across a cut
     # rounds at ulp(1000) ~ 6e-5 in the chunk path's cumsum, so the tolerance here is 1e-3.
-    inputs = make_inputs(rule, T=130, seed=7, g_low=-1.0)
+    inputs = make_inputs(rule, **SHAPE, seed=7, g_low=-1.0)
     g = np.array(inputs["g"])
     g[:, [3, 40, 64, 99]] = -1000.0
     inputs["g"] = g
