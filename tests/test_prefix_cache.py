@@ -14,6 +14,8 @@ from lineattn.models import HybridLM
 from test_models import tiny
 
 MODEL = HybridLM(tiny(["kda", "attention"]), rngs=nnx.Rngs(0))
+# The cold references, jitted: one compile per prompt length (eager, every op of the chunk path compiled on its own).
+prefill = nnx.jit(decode.prefill)
 
 
 def prompts(seed=0):
@@ -26,7 +28,7 @@ def prompts(seed=0):
 
 
 def cold_logits(tokens):
-    logits, _ = decode.prefill(MODEL, np.asarray(tokens)[None], decode.init_state(MODEL, 1, len(tokens)))
+    logits, _ = prefill(MODEL, np.asarray(tokens)[None], decode.init_state(MODEL, 1, len(tokens)))
     return logits[0]
 
 
@@ -44,7 +46,7 @@ def test_article_example_block_640():
     logits_c, state_c, c = cache.prefill(C, max_len=1800)
     assert (c.hit, c.junction) == (1280, None)
     # A hit then the remainder gives the cold prefill's logits and state.
-    cold_logits_c, cold_state = decode.prefill(MODEL, C[None], decode.init_state(MODEL, 1, 1800))
+    cold_logits_c, cold_state = prefill(MODEL, C[None], decode.init_state(MODEL, 1, 1800))
     assert rel_err(logits_c, cold_logits_c[0][1280:]) <= 1e-4
     assert rel_err(state_c.layers[0].recurrent, cold_state.layers[0].recurrent) <= 1e-4
     assert rel_err(logits_b, cold_logits(B)) <= 1e-4
