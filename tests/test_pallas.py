@@ -166,25 +166,26 @@ def _assert_bf16_close(rule, inputs, chunk_size, got=None):
     assert all(errors[n] <= BF16_RMS[n] for n in want), errors
 
 
-def _diagonal_blocks_inverted(A, C):
-    """A [B, H, Tp, C] (strictly lower per chunk) with each 16 x 16 diagonal block L replaced by (I + L)^-1 - I (fp64
+def _diagonal_blocks_inverted(A, C, n=16):
+    """A [B, H, Tp, C] (strictly lower per chunk) with each n x n diagonal block L replaced by (I + L)^-1 - I (fp64
     inverse): the form `chunk_fwd.invert_diagonal_blocks` writes."""
     A = np.array(A, np.float64)
-    for r0 in range(0, A.shape[2], 16):
+    for r0 in range(0, A.shape[2], n):
         c0 = r0 % C
-        L = A[:, :, r0:r0 + 16, c0:c0 + 16]
-        A[:, :, r0:r0 + 16, c0:c0 + 16] = np.linalg.inv(np.eye(16) + L) - np.eye(16)
+        L = A[:, :, r0:r0 + n, c0:c0 + n]
+        A[:, :, r0:r0 + n, c0:c0 + n] = np.linalg.inv(np.eye(n) + L) - np.eye(n)
     return jnp.asarray(A, jnp.float32)
 
 
-@pytest.mark.parametrize("with_r,gate,diag_inverse", [(False, "channel", False), (True, "channel", False),
-                                                      (True, "scalar", False), (False, "channel", True)])
+@pytest.mark.parametrize("with_r,gate,diag_inverse", [(False, "channel", 0), (True, "channel", 0),
+                                                      (True, "scalar", 0), (False, "channel", 16),
+                                                      (False, "channel", 32)])
 def test_mosaic_solve_matches_the_triton_solve(with_r, gate, diag_inverse):
     # `solve_mgpu.solve_mosaic` (Mosaic GPU wgmma kernel, run by its interpreter here) against `solve_full` on the
     # same inputs: two chunks of 64, K = V = 64, bf16; with_r: the backward's form (A the unscaled key Gram,
     # R written); a scalar gate's G [B, Tp, H] in both, and in `solve_full` equal to the same G broadcast over K;
-    # diag_inverse: both solves given A with its 16 x 16 diagonal blocks inverted (the forward alone's form, the
-    # doubling from 16 on) against `solve_full` on the whole A.
+    # diag_inverse: both solves given A with its 16 x 16 or 32 x 32 diagonal blocks inverted (the forward alone's
+    # form, the doubling from there on) against `solve_full` on the whole A.
     from lineattn.ops.pallas import chunk_fwd, solve_mgpu
     rng = np.random.default_rng(21)
     B, Tp, H, K, V, C = 1, 128, 2, 64, 64, 64
@@ -203,12 +204,12 @@ def test_mosaic_solve_matches_the_triton_solve(with_r, gate, diag_inverse):
                                                       interpret=True, **kw, **d)
     want = solve(G)
     if diag_inverse:
-        A_inv = _diagonal_blocks_inverted(A, C)
-        for name, x, y in zip("WU", solve(G, A_inv, diag_inverse=True), want):
+        A_inv = _diagonal_blocks_inverted(A, C, diag_inverse)
+        for name, x, y in zip("WU", solve(G, A_inv, diag_inverse=diag_inverse), want):
             assert _rel_rms(x, y) <= 1e-3, name
-        got = solve_mgpu.solve_mosaic(A_inv, k, v, G, beta, **kw, diag_inverse=True)
+        got = solve_mgpu.solve_mosaic(A_inv, k, v, G, beta, **kw, diag_inverse=diag_inverse)
         with pytest.raises(ValueError, match="diag_inverse"):
-            solve_mgpu.solve_mosaic(A_inv, k, v, G, beta, **dict(kw, kk=True), diag_inverse=True)
+            solve_mgpu.solve_mosaic(A_inv, k, v, G, beta, **dict(kw, kk=True), diag_inverse=diag_inverse)
     else:
         got = solve_mgpu.solve_mosaic(A, k, v, G, beta, **kw)  # compiled on a GPU, the interpreter on the CPU
     assert len(got) == len(want) == 2 + with_r
@@ -228,8 +229,8 @@ def test_mosaic_solve_matches_the_triton_solve(with_r, gate, diag_inverse):
 @pytest.mark.parametrize("rule,gate", [("kda", "lower_bound"), ("kda", "cut"), ("gdn", "lower_bound"), ("gdn", "cut"),
                                        ("deltanet", None)])
 def test_forward_alone_inverts_the_diagonal_blocks(rule, gate):
-    # `chunk_fwd.DIAG_INVERSE` (a forward that saves nothing): `invert_diagonal_blocks` replaces each 16 x 16
-    # diagonal block L of A by (I + L)^-1 - I, exact in fp32 (against fp64 inverses), and leaves the rest; the
+    # `chunk_fwd.DIAG_INVERSE` (a forward that saves nothing): `invert_diagonal_blocks` replaces each 16 x 16 (or
+    # 32 x 32) diagonal block L of A by (I + L)^-1 - I, exact in fp32 (against fp64 inverses), and leaves the rest; the
     # forward alone (chunk 64, T = 80 ragged, fp32, every token at -5 or -1000 cuts, whose chunks the exact fix-up
     # rewrites before the inversion) matches the oracle, through the channel gate's Gram kernels and the scalar
     # gate's (GDN's head gate; DeltaNet's none).
@@ -242,8 +243,12 @@ def test_forward_alone_inverts_the_diagonal_blocks(rule, gate):
     if (rule, gate) == ("kda", "lower_bound"):
         rng = np.random.default_rng(4)
         A = jnp.asarray(rng.uniform(-1, 1, (1, 2, 128, C)) * np.tile(np.tri(C, k=-1), (2, 1)), jnp.float32)
-        np.testing.assert_allclose(chunk_fwd.invert_diagonal_blocks(A, C=C, interpret=True),
-                                   _diagonal_blocks_inverted(A, C), rtol=0, atol=1e-5)
+        for n in (16, 32):
+            want = _diagonal_blocks_inverted(A, C, n)
+            np.testing.assert_allclose(chunk_fwd.invert_diagonal_blocks(A, C=C, interpret=True, block=n), want,
+                                       rtol=0, atol=1e-5 * float(np.max(np.abs(want))))
+        with pytest.raises(ValueError, match="blocks of 16 or 32"):
+            chunk_fwd.invert_diagonal_blocks(A, C=C, interpret=True, block=64)
     forward = jax.jit(lambda q: ops.linear_attention(rule, q, x["k"], x["v"], x["g"], x["beta"], chunk_size=C,
                                                      initial_state=x["initial_state"], output_final_state=True,
                                                      backend="pallas"))

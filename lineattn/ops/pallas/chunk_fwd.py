@@ -255,8 +255,17 @@ def unit_lower_inverse_exact(L):
 
 
 def _invert_diagonal_block_kernel(a_ref, o_ref):
-    L = a_ref[...]
-    o_ref[...] = unit_lower_inverse_exact(L) - jnp.where(_iota(L.shape, 0) == _iota(L.shape, 1), 1.0, 0.0)
+    n = a_ref.shape[0]
+    eye = jnp.where(_iota((SUB, SUB), 0) == _iota((SUB, SUB), 1), 1.0, 0.0)
+    if n == SUB:
+        o_ref[...] = unit_lower_inverse_exact(a_ref[...]) - eye
+        return
+    # a 32 x 32 block [[L1, 0], [L21, L2]]: its 16 x 16 halves by forward substitution, then the block inverse's
+    # corner -X2 L21 X1 by two fp32 products
+    top, bottom = pl.ds(0, SUB), pl.ds(SUB, SUB)
+    X1, X2 = unit_lower_inverse_exact(a_ref[top, top]), unit_lower_inverse_exact(a_ref[bottom, bottom])
+    o_ref[bottom, top] = -dot(dot(X2, a_ref[bottom, top], "ieee"), X1, "ieee")
+    o_ref[top, top], o_ref[bottom, bottom], o_ref[top, bottom] = X1 - eye, X2 - eye, jnp.zeros_like(eye)
 
 
 # DIAG_INVERSE: in a forward alone (nothing saved for the backward), a small kernel inverts each 16 x 16 diagonal
@@ -268,16 +277,21 @@ def _invert_diagonal_block_kernel(a_ref, o_ref):
 # 00afc93: cross-warp reductions in each 16-row program). A forward that saves for the backward keeps the
 # unscaled key Gram for it and the whole doubling.
 DIAG_INVERSE = True
+# DIAG_INVERSE_BLOCK: the size of those diagonal blocks, 16 or 32 (a 32 x 32 block from its two 16 x 16 halves and
+# two 16 x 16 fp32 products; the solve's doubling then runs one level). Read when traced.
+DIAG_INVERSE_BLOCK = 32
 
 
-def invert_diagonal_blocks(A, *, C, interpret):
-    """A [B, H, Tp, C] fp32 (strictly lower per chunk) with each 16 x 16 diagonal block L replaced, in place, by
-    (I + L)^-1 - I, the form the solves take with diag_inverse."""
+def invert_diagonal_blocks(A, *, C, interpret, block=SUB):
+    """A [B, H, Tp, C] fp32 (strictly lower per chunk) with each `block` x `block` (16 or 32) diagonal block L
+    replaced, in place, by (I + L)^-1 - I, the form the solves take with diag_inverse = block."""
     B, H, Tp, _ = A.shape
-    nb = C // SUB
-    block = pl.BlockSpec((None, None, SUB, SUB), lambda b, h, i: (b, h, i, i % nb))
+    if block not in (SUB, 2 * SUB) or C % block:
+        raise ValueError(f"invert_diagonal_blocks takes blocks of {SUB} or {2 * SUB} dividing C = {C}, got {block}")
+    nb = C // block
+    spec = pl.BlockSpec((None, None, block, block), lambda b, h, i: (b, h, i, i % nb))
     return pallas_call(
-        _invert_diagonal_block_kernel, grid=(B, H, Tp // SUB), in_specs=[block], out_specs=block,
+        _invert_diagonal_block_kernel, grid=(B, H, Tp // block), in_specs=[spec], out_specs=spec,
         out_shape=jax.ShapeDtypeStruct(A.shape, A.dtype), input_output_aliases={0: 0},
         compiler_params=compiler_params(num_warps=1, num_stages=1), interpret=interpret,
         name="lineattn_invert_diagonal_blocks",
@@ -470,12 +484,13 @@ def mosaic_solve(exact: bool, C: int, K: int, V: int, interpret: bool) -> bool:
 # products, was slower on the H200: 0.91 ms against 0.81 at 8 x 4096 x 16 x 128, run8b; removed.)
 
 
-def _invert_unit_lower(A, n, inv_prec, diag_inverse=False):
-    """(I + A)^-1 for a strictly lower triangular [n, n] A by the block doubling above; diag_inverse: A's 16 x 16
-    diagonal blocks hold their inverses' strictly lower parts already (X_16 - I), the doubling starts there."""
+def _invert_unit_lower(A, n, inv_prec, diag_inverse=0):
+    """(I + A)^-1 for a strictly lower triangular [n, n] A by the block doubling above; diag_inverse (16 or 32; 0:
+    none): A's diagonal blocks of that size hold their inverses' strictly lower parts already (X_b - I), the
+    doubling starts there."""
     i, j = _iota((n, n), 0), _iota((n, n), 1)
     if diag_inverse:
-        X, b = jnp.where(i == j, 1.0, jnp.where(i // SUB == j // SUB, A, 0.0)), SUB
+        X, b = jnp.where(i == j, 1.0, jnp.where(i // diag_inverse == j // diag_inverse, A, 0.0)), diag_inverse
     else:
         X, b = jnp.where(i == j, 1.0, jnp.where((i // 2 == j // 2) & (i != j), -A, 0.0)), 2  # X_2 = I - A_1
     while b < n:
@@ -492,7 +507,7 @@ def gate_factor(G_ref, d=slice(None)):
 
 
 def _solve_full_kernel(a_ref, k_ref, v_ref, G_ref, beta_ref, w_ref, u_ref, *r_ref, C, prec, inv_prec, kk,
-                       diag_inverse=False):
+                       diag_inverse=0):
     beta = beta_ref[...].astype(f32)[:, None]
     A = beta * a_ref[...] if kk else a_ref[...]  # kk: a_ref holds the unscaled key Gram KK (strictly lower)
     X = _invert_unit_lower(A, C, inv_prec, diag_inverse)
@@ -513,7 +528,7 @@ def _solve_flagged_kernel(flag_ref, *refs, solve):
 
 
 def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, with_r=False, kk=False, flags=None,
-               into=(), diag_inverse=False):
+               into=(), diag_inverse=0):
     """W, U [B, H, Tp, .] (and R [B, H, Tp, C] fp32 when with_r) by `_solve_full_kernel`; G [B, Tp, H, K], or
     [B, Tp, H] for a gate equal across K; kk: A is the unscaled key Gram (A = Diag(beta) KK is formed in the
     kernel). flags [B, H, N, C / 16] (`chunk_flags`): solve the flagged chunks only, the others keeping the values
@@ -589,9 +604,10 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
                                         interpret=interpret, bk=GRAM_BK, kin=inverse_in_pass)
     if not delta:
         return (qin, kg, None, None, m, dend) + ((None, None, *gate) if save else ())
-    diag_inverse = DIAG_INVERSE and not save  # (A is final here: after the exact fix-up where there is one)
+    # (A is final here: after the exact fix-up where there is one)
+    diag_inverse = min(DIAG_INVERSE_BLOCK, C) if DIAG_INVERSE and not save else 0
     if diag_inverse:
-        A = invert_diagonal_blocks(A, C=C, interpret=interpret)
+        A = invert_diagonal_blocks(A, C=C, interpret=interpret, block=diag_inverse)
     inv_prec = "ieee" if exact else SOLVE_PREC
     if inverse_in_pass:
         R = solve_mgpu.inverse_mosaic(A, C=C, diag_inverse=diag_inverse, interpret=interpret)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from lineattn.ops.pallas.common import SUB, interpret_mode, split_bf16
+from lineattn.ops.pallas.common import interpret_mode, split_bf16
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 _WG = plgpu.Layout.WGMMA
@@ -94,7 +94,7 @@ def operand_buffers(C: int, regs: bool):
     return [_smem((C, C), bf16) for _ in range(2 if regs else 4)]
 
 
-def invert_and_apply(A_, outs, sq, regs: bool, before_apply=None, diag_inverse: bool = False):
+def invert_and_apply(A_, outs, sq, regs: bool, before_apply=None, diag_inverse: int = 0):
     """R = (I + A)^-1 for a strictly lower [C, C] fp32 A_ (registers, WGMMA layout) by block doubling
     (X_2b = X_b - X_b A_b X_b, A_b: A inside the diagonal blocks of 2b, off those of b; the products bf16x3), then
     R x for each bf16 SMEM tile x [C, D] in outs (e.g. k and v for W and U) on the tensor cores, written back in
@@ -106,7 +106,7 @@ def invert_and_apply(A_, outs, sq, regs: bool, before_apply=None, diag_inverse: 
     j = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=_WG)
     zero = jnp.zeros((C, C), f32)
     if diag_inverse:
-        first = SUB.bit_length() - 1  # the level that doubles SUB x SUB blocks (`invert_diagonal_blocks`' size)
+        first = diag_inverse.bit_length() - 1  # the level that doubles the inverted blocks (`invert_diagonal_blocks`)
         X = jnp.where(i == j, 1.0, jnp.where((i >> first) == (j >> first), A_, zero))
     else:
         X, first = jnp.where(i == j, 1.0, jnp.where(((i >> 1) == (j >> 1)) & (i != j), -A_, zero)), 1
@@ -142,7 +142,7 @@ def invert_and_apply(A_, outs, sq, regs: bool, before_apply=None, diag_inverse: 
 
 
 def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpret: bool | None = None,
-                 diag_inverse: bool = False):
+                 diag_inverse: int = 0):
     """`chunk_fwd.solve_full`'s outputs (W, U [B, H, Tp, .] in `store`, and R [B, H, Tp, C] fp32 when with_r) by
     the Mosaic GPU kernel above; A [B, H, Tp, C] fp32 (kk: the unscaled key Gram, scaled by beta here), k [B, Tp,
     H, K], v [B, Tp, H, V] (bf16), G [B, Tp, H, K] fp32 (or [B, Tp, H] for a gate equal across K), beta [B, Tp,
@@ -211,7 +211,7 @@ def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpre
     return kernel(A, k, v, G, beta_BHT)
 
 
-def inverse_mosaic(A, *, C: int, diag_inverse: bool = False, interpret: bool | None = None):
+def inverse_mosaic(A, *, C: int, diag_inverse: int = 0, interpret: bool | None = None):
     """R = (I + A)^-1 [B, H, Tp, C] in bf16 for a strictly lower A [B, H, Tp, C] fp32 per chunk of C = 64 (diag_inverse:
     its 16 x 16 diagonal blocks hold their inverses' strictly lower parts, `chunk_fwd.invert_diagonal_blocks`), by
     `invert_and_apply`'s block doubling, one CTA per (batch, head, chunk). For a scalar gate's forward alone, whose
