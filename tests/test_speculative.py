@@ -30,9 +30,16 @@ def perturbed(model, seed, std):
 TARGET = perturbed(HybridLM(tiny(["kda", "attention", "gdn"]), rngs=nnx.Rngs(0)), 0, 0.3)
 N = 3  # drafts per round
 
+# Jitted: one compile per shape (eager, every op of the chunk path and the verify block is compiled on its own).
+forward = nnx.jit(lambda model, x: model(x))
+prefill = nnx.jit(decode.prefill)
+step = nnx.jit(decode.step)
+verify = nnx.jit(spec.verify)
+judge = jax.jit(spec.judge, static_argnames="temperature")
+
 
 def one_request_state(model, prompt, max_len):
-    _, state = decode.prefill(model, prompt, decode.init_state(model, 1, max_len))
+    _, state = prefill(model, prompt, decode.init_state(model, 1, max_len))
     return state
 
 
@@ -44,14 +51,14 @@ def test_every_acceptance_pattern_emits_the_greedy_tokens_and_rolls_back(accepte
     # Drafts agree with the target's greedy tokens for `accepted` positions, then go wrong.
     drafts = jnp.where(jnp.arange(N) < accepted, truth[:N], (truth[:N] + 1) % 64)
     state = one_request_state(TARGET, prompt, 20)
-    logits, after = spec.verify(TARGET, jnp.concatenate([x0[None], drafts])[None], spec.enter(state))
-    a, nxt = spec.judge(logits[0], drafts, None, None, temperature=0)
+    logits, after = verify(TARGET, jnp.concatenate([x0[None], drafts])[None], spec.enter(state))
+    a, nxt = judge(logits[0], drafts, None, None, temperature=0)
     assert int(a) == accepted
     assert int(nxt) == int(truth[accepted])  # the correction (or bonus) token is the greedy one
     # Rollback by index equals decoding the accepted inputs one at a time.
     rolled = spec.current(spec.accept(after, a))
     for token in [x0, *drafts[:accepted]]:
-        _, state = decode.step(TARGET, token[None], state)
+        _, state = step(TARGET, token[None], state)
     assert int(rolled.slot) == int(state.slot) == 10 + accepted + 1
     for mine, ref in zip(rolled.layers, state.layers):
         if isinstance(ref, KVCache):  # slots past the accepted tokens hold rejected keys, masked until rewritten
@@ -87,7 +94,7 @@ def test_sampled_tokens_follow_the_target_distribution():
     prompt, x0 = jnp.array([[1, 2, 3, 0, 1]]), jnp.array(2)
     t_state, d_state = one_request_state(target, prompt, 12), one_request_state(draft, prompt, 12)
     with_x0 = jnp.concatenate([prompt, x0[None, None]], axis=1)
-    p = jax.nn.softmax(target(with_x0)[0, -1] / 0.9)
+    p = jax.nn.softmax(forward(target, with_x0)[0, -1] / 0.9)
     n = 6000
     run = jax.jit(jax.vmap(lambda key: spec.spec_round(target, draft, spec.enter(t_state), spec.enter(d_state), x0,
                                                        key, num_draft=2, temperature=0.9)[:2]))
