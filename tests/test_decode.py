@@ -22,6 +22,7 @@ HYBRID = ["kda", "kda", "kda", "attention"]
 forward = nnx.jit(lambda model, x: model(x))
 prefill = nnx.jit(decode.prefill)
 step = nnx.jit(decode.step)
+prefill_with_snapshots = nnx.jit(decode.prefill_with_snapshots, static_argnums=3)  # the checkpoints are static
 
 
 def prefill_then_steps(model, x, prompt_len, max_len=None):
@@ -162,9 +163,9 @@ def test_pallas_decode_kernel_step_equals_the_oracle_step(mixer):
     mixer_layer = kernel.blocks[0].mixer
     assert mixer_layer._decode_kernel_ok(mixer_layer.rule, jnp.float32)  # the step below really runs the kernel
     x = tokens(2, 9)
-    _, state = decode.prefill(oracle, x[:, :8], decode.init_state(oracle, 2, 9))
-    want_logits, want = decode.step(oracle, x[:, 8], state)
-    got_logits, got = decode.step(kernel, x[:, 8], state)
+    _, state = prefill(oracle, x[:, :8], decode.init_state(oracle, 2, 9))
+    want_logits, want = step(oracle, x[:, 8], state)
+    got_logits, got = step(kernel, x[:, 8], state)
     assert rel_err(got_logits, want_logits) <= 1e-5
     assert rel_err(got.layers[0].recurrent, want.layers[0].recurrent) <= 1e-5
 
@@ -179,10 +180,10 @@ def test_pallas_verify_block_through_the_decode_kernel(mixer):
     kernel = HybridLM(ModelConfig(**{**cfg.__dict__, "backend": "pallas"}), rngs=nnx.Rngs(0))
     assert kernel.blocks[0].mixer._decode_kernel_ok(kernel.blocks[0].mixer.rule, jnp.float32)
     x = tokens(2, 13)
-    _, state = decode.prefill(oracle, x[:, :8], decode.init_state(oracle, 2, 13))
+    _, state = prefill(oracle, x[:, :8], decode.init_state(oracle, 2, 13))
     with jax.default_matmul_precision("highest"):
-        want_logits, want_state, want = decode.prefill_with_snapshots(oracle, x[:, 8:], state, range(6))
-        got_logits, got_state, got = decode.prefill_with_snapshots(kernel, x[:, 8:], state, range(6))
+        want_logits, want_state, want = prefill_with_snapshots(oracle, x[:, 8:], state, tuple(range(6)))
+        got_logits, got_state, got = prefill_with_snapshots(kernel, x[:, 8:], state, tuple(range(6)))
     assert rel_err(got_logits, want_logits) <= 1e-5
     assert rel_err(got[0].recurrent, want[0].recurrent) <= 1e-5
     assert rel_err(got_state.layers[0].recurrent, want_state.layers[0].recurrent) <= 1e-5
@@ -199,8 +200,8 @@ def test_pallas_prefill_snapshots_equal_the_oracle_models():
     # On a GPU the models' own fp32 matmuls default to TF32, which alone moves the logits by ~2e-4 (H200 run,
     # 2026-12-01: 1.8e-4 at the default precision, pass at "highest"); the ops already use HIGHEST.
     with jax.default_matmul_precision("highest"):
-        got_logits, _, got = decode.prefill_with_snapshots(kernel, x, decode.init_state(kernel, 2, 100), checkpoints)
-        want_logits, _, want = decode.prefill_with_snapshots(oracle, x, decode.init_state(oracle, 2, 100),
+        got_logits, _, got = prefill_with_snapshots(kernel, x, decode.init_state(kernel, 2, 100), checkpoints)
+        want_logits, _, want = prefill_with_snapshots(oracle, x, decode.init_state(oracle, 2, 100),
                                                              checkpoints)
     assert rel_err(got_logits, want_logits) <= 1e-4
     for i, p in enumerate(checkpoints):
