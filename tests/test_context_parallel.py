@@ -3,9 +3,10 @@
 The multi-device checks need `XLA_FLAGS=--xla_force_host_platform_device_count=8` before jax starts, so each runs
 this file as a script in a subprocess (`python tests/test_context_parallel.py <case>`), which prints its relative
 errors as JSON on its last line. Per device count (2, 4, 8), one compiled function covers all five rules with and
-without packing, and one more the single-device reference; XLA's backend optimisation is off in the subprocess
-(it halves compile time). fp32, metric max|x - x_ref| / max|x_ref|, tolerance 1e-5 on o, the final state and the
-gradients of q, k, v, g, beta and the initial state. Gates are mild (log decay in (-0.05, 0)), so every state
+without packing, and one more the single-device reference (compiled once a session: the subprocesses use the
+session's compilation cache); XLA's backend optimisation is off in the subprocess (it halves compile time).
+fp32, metric max|x - x_ref| / max|x_ref|, tolerance 1e-5 on o, the final state and the gradients of q, k, v, g,
+beta and the initial state. Gates are mild (log decay in (-0.05, 0)), so every state
 really crosses device boundaries: scaling the carried state by 0.999 gives errors of about 1e-3.
 """
 
@@ -98,12 +99,16 @@ def _worker_match(device_counts: list[int]) -> dict:
         (_, outputs), grads = fn([c[3] for c in configs])
         return [dict(out, **{"d" + n: g for n, g in grad.items()}) for out, grad in zip(outputs, grads)]
 
+    sharded = {}
+    for P in device_counts:
+        mesh = Mesh(np.array(jax.devices()[:P]), ("context",))
+        sharded[P] = run(lambda *a, **kw: ops.context_parallel_attention(*a, mesh=mesh, axis_name="context", **kw))
+    # The reference last: the workers for "2,8" and "4" compile the same one, and under pytest-xdist they run at
+    # once; the one that gets here second finds it in the shared compilation cache (see `__main__`).
     single = run(lambda *a, **kw: ops.linear_attention(*a, backend="chunk", **kw))
     errors = {}
     for P in device_counts:
-        mesh = Mesh(np.array(jax.devices()[:P]), ("context",))
-        sharded = run(lambda *a, **kw: ops.context_parallel_attention(*a, mesh=mesh, axis_name="context", **kw))
-        for (name, *_), s, r in zip(configs, sharded, single):
+        for (name, *_), s, r in zip(configs, sharded[P], single):
             errors[f"P={P}/{name}"] = {key: rel_err(s[key], r[key]) for key in r}
     return errors
 
@@ -224,6 +229,12 @@ def _worker_errors() -> dict:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    if os.environ.get("LINEATTN_TEST_JAX_CACHE"):  # the pytest session's compilation cache (tests/conftest.py)
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", os.environ["LINEATTN_TEST_JAX_CACHE"])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     case = sys.argv[1]
     workers = {"match": lambda: _worker_match([int(p) for p in sys.argv[2].split(",")]), "train": _worker_train,
                "errors": _worker_errors}
