@@ -3,6 +3,8 @@ closed forms of the additive ungated rules."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,13 @@ import pytest
 
 from conftest import make_inputs, rel_err
 from lineattn import ops
+
+
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("backend", "output_final_state", "scale"))
+def linear_attention(rule, q, k, v, g=None, beta=None, **kwargs):
+    """`ops.linear_attention`, jitted: one compile per call signature (eager, the scan backend's associative scan
+    compiles every slice on its own)."""
+    return ops.linear_attention(rule, q, k, v, g, beta, **kwargs)
 
 
 def numpy_rule(rule, q, k, v, g, beta, h0, scale):
@@ -51,7 +60,7 @@ def test_oracle_matches_float64_state_equation(rule):
 def test_vanilla_linear_attention_is_the_normalised_causal_sum(backend):
     # o_t = sum_{s<=t} (phi(q_t).phi(k_s)) v_s / sum_{s<=t} phi(q_t).phi(k_s), phi = elu + 1.
     x = make_inputs("linear_attn", B=1, T=70, H=2, K=8, V=5)
-    o, _ = ops.linear_attention("linear_attn", x["q"], x["k"], x["v"], backend=backend)
+    o, _ = linear_attention("linear_attn", x["q"], x["k"], x["v"], backend=backend)
     phi = lambda a: np.where(a > 0, a + 1.0, np.exp(a))
     fq, fk, v = phi(np.asarray(x["q"], np.float64)), phi(np.asarray(x["k"], np.float64)), np.asarray(x["v"], np.float64)
     scores = np.tril(np.einsum("bthk,bshk->bhts", fq, fk))
@@ -62,14 +71,14 @@ def test_vanilla_linear_attention_is_the_normalised_causal_sum(backend):
 @pytest.mark.parametrize("backend", ["recurrent", "chunk", "scan"])
 def test_norm_attention_is_masked_quadratic_attention_without_denominator(backend):
     x = make_inputs("norm_attn", B=1, T=70, H=2, K=8, V=5)
-    o, _ = ops.linear_attention("norm_attn", x["q"], x["k"], x["v"], backend=backend, scale=1.0)
+    o, _ = linear_attention("norm_attn", x["q"], x["k"], x["v"], backend=backend, scale=1.0)
     q, k, v = (np.asarray(x[n], np.float64) for n in "qkv")
     expected = np.einsum("bhts,bshv->bthv", np.tril(np.einsum("bthk,bshk->bhts", q, k)), v)
     assert rel_err(o, expected) < 1e-5
 
 
 def _final_state(rule, g, k, v, backend):
-    _, ht = ops.linear_attention(rule, jnp.zeros_like(k), k, v, g, output_final_state=True, backend=backend)
+    _, ht = linear_attention(rule, jnp.zeros_like(k), k, v, g, output_final_state=True, backend=backend)
     return ht
 
 
