@@ -110,11 +110,14 @@ def test_chunk_size(rule, chunk_size):
 def test_element_chunk_by_value_columns_exports_the_oracles_states(rule):
     # the per-element gate's chunk backend runs V channel-gate rules of value dim 1 (lineattn.ops.columns);
     # the state exports come back in the [P, B, H, K, V] layout
+    # (jitted: eagerly, each of the chunk form's ops compiles on its own)
     x = make_inputs(rule, B=2, T=50, H=2, K=8, V=6, seed=4)
-    args = (rule, x["q"], x["k"], x["v"], x["g"], x["beta"])
-    kw = dict(initial_state=x["initial_state"], output_final_state=True, checkpoint_positions=[0, 17, 50])
-    o, ht, states = ops.linear_attention(*args, backend="chunk", chunk_size=16, **kw)
-    o_ref, ht_ref, states_ref = ops.linear_attention(*args, backend="recurrent", **kw)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], x["initial_state"])
+    run = lambda backend, **kw: jax.jit(lambda q, k, v, g, beta, h0: ops.linear_attention(
+        rule, q, k, v, g, beta, initial_state=h0, output_final_state=True, checkpoint_positions=[0, 17, 50],
+        backend=backend, **kw))(*args)
+    o, ht, states = run("chunk", chunk_size=16)
+    o_ref, ht_ref, states_ref = run("recurrent")
     assert_close({"o": o, "ht": ht, "states": states}, {"o": o_ref, "ht": ht_ref, "states": states_ref}, TOL, rule)
     np.testing.assert_array_equal(states[0], x["initial_state"])
     assert ops.select_backend(ops.RULES[rule], "auto") != "chunk"      # slower on a CPU: auto does not pick it
