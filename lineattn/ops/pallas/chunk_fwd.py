@@ -9,10 +9,10 @@ The intra-chunk stage, parallel over (batch, head, chunk) (`_intra`):
     lie within LIMIT (40) nats of it, and is computed exactly otherwise (pair by pair, masked before the exp):
     exact for any g <= 0 (also -1000). By default (GRAM_IMPL "triton-fast") the kernel takes the fast path
     everywhere and `gram_exact_chunks` rewrites the chunks that `gate_cumsum` flags beyond LIMIT;
-  - in a forward alone (DIAG_INVERSE), `invert_diagonal_blocks`: each 16 x 16 diagonal block of I + A inverted in
-    place by forward substitution in fp32;
+  - in a forward alone (DIAG_INVERSE), `invert_diagonal_blocks`: each 32 x 32 (DIAG_INVERSE_BLOCK) diagonal
+    block of I + A inverted in place in fp32;
   - `solve_full`: R = (I + A)^-1 for the whole chunk by block doubling (the same numbers as block forward
-    substitution, 16 -> 32 -> 64; from the inverted 16 x 16 blocks in a forward alone), then U = R Diag(b) V and
+    substitution, 16 -> 32 -> 64; from the inverted diagonal blocks in a forward alone), then U = R Diag(b) V and
     W = R Diag(b) Kin (on a Hopper GPU, for bf16 at chunk 64, the same algebra as a Mosaic GPU kernel:
     `solve_mgpu.solve_mosaic`, see SOLVE_IMPL).
 `state_pass`, one program per (batch, head, V tile): the sequential pass over chunks with the fp32 state in
@@ -21,6 +21,9 @@ the backward, every chunk's S and E); on a Hopper GPU where it fits, the same as
 (`state_mgpu.state_pass_mosaic`, see PASS_IMPL). For a few long sequences in a forward that saves for the
 backward, the pass runs in segments of chunks side by side (PASS_SEGMENTS): `segment_starts` gives each
 segment's true start and its map, which the backward's reverse pass then reuses.
+A forward alone on the Mosaic pass writes fewer intermediates: the solve writes R alone and the pass forms E = R
+(Diag(beta) V - Diag(beta) Kin S) itself (INVERSE_IN_PASS); a scalar gate's pass also reads the raw q and k with
+the gate as row factors, so its Gram kernel writes M and A only (ROW_GATE).
 
 Precision: bf16 inputs keep bf16 intermediates (Qin, Kg, W, U, M) and run the state pass's products on bf16
 tensor cores with fp32 accumulation; the Gram products take TF32, the solve's doubling bf16x3 and its U, W
@@ -278,7 +281,10 @@ def _invert_diagonal_block_kernel(a_ref, o_ref):
 # unscaled key Gram for it and the whole doubling.
 DIAG_INVERSE = True
 # DIAG_INVERSE_BLOCK: the size of those diagonal blocks, 16 or 32 (a 32 x 32 block from its two 16 x 16 halves and
-# two 16 x 16 fp32 products; the solve's doubling then runs one level). Read when traced.
+# two 16 x 16 fp32 products; the solve's doubling then runs one level). Read when traced. H200, 8 x 4096 (run30b):
+# the inversion kernel 0.062 ms against 0.041 with 16; `solve_mgpu.inverse_mosaic` 0.081 against 0.152, the Mosaic
+# solve 0.231 against 0.256; forward kernels GDN 0.599 against 0.649, KDA 1.324 (1.378 with INVERSE_IN_PASS off,
+# 1.383 with 16 as well).
 DIAG_INVERSE_BLOCK = 32
 
 
@@ -532,8 +538,8 @@ def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, 
     """W, U [B, H, Tp, .] (and R [B, H, Tp, C] fp32 when with_r) by `_solve_full_kernel`; G [B, Tp, H, K], or
     [B, Tp, H] for a gate equal across K; kk: A is the unscaled key Gram (A = Diag(beta) KK is formed in the
     kernel). flags [B, H, N, C / 16] (`chunk_flags`): solve the flagged chunks only, the others keeping the values
-    of `into` (W, U and R as returned before), which the outputs alias. diag_inverse: A's diagonal 16 x 16 blocks
-    are their inverses' strictly lower parts (`invert_diagonal_blocks`)."""
+    of `into` (W, U and R as returned before), which the outputs alias. diag_inverse (16 or 32): A's diagonal blocks
+    of that size are their inverses' strictly lower parts (`invert_diagonal_blocks`)."""
     B, Tp, H, K = k.shape
     V, N = v.shape[-1], Tp // C
     tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
@@ -732,12 +738,17 @@ PASS_MAX_BV = 64
 PASS_IMPL = "auto"
 # ROW_GATE: in a forward alone with a scalar gate (GDN) and the Mosaic state pass, the pass reads the raw q and k
 # and applies the gate as row factors, O = Diag(scale e^G) (q S) + M E and Kg^T E = k^T Diag(e^(G_C - G)) E, so the
-# scalar Gram kernel writes no Qin, Kg (2 K bf16 values per token and head). Read when traced.
+# scalar Gram kernel writes no Qin, Kg (2 K bf16 values per token and head). Read when traced. H200, GDN 8 x 4096
+# (run30a): scalar Gram 0.145 ms against 0.238, state pass 0.253 against 0.206; forward kernels 0.715 against 0.760.
 ROW_GATE = True
 # INVERSE_IN_PASS: in a forward alone with the delta write and the Mosaic state pass, the solve writes R = (I + A)^-1
 # alone (`solve_mgpu.inverse_mosaic`, bf16) and the state pass forms E = R (Diag(beta) V - Diag(beta) (Kin S)) from
 # the raw v (W = R Diag(beta) Kin, U = R Diag(beta) V): no W, U are formed or written. Kin = k e^G comes from the
-# Gram kernel (a channel gate) or, with ROW_GATE, is the raw k with the row factor e^G. Read when traced.
+# Gram kernel (a channel gate) or, with ROW_GATE, is the raw k with the row factor e^G. Read when traced. H200, 8 x
+# 4096 (run30a, 16 x 16 diagonal blocks): GDN inverse 0.152 ms against the solve's 0.241, state pass 0.278 against
+# 0.253, forward kernels 0.647 against 0.715; KDA Gram 0.733 against 0.696 (Kin), inverse 0.153 against 0.256, state
+# pass 0.270 against 0.207: 1.379 against 1.381, no gain. With 32 x 32 blocks (run30b) the inverse takes 0.081
+# against the solve's 0.231: KDA forward kernels 1.324 against 1.378.
 INVERSE_IN_PASS = True
 
 

@@ -4,11 +4,13 @@
 One CTA (one warpgroup) per (batch, head, chunk): A [C, C] (and the chunk's k, v, G, beta) come in by TMA; R =
 (I + A)^-1 by the same block doubling as `chunk_fwd._invert_unit_lower` (X_2b = X_b - X_b A_b X_b), each product
 on the tensor cores as three bf16 wgmmas (hi hi + hi lo + lo hi of the fp32 operands split into bf16 parts, as the
-Triton kernel's "bf16x3"), from X_2 or, in a forward alone, from the 16 x 16 diagonal blocks' inverses that
-`chunk_fwd.invert_diagonal_blocks` wrote into A (`chunk_fwd.DIAG_INVERSE`: two levels instead of five); then
+Triton kernel's "bf16x3"), from X_2 or, in a forward alone, from the 32 x 32 (or 16 x 16) diagonal blocks'
+inverses that `chunk_fwd.invert_diagonal_blocks` wrote into A (`chunk_fwd.DIAG_INVERSE`: one or two levels instead
+of five); then
 U = R Diag(beta) V and W = R Diag(beta) (k e^G) as one bf16 wgmma each, written back by TMA. The register arrays
 live in the WGMMA accumulator layout; the products' right operands (and, without LHS_REGS, their left ones) go
 through swizzled SMEM. Without a GPU it runs in the Mosaic GPU interpreter (`plgpu.InterpretGPUParams`).
+`inverse_mosaic`: R alone, in bf16, for a forward alone whose state pass applies it (`chunk_fwd.INVERSE_IN_PASS`).
 """
 
 from __future__ import annotations
@@ -99,8 +101,8 @@ def invert_and_apply(A_, outs, sq, regs: bool, before_apply=None, diag_inverse: 
     (X_2b = X_b - X_b A_b X_b, A_b: A inside the diagonal blocks of 2b, off those of b; the products bf16x3), then
     R x for each bf16 SMEM tile x [C, D] in outs (e.g. k and v for W and U) on the tensor cores, written back in
     place. sq: `operand_buffers`; before_apply: called just before those products (e.g. to finish forming v);
-    diag_inverse: A_'s 16 x 16 diagonal blocks hold their inverses' strictly lower parts (X_16 - I), and the
-    doubling starts from them. Returns R (fp32 registers)."""
+    diag_inverse (16 or 32; 0: none): A_'s diagonal blocks of that size hold their inverses' strictly lower parts
+    (X_b - I), and the doubling starts from them. outs empty: R alone. Returns R (fp32 registers)."""
     C = A_.shape[0]
     i = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=_WG)
     j = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=_WG)
@@ -147,8 +149,8 @@ def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpre
     the Mosaic GPU kernel above; A [B, H, Tp, C] fp32 (kk: the unscaled key Gram, scaled by beta here), k [B, Tp,
     H, K], v [B, Tp, H, V] (bf16), G [B, Tp, H, K] fp32 (or [B, Tp, H] for a gate equal across K), beta [B, Tp,
     H]. bf16 inputs only (fp32 inputs keep the exact Triton solve). interpret: the Mosaic GPU interpreter (default:
-    when no GPU is the default backend). diag_inverse: A's 16 x 16 diagonal blocks hold their inverses' strictly
-    lower parts (`chunk_fwd.invert_diagonal_blocks`)."""
+    when no GPU is the default backend). diag_inverse (16 or 32): A's diagonal blocks of that size hold their
+    inverses' strictly lower parts (`chunk_fwd.invert_diagonal_blocks`)."""
     if diag_inverse and kk:
         raise ValueError("solve_mosaic: diag_inverse takes A = Diag(beta) KK with its blocks inverted, not kk")
     B, Tp, H, K = k.shape
@@ -212,8 +214,9 @@ def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpre
 
 
 def inverse_mosaic(A, *, C: int, diag_inverse: int = 0, interpret: bool | None = None):
-    """R = (I + A)^-1 [B, H, Tp, C] in bf16 for a strictly lower A [B, H, Tp, C] fp32 per chunk of C = 64 (diag_inverse:
-    its 16 x 16 diagonal blocks hold their inverses' strictly lower parts, `chunk_fwd.invert_diagonal_blocks`), by
+    """R = (I + A)^-1 [B, H, Tp, C] in bf16 for a strictly lower A [B, H, Tp, C] fp32 per chunk of C = 64
+    (diag_inverse, 16 or 32: its diagonal blocks of that size hold their inverses' strictly lower parts,
+    `chunk_fwd.invert_diagonal_blocks`), by
     `invert_and_apply`'s block doubling, one CTA per (batch, head, chunk). For a scalar gate's forward alone, whose
     state pass applies R itself (`state_mgpu.state_pass_mosaic`'s inverse): no W, U are formed or written."""
     B, H, Tp, _ = A.shape

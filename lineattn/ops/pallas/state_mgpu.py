@@ -12,7 +12,9 @@ or, in reverse, its end cotangent, given). Per chunk, with S rounded to bf16 in 
     forward:  E = U - W S,   O = Qin S + M E,   S <- Diag(e^(G_C)) S + Kg^T E
     reverse:  dE = M^T dO + Kg dS,   dS <- Diag(e^(G_C)) dS + Qin^T dO - W^T dE
 (X^T: X's SMEM tile read transposed). The same products at the same precisions as the Triton kernels (bf16
-operands, fp32 accumulation). Without a GPU they run in the Mosaic GPU interpreter.
+operands, fp32 accumulation). A forward alone may take two other forms of the forward pass (`state_pass_mosaic`'s
+raw_qk and inverse): E = R (Diag(beta) V - Diag(beta) Kin S) from R = (I + A)^-1 and the raw v, and for a scalar
+gate the raw q and k with the gate's row factors. Without a GPU they run in the Mosaic GPU interpreter.
 """
 
 from __future__ import annotations
