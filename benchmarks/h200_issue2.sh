@@ -70,6 +70,9 @@
 #   KDA keeps TF32); two profiles in one call, each with its own --out, then the grep:
 #     SKIP_BENCH=1 SHARDS=3 TESTS_K="gdn or deltanet" bash benchmarks/h200_issue2.sh; export PYTHONPATH=$PWD/.site:$PWD
 #     python3 benchmarks/profile_pallas_kda.py --out $OUT/gdn --rule gdn --impls lineattn --check --configs "..."
+#   Run30 (session 28): the forward alone writes fewer intermediates (chunk_fwd.INVERSE_IN_PASS: R alone from the
+#   solve, E formed in the Mosaic pass; ROW_GATE: a scalar gate's raw q, k with row factors; DIAG_INVERSE_BLOCK 32):
+#   forward kernels GDN 0.760 -> 0.599 ms, KDA 1.378 -> 1.324 (run30b); bench wall KDA 1.68 ms, GDN 0.93 (run30c).
 #   The long GPU tests take ~30 s each (19 of them): a subset fits a call beside a bench part, e.g.
 #     TEST_TIMEOUT=200 TESTS_K="long_bf16 and default" SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
 #   A/B wall clock of settings, interleaved (not through this script): PYTHONPATH=$PWD python3
