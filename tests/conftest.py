@@ -72,20 +72,27 @@ def make_inputs(rule, *, B=2, T=150, H=2, K=32, V=24, seed=0, g_low=-5.0, g_high
     return x
 
 
-def loss_and_grads(rule, inputs, *, backend, cu_seqlens=None, seed=1, **kwargs):
+def loss_and_grads(rule, inputs, *, backend, cu_seqlens=None, seed=1, programs=None, **kwargs):
     """o, final state and the gradients of sum(o * do) + sum(ht * dht) w.r.t. every input the rule takes.
 
     One jitted call computes all three through `jax.vjp` (one compilation; an eager forward beside a jitted
-    gradient compiled every op twice)."""
-    names = [n for n in GRAD_ARGS if inputs[n] is not None]
-
-    def run(*args):
-        x = dict(inputs, **dict(zip(names, args)))
-        init = x.pop("initial_state")
-        return ops.linear_attention(rule, x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=init,
-                                    output_final_state=True, cu_seqlens=cu_seqlens, backend=backend, **kwargs)
-
+    gradient compiled every op twice). programs: a dict that keeps the jitted call by rule, backend, options and
+    input shapes, so that a test running the same program on other values skips tracing and compiling it again
+    (not for calls whose module constants change between them, as the Pallas tests' do)."""
+    names = tuple(n for n in GRAD_ARGS if inputs[n] is not None)
     args = [inputs[n] for n in names]
+    cu = None if cu_seqlens is None else tuple(int(c) for c in cu_seqlens)
+    key = (rule, backend, names, cu, seed, tuple(sorted(kwargs.items())), tuple((a.shape, a.dtype) for a in args))
+    if programs is not None and key in programs:
+        o, ht, grads = programs[key](*args)
+        return o, ht, dict(zip(["d" + n for n in names], grads))
+
+    def run(*a):
+        x = dict(zip(names, a))
+        return ops.linear_attention(rule, x["q"], x["k"], x["v"], x.get("g"), x.get("beta"),
+                                    initial_state=x["initial_state"], output_final_state=True,
+                                    cu_seqlens=None if cu is None else np.array(cu), backend=backend, **kwargs)
+
     o_shape, ht_shape = jax.eval_shape(run, *args)
     rng = np.random.default_rng(seed)
     do = jnp.asarray(rng.standard_normal(o_shape.shape), jnp.float32)
@@ -95,7 +102,10 @@ def loss_and_grads(rule, inputs, *, backend, cu_seqlens=None, seed=1, **kwargs):
         (o, ht), pullback = jax.vjp(run, *a)
         return o, ht, pullback((do.astype(o.dtype), dht.astype(ht.dtype)))
 
-    o, ht, grads = jax.jit(forward_and_grads)(*args)
+    program = jax.jit(forward_and_grads)
+    if programs is not None:
+        programs[key] = program
+    o, ht, grads = program(*args)
     return o, ht, dict(zip(["d" + n for n in names], grads))
 
 

@@ -7,17 +7,16 @@ outputs and states, up to 1e-6 on most gradients and 2e-5 on the fixed gate's dg
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import GRAD_ARGS, assert_close, make_inputs
+from conftest import assert_close, loss_and_grads, make_inputs
 from lineattn import ops
 
 TOL = 1e-4
 # The ragged-length, gate-extreme and cut-gate tests share these shapes (inputs are arguments of the jitted function,
 # so the same (rule, backend) compiles to the same program for all three: XLA's compile, most of the time, happens
-# once, in-process through `loss_and_grads` below, across pytest-xdist workers through the session's cache).
+# once, in-process through `_PROGRAMS` below, across pytest-xdist workers through the session's cache).
 SHAPE = dict(B=2, T=150, H=2, K=32, V=24)
 FAST_PATHS = [
     (name, backend)
@@ -27,41 +26,16 @@ FAST_PATHS = [
 ]
 
 
+# the jitted programs by rule, backend, options and shapes (`conftest.loss_and_grads`' programs): a case that runs a
+# program again (the oracle for chunk and scan; the gate extremes and cut gates, on the ragged case's shapes) skips
+# tracing and lowering as well as XLA's compile
 _PROGRAMS = {}
 
 
-def loss_and_grads(rule, inputs, *, backend, cu_seqlens=None, **kwargs):
-    """`conftest.loss_and_grads` (same cotangents, same single jitted vjp), with the jitted function kept per rule,
-    backend, options and input shapes: a case that runs a program again (the oracle for chunk and scan; the gate
-    extremes and cut gates, on the ragged case's shapes) skips tracing and lowering as well as XLA's compile."""
-    names = tuple(n for n in GRAD_ARGS if inputs[n] is not None)
-    args = [inputs[n] for n in names]
-    cu = None if cu_seqlens is None else tuple(int(c) for c in cu_seqlens)
-    key = (rule, backend, names, cu, tuple(sorted(kwargs.items())), tuple((a.shape, a.dtype) for a in args))
-    if key not in _PROGRAMS:
-        def run(*a):
-            x = dict(zip(names, a))
-            return ops.linear_attention(rule, x["q"], x["k"], x["v"], x.get("g"), x.get("beta"),
-                                        initial_state=x["initial_state"], output_final_state=True,
-                                        cu_seqlens=None if cu is None else np.array(cu), backend=backend, **kwargs)
-
-        o_shape, ht_shape = jax.eval_shape(run, *args)
-        rng = np.random.default_rng(1)
-        do = jnp.asarray(rng.standard_normal(o_shape.shape), jnp.float32)
-        dht = jnp.asarray(rng.standard_normal(ht_shape.shape), jnp.float32)
-
-        def forward_and_grads(*a):
-            (o, ht), pullback = jax.vjp(run, *a)
-            return o, ht, pullback((do.astype(o.dtype), dht.astype(ht.dtype)))
-
-        _PROGRAMS[key] = jax.jit(forward_and_grads)
-    o, ht, grads = _PROGRAMS[key](*args)
-    return o, ht, dict(zip(["d" + n for n in names], grads))
-
-
 def _compare(rule, backend, inputs, tol=TOL, cu_seqlens=None, **kwargs):
-    o, ht, grads = loss_and_grads(rule, inputs, backend=backend, cu_seqlens=cu_seqlens, **kwargs)
-    o_ref, ht_ref, grads_ref = loss_and_grads(rule, inputs, backend="recurrent", cu_seqlens=cu_seqlens)
+    o, ht, grads = loss_and_grads(rule, inputs, backend=backend, cu_seqlens=cu_seqlens, programs=_PROGRAMS, **kwargs)
+    o_ref, ht_ref, grads_ref = loss_and_grads(rule, inputs, backend="recurrent", cu_seqlens=cu_seqlens,
+                                              programs=_PROGRAMS)
     assert_close({"o": o, "ht": ht, **grads}, {"o": o_ref, "ht": ht_ref, **grads_ref}, tol, f"{rule}/{backend}")
 
 
