@@ -144,35 +144,37 @@ def test_gram_gradients_unsplit_lower_for_sm90(fake_h200, monkeypatch):
         assert text.count("__gpu$xla.gpu.triton") == 5 + 5
 
 
-def test_scalar_gate_forward_alone_lowers_with_row_factors(fake_h200, monkeypatch):
-    # A GDN forward alone on a Hopper GPU (faked) with V tiles of 64: the Mosaic state pass applies the gate's row
+def _gram_outputs_of_forward(args, name):
+    """The lowered text of `chunk_fwd.forward` alone on args (for the GPU), and how many outputs the Triton kernel
+    `name` has in it (its only call)."""
+    from lineattn.ops.pallas import chunk_fwd
+    text = jax.jit(lambda *a: chunk_fwd.forward(*a, scale=0.1, interpret=False)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    calls = [line for line in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in line and f'{name}"' in line]
+    assert len(calls) == 1, calls
+    return text, int(calls[0].split("=")[0].split(":")[1])
+
+
+def test_forward_alone_forms_lower_for_sm90(fake_h200, monkeypatch):
+    # A forward alone on a Hopper GPU (faked) with V tiles of 64. GDN: the Mosaic state pass applies the gate's row
     # factors to the raw q and k (`chunk_fwd.ROW_GATE`), so the scalar Gram kernel has two outputs (M, A), not four;
     # with INVERSE_IN_PASS (the default) the solve is `solve_mgpu.inverse_mosaic` (R alone; its left operands from
-    # registers, which the CPU interpreter cannot run) and the pass applies it.
+    # registers, which the CPU interpreter cannot run) and the pass applies it. KDA: with INVERSE_IN_PASS the Gram
+    # kernel also writes Kin (five outputs) and the solve is the inverse alone.
     from lineattn.ops.pallas import chunk_fwd
     monkeypatch.setattr(chunk_fwd, "hopper", lambda: True)
     monkeypatch.setattr(chunk_fwd, "PASS_MIN_PROGRAMS", 1)
     B, T, H, K, V = 1, 100, 2, 128, 128
     args = (S((B, T, H, K), jnp.bfloat16), S((B, T, H, K), jnp.bfloat16), S((B, T, H, V), jnp.bfloat16),
             S((B, T, H), jnp.float32), S((B, T, H), jnp.bfloat16), S((B, H, K, V), jnp.float32))
-    for row_gate, inverse, outputs in ((True, True, 2), (True, False, 2), (False, True, 4)):
+    channel_gate = args[:3] + (S((B, T, H, K), jnp.float32),) + args[4:]
+    cases = [(args, "lineattn_chunk_gram_scalar", True, True, 2), (args, "lineattn_chunk_gram_scalar", True, False, 2),
+             (args, "lineattn_chunk_gram_scalar", False, True, 4), (channel_gate, "lineattn_chunk_gram", True, True, 5),
+             (channel_gate, "lineattn_chunk_gram", True, False, 4)]
+    for x, gram, row_gate, inverse, outputs in cases:
         monkeypatch.setattr(chunk_fwd, "ROW_GATE", row_gate)
         monkeypatch.setattr(chunk_fwd, "INVERSE_IN_PASS", inverse)
-        text = jax.jit(lambda *a: chunk_fwd.forward(*a, scale=K**-0.5, interpret=False)).trace(*args).lower(
-            lowering_platforms=("cuda",)).as_text()
-        gram = [line for line in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in line
-                and "lineattn_chunk_gram_scalar" in line]
-        assert len(gram) == 1 and f":{outputs} = " in gram[0]
-        assert "lineattn_state_pass_mosaic" in text
-        assert ("lineattn_inverse_mosaic" in text) == (row_gate and inverse)
-        assert ("lineattn_solve_mosaic" in text) == (not (row_gate and inverse))
-    # KDA: with INVERSE_IN_PASS the Gram kernel also writes Kin (five outputs) and the solve is the inverse alone
-    args = args[:3] + (S((B, T, H, K), jnp.float32),) + args[4:]
-    for inverse, outputs in ((True, 5), (False, 4)):
-        monkeypatch.setattr(chunk_fwd, "INVERSE_IN_PASS", inverse)
-        text = jax.jit(lambda *a: chunk_fwd.forward(*a, scale=K**-0.5, interpret=False)).trace(*args).lower(
-            lowering_platforms=("cuda",)).as_text()
-        gram = [line for line in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in line
-                and "lineattn_chunk_gram\"" in line]
-        assert len(gram) == 1 and f":{outputs} = " in gram[0]
-        assert ("lineattn_inverse_mosaic" in text) == inverse and ("lineattn_solve_mosaic" in text) != inverse
+        text, n = _gram_outputs_of_forward(x, gram)
+        applied = inverse and (row_gate or gram == "lineattn_chunk_gram")  # (a scalar gate's needs ROW_GATE)
+        assert n == outputs and "lineattn_state_pass_mosaic" in text
+        assert ("lineattn_inverse_mosaic" in text) == applied and ("lineattn_solve_mosaic" in text) != applied
