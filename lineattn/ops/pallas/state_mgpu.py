@@ -192,14 +192,13 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
             if keep:
                 outs_s[1].at[slot][...] = S.astype(keep_dtype)
             plgpu.commit_smem()
-            QS = None
+            WS, *QS = _products([(w_s, s_s)], *([[(qin_s, s_s)]] if n_qk else []))  # (raw q S: its own accumulator)
             if inv:  # E = R (Diag(a) V - Diag(b) (w S)); e_s first holds R's right operand
-                WS, *QS = _products([(w_s, s_s)], *([[(qin_s, s_s)]] if n_qk else []))
                 e_s[...] = (factor(n_qk) * _load(u_s).astype(f32) - factor(n_qk + 1) * WS).astype(bf16)
                 plgpu.commit_smem()
                 E = _products([(r_s, e_s)])[0]
             else:
-                E = _load(u_s).astype(f32) - _products([(w_s, s_s)])[0]
+                E = _load(u_s).astype(f32) - WS
             e_s[...] = E.astype(bf16)
             if keep:
                 outs_s[2].at[slot][...] = E.astype(keep_dtype)
@@ -207,9 +206,8 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
                 ek_s[...] = (E * factor(1)).astype(bf16)
             plgpu.commit_smem()
             if n_qk:
-                QS, ME, KgE = (*QS, *_products([(m_s, e_s)], [(kg_s.transpose((1, 0)), ek_s)])) if QS else \
-                    _products([(qin_s, s_s)], [(m_s, e_s)], [(kg_s.transpose((1, 0)), ek_s)])
-                O = QS * factor(0) + ME
+                ME, KgE = _products([(m_s, e_s)], [(kg_s.transpose((1, 0)), ek_s)])
+                O = QS[0] * factor(0) + ME
             else:
                 O, KgE = _products([(qin_s, s_s), (m_s, e_s)], [(kg_s.transpose((1, 0)), e_s)])
             outs_s[0].at[slot][...] = O.astype(out_dtype)
