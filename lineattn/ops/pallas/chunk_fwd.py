@@ -898,11 +898,11 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
         by_row = lambda *xs: [jnp.moveaxis(x.reshape(B, Tp, H), 1, 2) for x in xs]
         raw_qk = inverse = None
         if row_gate:  # Qin = Diag(scale e^G) q and Kg = Diag(e^(G_C - G)) k
-            G = extra[0].reshape(B, N, C, H)
-            raw_qk = by_row(scale * jnp.exp(G), jnp.exp(G[:, :, -1:] - G))
+            G, eG = extra[0].reshape(B, N, C, H), jnp.exp(extra[0])
+            raw_qk = by_row(scale * eG, jnp.exp(G[:, :, -1:] - G))
         if inverse_in_pass:  # w holds R, u Kin (None: the raw k, whose row factor e^G joins beta's)
             beta_ = beta.astype(f32)
-            inverse = (w, *by_row(beta_, beta_ * jnp.exp(extra[0]) if row_gate else beta_))
+            inverse = (w, *by_row(beta_, beta_ * eG if row_gate else beta_))
             w, u = u, v
         o, ends = state_mgpu.state_pass_mosaic(
             q if row_gate else qin, k if row_gate else kg, w, u, m, jnp.swapaxes(dend, -1, -2), h0.astype(f32),

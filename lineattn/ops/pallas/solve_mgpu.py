@@ -6,10 +6,9 @@ One CTA (one warpgroup) per (batch, head, chunk): A [C, C] (and the chunk's k, v
 on the tensor cores as three bf16 wgmmas (hi hi + hi lo + lo hi of the fp32 operands split into bf16 parts, as the
 Triton kernel's "bf16x3"), from X_2 or, in a forward alone, from the 32 x 32 (or 16 x 16) diagonal blocks'
 inverses that `chunk_fwd.invert_diagonal_blocks` wrote into A (`chunk_fwd.DIAG_INVERSE`: one or two levels instead
-of five); then
-U = R Diag(beta) V and W = R Diag(beta) (k e^G) as one bf16 wgmma each, written back by TMA. The register arrays
-live in the WGMMA accumulator layout; the products' right operands (and, without LHS_REGS, their left ones) go
-through swizzled SMEM. Without a GPU it runs in the Mosaic GPU interpreter (`plgpu.InterpretGPUParams`).
+of five); then U = R Diag(beta) V and W = R Diag(beta) (k e^G) as one bf16 wgmma each, written back by TMA. The
+register arrays live in the WGMMA accumulator layout; the products' right operands (and, without LHS_REGS, their
+left ones) go through swizzled SMEM. Without a GPU it runs in the Mosaic GPU interpreter (`plgpu.InterpretGPUParams`).
 `inverse_mosaic`: R alone, in bf16, for a forward alone whose state pass applies it (`chunk_fwd.INVERSE_IN_PASS`).
 """
 
@@ -216,9 +215,9 @@ def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpre
 def inverse_mosaic(A, *, C: int, diag_inverse: int = 0, interpret: bool | None = None):
     """R = (I + A)^-1 [B, H, Tp, C] in bf16 for a strictly lower A [B, H, Tp, C] fp32 per chunk of C = 64
     (diag_inverse, 16 or 32: its diagonal blocks of that size hold their inverses' strictly lower parts,
-    `chunk_fwd.invert_diagonal_blocks`), by
-    `invert_and_apply`'s block doubling, one CTA per (batch, head, chunk). For a scalar gate's forward alone, whose
-    state pass applies R itself (`state_mgpu.state_pass_mosaic`'s inverse): no W, U are formed or written."""
+    `chunk_fwd.invert_diagonal_blocks`), by `invert_and_apply`'s block doubling, one CTA per (batch, head, chunk).
+    For a forward alone whose state pass applies R itself (`state_mgpu.state_pass_mosaic`'s inverse,
+    `chunk_fwd.INVERSE_IN_PASS`): no W, U are formed or written."""
     B, H, Tp, _ = A.shape
     if C != 64 or A.shape[-1] != C or A.dtype != f32:
         raise ValueError(f"inverse_mosaic takes chunk_size 64 and A [B, H, Tp, 64] fp32, got {C} and A "
