@@ -17,6 +17,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from lineattn import ops  # noqa: E402
+from lineattn.train.testing import enable_compile_cache  # noqa: E402
 
 # Many tests compile the same computation again (the oracle on the same inputs for each backend, the same kernels
 # from new closures): a compilation cache on disk for one test session, shared by the pytest-xdist workers (their
@@ -29,9 +30,7 @@ def pytest_configure(config):
     if not hasattr(config, "workerinput") and _CACHE_ENV not in os.environ:  # the controller (or a lone process)
         os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="lineattn-jax-cache-")
         config._lineattn_jax_cache = os.environ[_CACHE_ENV]
-    jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    enable_compile_cache(os.environ[_CACHE_ENV])
 
 
 def pytest_unconfigure(config):

@@ -230,11 +230,9 @@ def _worker_errors() -> dict:
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     if os.environ.get("LINEATTN_TEST_JAX_CACHE"):  # the pytest session's compilation cache (tests/conftest.py)
-        import jax
+        from lineattn.train.testing import enable_compile_cache
 
-        jax.config.update("jax_compilation_cache_dir", os.environ["LINEATTN_TEST_JAX_CACHE"])
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+        enable_compile_cache(os.environ["LINEATTN_TEST_JAX_CACHE"])
     case = sys.argv[1]
     workers = {"match": lambda: _worker_match([int(p) for p in sys.argv[2].split(",")]), "train": _worker_train,
                "errors": _worker_errors}
