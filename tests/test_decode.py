@@ -201,8 +201,7 @@ def test_pallas_prefill_snapshots_equal_the_oracle_models():
     # 2026-12-01: 1.8e-4 at the default precision, pass at "highest"); the ops already use HIGHEST.
     with jax.default_matmul_precision("highest"):
         got_logits, _, got = prefill_with_snapshots(kernel, x, decode.init_state(kernel, 2, 100), checkpoints)
-        want_logits, _, want = prefill_with_snapshots(oracle, x, decode.init_state(oracle, 2, 100),
-                                                             checkpoints)
+        want_logits, _, want = prefill_with_snapshots(oracle, x, decode.init_state(oracle, 2, 100), checkpoints)
     assert rel_err(got_logits, want_logits) <= 1e-4
     for i, p in enumerate(checkpoints):
         assert rel_err(got[0].recurrent[i], want[0].recurrent[i]) <= 1e-4, f"recurrent state after {p} tokens"
