@@ -101,7 +101,9 @@ def test_forward_alone_mosaic_pass_forms_head_dim_128(rule):
     # R = (I + A)^-1 to the raw v (`chunk_fwd.INVERSE_IN_PASS`; the solve writes R alone) and, for GDN, the gate's
     # row factors to the raw q and k (ROW_GATE). B = 4, T = 1021 (ragged), H = 32, K = V = 128, bf16: o and the
     # final state within FLA's bounds of the XLA chunk form in fp32 for each setting, and within 1.5e-3 of the pass
-    # over Qin, Kg, W and U (both off).
+    # over Qin, Kg, W and U (both off). Each setting's pass runs as 128 CTAs of two compute warpgroups
+    # (`state_mgpu.PASS_WARPGROUPS`); the defaults also as 256 CTAs of one, which must give the same o and state to
+    # 1e-6 (the same products in the same order; a race between the warpgroups would show here).
     bf16, rounded = _bf16_and_rounded(make_inputs(rule, B=4, T=1024 - 3, H=32, K=128, V=128, seed=14))
     fwd = jax.jit(lambda x: ops.linear_attention(rule, x["q"], x["k"], x["v"], x["g"], x["beta"],
                                                  initial_state=x["initial_state"], output_final_state=True,
@@ -112,6 +114,8 @@ def test_forward_alone_mosaic_pass_forms_head_dim_128(rule):
     assert "lineattn_state_pass_mosaic" in text and "lineattn_inverse_mosaic" in text
     got = {}
     settings = [(True, True), (True, False), (False, False)] if rule == "gdn" else [(True, True), (True, False)]
+    with tuning.override({"state_mgpu.PASS_WARPGROUPS": 1}):
+        one_warpgroup = fwd(bf16)
     for row_gate, inverse in settings:
         with tuning.override({"chunk_fwd.ROW_GATE": row_gate, "chunk_fwd.INVERSE_IN_PASS": inverse}):
             got[row_gate, inverse] = fwd(bf16)
@@ -120,6 +124,7 @@ def test_forward_alone_mosaic_pass_forms_head_dim_128(rule):
               {n: f"{e:.1e}" for n, e in errors.items()})
         assert all(e <= RMS[n] for n, e in errors.items()), errors
     assert all(_rel_rms(got[key][i], got[settings[-1]][i]) <= 1.5e-3 for key in got for i in range(2))
+    assert all(_rel_rms(got[True, True][i], one_warpgroup[i]) <= 1e-6 for i in range(2))
 
 
 @pytest.mark.parametrize("B,v_fastest,variant", [(8, False, {}), (64, False, {}), (64, True, {}),

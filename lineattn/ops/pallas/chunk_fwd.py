@@ -902,7 +902,7 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
             raw_qk = by_row(scale * eG, jnp.exp(G[:, :, -1:] - G))
         if inverse_in_pass:  # w holds R, u Kin (None: the raw k, whose row factor e^G joins beta's)
             beta_ = beta.astype(f32)
-            inverse = (w, *by_row(beta_, beta_ * eG if row_gate else beta_))
+            inverse = (w, *by_row(beta_, beta_ * eG)) if row_gate else (w, *by_row(beta_), None)  # (b = a)
             w, u = u, v
         o, ends = state_mgpu.state_pass_mosaic(
             q if row_gate else qin, k if row_gate else kg, w, u, m, jnp.swapaxes(dend, -1, -2), h0.astype(f32),

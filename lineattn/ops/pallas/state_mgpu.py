@@ -29,6 +29,10 @@ from lineattn.ops.pallas.solve_mgpu import _ROW, _interpret_params, _load, _smem
 f32, bf16 = jnp.float32, jnp.bfloat16
 BV = 64  # the V tile that PASS_IMPL "auto" takes (the one measured); 16 and 32 run too (PASS_IMPL "mosaic")
 V_TILES = (16, 32, 64)  # (128 would hold the [K, 128] fp32 state and its accumulators in too few registers)
+# PASS_WARPGROUPS: compute warpgroups a CTA of the forward's state pass without kept states (`state_pass_mosaic`'s
+# warpgroups), taken where the grid keeps PASS_MIN_CTAS CTAs or more; MEMORY_REGISTERS: the registers a thread of
+# the memory warpgroup keeps (the compute warpgroups share the rest). Read when traced.
+PASS_WARPGROUPS, PASS_MIN_CTAS, MEMORY_REGISTERS = 2, 128, 40
 
 
 def _operand(shape, bv):
@@ -100,11 +104,16 @@ def _copy_out(pairs):
         plgpu.copy_smem_to_gmem(src, dst)
 
 
-def _run(body, inputs, out_type, scratch, B, H, V, bv, nseg, name, interpret):
-    """`body` on the grid (batch x segment, head, V tile): the body reads its (b, s, h, j) from `_where`."""
-    barrier = plgpu.Barrier(num_arrivals=1, num_barriers=1)  # (the state's first load)
-    kernel = plgpu.kernel(body, out_type=out_type, scratch_types=scratch + [barrier], grid=(B * nseg, H, V // bv),
-                          grid_names=("bs", "h", "j"), interpret=_interpret_params(interpret), kernel_name=name)
+def _run(body, inputs, out_type, scratch, B, H, V, bv, nseg, name, interpret, warpgroups=1):
+    """`body` on the grid (batch x segment, head, V tile): the body reads its (b, s, h, j) from `_where`. With
+    warpgroups > 1, that many compute warpgroups and a memory warpgroup a CTA (axis "wg"; the scratch then holds
+    its own barriers)."""
+    threads = {} if warpgroups == 1 else dict(num_threads=warpgroups + 1, thread_name="wg")
+    if warpgroups == 1:
+        scratch = scratch + [plgpu.Barrier(num_arrivals=1, num_barriers=1)]  # (the state's first load)
+    kernel = plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(B * nseg, H, V // bv),
+                          grid_names=("bs", "h", "j"), interpret=_interpret_params(interpret), kernel_name=name,
+                          **threads)
     return kernel(*inputs)
 
 
@@ -129,8 +138,16 @@ def _decay(dend_s, K, bv):
     return jax.lax.broadcast_in_dim(plgpu.load(dend_s, layout=_ROW, optimized=False), (K, bv), [0])
 
 
+def pick_warpgroups(ctas: int, V: int, bv: int, keep: bool, out_dtype) -> int:
+    """The compute warpgroups a CTA of `state_pass_mosaic` takes (see PASS_WARPGROUPS) for a grid of `ctas` CTAs
+    of one V tile each."""
+    wgs = PASS_WARPGROUPS
+    fits = not keep and out_dtype == bf16 and V % (wgs * bv) == 0 and ctas // wgs >= PASS_MIN_CTAS
+    return wgs if wgs > 1 and fits else 1
+
+
 def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None, block_v: int = BV,
-                      raw_qk=None, inverse=None, interpret: bool | None = None):
+                      raw_qk=None, inverse=None, warpgroups: int | None = None, interpret: bool | None = None):
     """o [B, Tp, H, V] (out_dtype) and the final state [B, H, K, V] fp32 of the delta-rule state pass; with
     keep_dtype also every chunk's incoming state [B, H, N K, V] and E = U - W S [B, H, Tp, V] in keep_dtype.
 
@@ -142,13 +159,17 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
       O = Diag(scale e^G) (q S) + M E and Kg^T E = k^T (Diag(e^(G_C - G)) E): no Qin, Kg need be written;
     - inverse = (R, a, b) with R = (I + A)^-1 [B, H, Tp, C] bf16: u is the raw v [B, Tp, H, V], w is Kin = k e^G
       (or None with raw_qk: the raw k), and E = R (Diag(a) V - Diag(b) (w S)), which is U - W S for a = beta,
-      b = beta (b = beta e^G with the raw k): no W, U need be formed or written."""
+      b = beta (b = beta e^G with the raw k): no W, U need be formed or written. b None: b = a (one row factor
+      less to load).
+    warpgroups: the compute warpgroups of a CTA, each on its own V tile, sharing the loads of every [C, K] and
+    [C, C] tile (a third warpgroup issues them: `plgpu.emit_pipeline_warp_specialized`); 2 takes no keep_dtype
+    and a bf16 out_dtype. None: `pick_warpgroups`."""
     B, H, Tp, K = w.shape if w is not None else qin.shape
     if raw_qk is not None:
         B, Tp, H, K = qin.shape
-    rows = tuple(raw_qk or ()) + tuple(inverse[1:] if inverse is not None else ())
+    rows = tuple(raw_qk or ()) + tuple(r for r in (inverse[1:] if inverse is not None else ()) if r is not None)
     if raw_qk is not None or inverse is not None:
-        n_rows = 2 * (raw_qk is not None) + 2 * (inverse is not None)
+        n_rows = 2 * (raw_qk is not None) + (len(inverse) - 1 - (inverse[-1] is None) if inverse is not None else 0)
         want = {"k": (kg.shape, qin.shape), "rows": ([r.shape for r in rows], [(B, H, Tp)] * n_rows),
                 "w": (None if w is None else w.shape, None if raw_qk is not None and inverse is not None else
                       (B, H, Tp, K))}
@@ -165,85 +186,159 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
     nseg = _check("state_pass_mosaic", C, K, V, bv, matrices, dend, h0, B, H, N)
     Ns = N // nseg
     keep = keep_dtype is not None
+    wgs = pick_warpgroups(B * nseg * H * (V // bv), V, bv, keep, out_dtype) if warpgroups is None else warpgroups
+    if wgs not in (1, 2) or (wgs > 1 and (keep or out_dtype != bf16 or V % (wgs * bv))):
+        raise ValueError(f"state_pass_mosaic: warpgroups must be 1, or 2 with no keep_dtype, a bf16 out_dtype and "
+                         f"2 block_v dividing V; got {warpgroups} with keep_dtype {keep_dtype}, out_dtype "
+                         f"{out_dtype}, block_v {bv}, V = {V}")
     n_qk, inv = 2 * (raw_qk is not None), inverse is not None
     raw_k = inv and w is None  # (the W S product's left operand: the raw k)
+    n_in = 2 + (not raw_k) + inv + 3 + len(rows)  # (the pipelined inputs: q/Qin, k/Kg, [W], [R], V/U, M, e^(G_C))
 
-    def body(qin_g, kg_g, *rest):
-        w_g, rest = (None, rest) if raw_k else (rest[0], rest[1:])
-        r_g, rest = (rest[0], rest[1:]) if inv else (None, rest)
-        u_g, m_g, dend_g, *rest = rest
-        row_gs, (h0_g, o_g, ht_g, *rest) = rest[:len(rows)], rest[len(rows):]
-        keep_g, (s_s, e_s, *outs_s, bar) = rest[:2 * keep], rest[2 * keep:]
+    def split_inputs(refs):
+        """(qin, kg, w, r, u, m, dend, row factors) from the inputs in their order (w is k for raw_k, r None
+        without inverse)."""
+        qin_r, kg_r, *rest = refs
+        w_r, rest = (kg_r, rest) if raw_k else (rest[0], rest[1:])
+        r_r, rest = (rest[0], rest[1:]) if inv else (None, rest)
+        u_r, m_r, dend_r, *row_rs = rest
+        return qin_r, kg_r, w_r, r_r, u_r, m_r, dend_r, row_rs
+
+    def chunk(ins, S, s_s, e_s, ek_s, o_s, kept_s, copy_out, wait_o):
+        """One chunk from the state S entering it: O into o_s, then copy_out(); the next state. wait_o() comes before
+        the chunk's first write into o_s (which may be ek_s: free once the products have read it)."""
+        qin_s, kg_s, w_s, r_s, u_s, m_s, dend_s, row_s = ins
+        factor = lambda i: _row_factor(row_s[min(i, len(row_s) - 1)], C, bv)  # (b = a: one factor, the last)
+        s_s[...] = S.astype(bf16)
+        if keep:
+            kept_s[0][...] = S.astype(keep_dtype)
+        plgpu.commit_smem()
+        WS, *QS = _products([(w_s, s_s)], *([[(qin_s, s_s)]] if n_qk else []))  # (raw q S: its own accumulator)
+        if inv:  # E = R (Diag(a) V - Diag(b) (w S)); e_s first holds R's right operand
+            e_s[...] = (factor(n_qk) * _load(u_s).astype(f32) - factor(n_qk + 1) * WS).astype(bf16)
+            plgpu.commit_smem()
+            E = _products([(r_s, e_s)])[0]
+        else:
+            E = _load(u_s).astype(f32) - WS
+        e_s[...] = E.astype(bf16)
+        if keep:
+            kept_s[1][...] = E.astype(keep_dtype)
+        if n_qk:  # (the right operand of k^T: E's rows scaled by e^(G_C - G); it may hold O too)
+            if o_s is ek_s:
+                wait_o()
+            ek_s[...] = (E * factor(1)).astype(bf16)
+        plgpu.commit_smem()
         if n_qk:
-            ek_s, *outs_s = outs_s
-        b, sg, h, j = _where(nseg)
-        cols, first = pl.ds(j * bv, bv), sg * Ns  # (this segment's first chunk)
+            ME, KgE = _products([(m_s, e_s)], [(kg_s.transpose((1, 0)), ek_s)])
+            O = QS[0] * factor(0) + ME
+        else:
+            O, KgE = _products([(qin_s, s_s), (m_s, e_s)], [(kg_s.transpose((1, 0)), e_s)])
+        if o_s is not ek_s:
+            wait_o()
+        o_s[...] = O.astype(out_dtype)
+        copy_out()
+        return S * _decay(dend_s, K, bv) + KgE
 
-        def step(idx, qin_s, kg_s, *rest):
-            w_s, rest = (kg_s, rest) if raw_k else (rest[0], rest[1:])
-            r_s, rest = (rest[0], rest[1:]) if inv else (None, rest)
-            u_s, m_s, dend_s, *row_s, S = rest
-            factor = lambda i: _row_factor(row_s[i], C, bv)
-            n = first + idx[0]
-            slot, tok = idx[0] % 2, pl.ds(n * C, C)
-            # the copies out of this slot (two chunks back) must have read it: at most the last chunk's in flight
-            plgpu.wait_smem_to_gmem(len(outs_s), wait_read_only=True)
-            s_s[...] = S.astype(bf16)
-            if keep:
-                outs_s[1].at[slot][...] = S.astype(keep_dtype)
-            plgpu.commit_smem()
-            WS, *QS = _products([(w_s, s_s)], *([[(qin_s, s_s)]] if n_qk else []))  # (raw q S: its own accumulator)
-            if inv:  # E = R (Diag(a) V - Diag(b) (w S)); e_s first holds R's right operand
-                e_s[...] = (factor(n_qk) * _load(u_s).astype(f32) - factor(n_qk + 1) * WS).astype(bf16)
-                plgpu.commit_smem()
-                E = _products([(r_s, e_s)])[0]
-            else:
-                E = _load(u_s).astype(f32) - WS
-            e_s[...] = E.astype(bf16)
-            if keep:
-                outs_s[2].at[slot][...] = E.astype(keep_dtype)
-            if n_qk:  # (the right operand of k^T: E's rows scaled by e^(G_C - G))
-                ek_s[...] = (E * factor(1)).astype(bf16)
-            plgpu.commit_smem()
-            if n_qk:
-                ME, KgE = _products([(m_s, e_s)], [(kg_s.transpose((1, 0)), ek_s)])
-                O = QS[0] * factor(0) + ME
-            else:
-                O, KgE = _products([(qin_s, s_s), (m_s, e_s)], [(kg_s.transpose((1, 0)), e_s)])
-            outs_s[0].at[slot][...] = O.astype(out_dtype)
-            _copy_out([(outs_s[0].at[slot], o_g.at[b, tok, h, cols])]
-                      + ([(outs_s[1].at[slot], keep_g[0].at[b, h, pl.ds(n * K, K), cols]),
-                          (outs_s[2].at[slot], keep_g[1].at[b, h, tok, cols])] if keep else []))
-            return S * _decay(dend_s, K, bv) + KgE
-
+    def operands_and_specs(gmem, b, sg, h, j, first):
+        """The pipeline's inputs (GMEM slices of this CTA's batch, head and V tile j of wgs bv columns) and specs."""
+        qin_g, kg_g, w_g, r_g, u_g, m_g, dend_g, row_gs = split_inputs(gmem)
         rows_k = lambda n: (first + n, 0)
         by_token = lambda x_g: x_g.at[b, :, h, :]  # (a raw [B, Tp, H, D] input)
         qk = (by_token(qin_g), by_token(kg_g)) if n_qk else (qin_g.at[b, h], kg_g.at[b, h])
         in_specs = [_spec((C, K), rows_k, bv)] * (2 if raw_k else 3) + [_spec((C, C), rows_k, bv)] * inv
         operands = qk + (() if raw_k else (w_g.at[b, h],)) + ((r_g.at[b, h],) if inv else ())
-        in_specs += [_spec((C, bv), lambda n: (first + n, j), bv), _spec((C, C), rows_k, bv),
+        in_specs += [_spec((C, wgs * bv), lambda n: (first + n, j), bv), _spec((C, C), rows_k, bv),
                      plgpu.BlockSpec((K,), lambda n: (first + n,))] + [plgpu.BlockSpec((C,), lambda n: (first + n,))] \
             * len(rows)
         operands += (by_token(u_g) if inv else u_g.at[b, h], m_g.at[b, h], dend_g.at[b, h])
-        operands += tuple(r_g.at[b, h] for r_g in row_gs)
+        return operands + tuple(r_g.at[b, h] for r_g in row_gs), in_specs
+
+    def body(*refs):
+        gmem, (h0_g, o_g, ht_g, *rest) = refs[:n_in], refs[n_in:]
+        keep_g, (s_s, e_s, *outs_s, bar) = rest[:2 * keep], rest[2 * keep:]
+        ek_s, outs_s = (outs_s[0], outs_s[1:]) if n_qk else (None, outs_s)
+        b, sg, h, j = _where(nseg)
+        cols, first = pl.ds(j * bv, bv), sg * Ns  # (this segment's first chunk)
+
+        def step(idx, *ins_and_state):
+            *ins, S = ins_and_state
+            n = first + idx[0]
+            slot, tok = idx[0] % 2, pl.ds(n * C, C)
+            # the copies out of this slot (two chunks back) must have read it: at most the last chunk's in flight
+            plgpu.wait_smem_to_gmem(len(outs_s), wait_read_only=True)
+            kept_s = (outs_s[1].at[slot], outs_s[2].at[slot]) if keep else ()
+            copy_out = lambda: _copy_out(
+                [(outs_s[0].at[slot], o_g.at[b, tok, h, cols])]
+                + ([(kept_s[0], keep_g[0].at[b, h, pl.ds(n * K, K), cols]),
+                    (kept_s[1], keep_g[1].at[b, h, tok, cols])] if keep else []))
+            return chunk(split_inputs(ins), S, s_s, e_s, ek_s, outs_s[0].at[slot], kept_s, copy_out, lambda: None)
+
+        operands, in_specs = operands_and_specs(gmem, b, sg, h, j, first)
         S = plgpu.emit_pipeline(step, grid=(Ns,), in_specs=in_specs, max_concurrent_steps=2,
                                 init_carry=_read_state(h0_g.at[b, h, sg, :, cols], bar, K, bv))(*operands)
         _write_state(S, ht_g.at[b, h, sg, :, cols], K, bv)
+
+    def body_warpgroups(*refs):
+        gmem, (h0_g, o_g, ht_g, (stage, bufs), bar) = refs[:n_in], refs[n_in:]
+        b, sg, h, j = _where(nseg)
+        wg, first = jax.lax.axis_index("wg"), sg * Ns
+        cols = pl.ds((j * wgs + wg) * bv, bv)  # (this warpgroup's V tile; the memory warpgroup's is unused)
+        # this warpgroup's bf16 buffers, rows of bufs[wg]: S, E and the O slot (with raw_qk also E's rows scaled,
+        # in O's slot: the products have read them before O is stored)
+        s_s, e_s, o_s = bufs.at[wg, pl.ds(0, K)], bufs.at[wg, pl.ds(K, C)], bufs.at[wg, pl.ds(K + C, C)]
+        ek_s = o_s if n_qk else None
+
+        def step(idx, *ins_and_state):
+            *ins, S = ins_and_state
+            ins = split_inputs(ins)
+            ins = ins[:4] + (ins[4].at[:, pl.ds(wg * bv, bv)],) + ins[5:]  # (this warpgroup's V columns)
+            tok = pl.ds((first + idx[0]) * C, C)
+            copy_out = lambda: _copy_out([(o_s, o_g.at[b, tok, h, cols])])
+            # one O slot: the last chunk's copy out of it must have read it
+            wait_o = lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            return chunk(ins, S, s_s, e_s, ek_s, o_s, (), copy_out, wait_o)
+
+        def compute(run):
+            # the state enters and leaves through fp32 SMEM sharing bytes with this warpgroup's bf16 buffers only
+            st = stage.at[wg, pl.ds(0, K)]
+            plgpu.copy_gmem_to_smem(h0_g.at[b, h, sg, :, cols], st, bar.at[wg])
+            plgpu.barrier_wait(bar.at[wg])
+            S = _load(st)
+            plgpu.commit_smem()  # (every warp has read st before the first chunk writes over it)
+            S = run(S)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            st[...] = S
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(st, ht_g.at[b, h, sg, :, cols])
+            plgpu.wait_smem_to_gmem(0)
+
+        operands, in_specs = operands_and_specs(gmem, b, sg, h, j, first)
+        plgpu.emit_pipeline_warp_specialized(step, grid=(Ns,), in_specs=in_specs, max_concurrent_steps=2,
+                                             memory_registers=MEMORY_REGISTERS, wg_axis="wg", num_compute_wgs=wgs,
+                                             compute_context=compute)(*operands)
 
     out = [jax.ShapeDtypeStruct((B, Tp, H, V), out_dtype), jax.ShapeDtypeStruct((B, H, nseg, K, V), f32)]
     # SMEM at K = 128, bv = 64: two pipeline slots of (Qin, Kg, W, U, M, e^(G_C)) = 2 x 64.5 KB and of o (and of
     # the kept S, E: 2 x 24 KB), S and E in bf16 (24 KB): 169 KB (217 KB with keep; the fp32 state's 32 KB for its
     # first load and last store are scoped outside the pipeline; raw_qk: 8.5 KB more for the scaled E and the row
     # factors; inverse with Kin: 16 KB more for R's slots). The H200 has 227 KB per block: one CTA per SM.
-    scratch = [_operand((K, bv), bv), _operand((C, bv), bv)] + [_operand((C, bv), bv)] * (n_qk > 0)
-    scratch += [_smem((2, C, bv), out_dtype)]
+    # Two warpgroups: the slots of U (or V) span both V tiles (8 KB more a slot), each warpgroup has one O slot
+    # (raw_qk: the scaled E's), and its fp32 state shares bytes with its bf16 S, E, O (a RefUnion): KDA's inverse
+    # form with b = a 226.5 KB, 464 bytes under the limit (with b given it does not fit).
+    if wgs > 1:
+        n_rows = K + 2 * C  # (S, E, O)
+        scratch = [plgpu.RefUnion(_smem((wgs, n_rows // 2, bv), f32), _operand((wgs, n_rows, bv), bv)),
+                   plgpu.Barrier(num_arrivals=1, num_barriers=wgs)]
+    else:
+        scratch = [_operand((K, bv), bv), _operand((C, bv), bv)] + [_operand((C, bv), bv)] * (n_qk > 0)
+        scratch += [_smem((2, C, bv), out_dtype)]
     if keep:
         out += [jax.ShapeDtypeStruct((B, H, N * K, V), keep_dtype), jax.ShapeDtypeStruct((B, H, Tp, V), keep_dtype)]
         scratch += [_smem((2, K, bv), keep_dtype), _smem((2, C, bv), keep_dtype)]
     # (each chunk's e^(G_C) is a 1-D block of the flattened [B, H, N K])
     inputs = (qin, kg) + (() if raw_k else (w,)) + ((inverse[0],) if inv else ()) + (u, m, dend.reshape(B, H, N * K))
-    o, ends, *kept = _run(body, inputs + rows + (_segmented(h0),), out, scratch, B, H, V, bv, nseg,
-                          "lineattn_state_pass_mosaic", interpret)
+    o, ends, *kept = _run(body if wgs == 1 else body_warpgroups, inputs + rows + (_segmented(h0),), out, scratch,
+                          B, H, V, bv * wgs, nseg, "lineattn_state_pass_mosaic", interpret, warpgroups=wgs)
     return (o, ends if h0.ndim == 5 else ends[:, :, 0], *kept)
 
 
