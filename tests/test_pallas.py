@@ -383,6 +383,10 @@ def test_mosaic_state_pass_matches_the_triton_pass():
                        ("E", got[2][-1], want[2][-1])]:
         assert a.shape == b.shape and _rel_rms(a, b) <= 1e-4, name
     qin, kg, w, u, m, dend = got[2][:6]
+    # the form without kept states as CTAs of two compute warpgroups (V tiles of 64 each), against one (CPU: equal)
+    plain = [state_mgpu.state_pass_mosaic(qin, kg, w, u, m, jnp.swapaxes(dend, -1, -2), x["initial_state"],
+                                          out_dtype=jnp.bfloat16, block_v=64, warpgroups=n) for n in (1, 2)]
+    assert all(_rel_rms(a, b) <= 1e-6 for a, b in zip(*plain)) and _rel_rms(plain[1][0][:, :150], want[0]) <= 1e-4
     for bv in (32, 64):
         o, ht, S0, E = state_mgpu.state_pass_mosaic(qin, kg, w, u, m, jnp.swapaxes(dend, -1, -2), x["initial_state"],
                                                     out_dtype=jnp.bfloat16, keep_dtype=jnp.bfloat16, block_v=bv)
@@ -420,7 +424,9 @@ def test_mosaic_pass_forms_of_a_forward_alone(rule):
     # chunks of 64, ragged), K = 64, V = 128, a non-zero h0: o and the final state equal those of the pass over Qin,
     # Kg, W and U to rounding (CPU, GDN: o 3.7e-4 / 6.8e-4, the state 2.0e-4 / 2.4e-4 relative RMS; KDA: o 1.0e-3;
     # the bf16 operands differ) and the fp32 form's within FLA's 5e-3 (CPU: 3.2e-3 / 1.9e-3 for GDN, 3.3e-3 /
-    # 2.6e-3 for KDA, each way).
+    # 2.6e-3 for KDA, each way). The defaults also run as CTAs of two compute warpgroups (`state_mgpu.PASS_WARPGROUPS`,
+    # taken here with PASS_MIN_CTAS at 1; GDN's O then shares the scaled E's SMEM): the same o and state as one
+    # warpgroup (CPU: equal).
     from lineattn.ops.pallas import chunk_fwd, tuning
     x = make_inputs(rule, B=2, T=150, H=2, K=64, V=128, seed=22)
     args = tuple(x[n].astype(jnp.bfloat16) for n in ("q", "k", "v")) + (x["g"], x["beta"].astype(jnp.bfloat16),
@@ -434,6 +440,11 @@ def test_mosaic_pass_forms_of_a_forward_alone(rule):
                               "chunk_fwd.INVERSE_IN_PASS": inverse}):
             got[row_gate, inverse] = fwd(*args)
             text = str(jax.make_jaxpr(fwd)(*args))
+        if inverse:  # (the defaults)
+            with tuning.override({"chunk_fwd.PASS_IMPL": "mosaic", "chunk_fwd.ROW_GATE": row_gate,
+                                  "chunk_fwd.INVERSE_IN_PASS": inverse, "state_mgpu.PASS_MIN_CTAS": 1}):
+                two = fwd(*args)
+            assert all(_rel_rms(two[i], got[row_gate, inverse][i]) <= 1e-6 for i in range(2)), (row_gate, inverse)
         if rule == "gdn":
             assert _out_avals(text, "lineattn_chunk_gram_scalar") == (2 if row_gate else 4)
         else:
@@ -463,6 +474,12 @@ def test_mosaic_pass_forms_reject_bad_arguments():
         args = dict(w=w, u=u, out_dtype=jnp.bfloat16, interpret=True) | kwargs
         with pytest.raises(ValueError, match="raw_qk and inverse take one segment"):
             state_mgpu.state_pass_mosaic(q, k, args.pop("w"), args.pop("u"), m, dend, h0, **args)
+    # two compute warpgroups: no kept states, a bf16 o, two V tiles a CTA
+    for kwargs in [dict(keep_dtype=jnp.bfloat16), dict(out_dtype=jnp.float32), dict(u=u[..., :64], h0=h0[..., :64]),
+                   dict(warpgroups=3)]:
+        args = dict(u=u, h0=h0, out_dtype=jnp.bfloat16, block_v=64, warpgroups=2, interpret=True) | kwargs
+        with pytest.raises(ValueError, match="warpgroups must be 1, or 2"):
+            state_mgpu.state_pass_mosaic(w, w, w, args.pop("u"), m, dend, args.pop("h0"), **args)
 
 
 @pytest.mark.parametrize("rule,block_v,nseg", [("kda", 64, 1), ("gdn", 16, 1), ("kda", 64, 2)])

@@ -155,14 +155,19 @@ def _gram_outputs_of_forward(args, name):
     return text, int(calls[0].split("=")[0].split(":")[1])
 
 
-def test_forward_alone_forms_lower_for_sm90(fake_h200, monkeypatch):
+@pytest.mark.parametrize("warpgroups", [1, 2])
+def test_forward_alone_forms_lower_for_sm90(fake_h200, monkeypatch, warpgroups):
     # A forward alone on a Hopper GPU (faked) with V tiles of 64. GDN: the Mosaic state pass applies the gate's row
     # factors to the raw q and k (`chunk_fwd.ROW_GATE`), so the scalar Gram kernel has two outputs (M, A), not four;
     # with INVERSE_IN_PASS (the default) the solve is `solve_mgpu.inverse_mosaic` (R alone; its left operands from
     # registers, which the CPU interpreter cannot run) and the pass applies it. KDA: with INVERSE_IN_PASS the Gram
-    # kernel also writes Kin (five outputs) and the solve is the inverse alone.
-    from lineattn.ops.pallas import chunk_fwd
+    # kernel also writes Kin (five outputs) and the solve is the inverse alone. The state pass as CTAs of one or two
+    # compute warpgroups (`state_mgpu.PASS_WARPGROUPS`; two set the registers of the memory warpgroup's threads apart
+    # by setmaxnreg) fits the shared memory in every form (KDA's inverse form: 464 bytes to spare).
+    from lineattn.ops.pallas import chunk_fwd, state_mgpu
     monkeypatch.setattr(chunk_fwd, "hopper", lambda: True)
+    monkeypatch.setattr(state_mgpu, "PASS_MIN_CTAS", 1)  # (B H = 2 here)
+    monkeypatch.setattr(state_mgpu, "PASS_WARPGROUPS", warpgroups)
     monkeypatch.setattr(chunk_fwd, "PASS_MIN_PROGRAMS", 1)
     B, T, H, K, V = 1, 100, 2, 128, 128
     args = (S((B, T, H, K), jnp.bfloat16), S((B, T, H, K), jnp.bfloat16), S((B, T, H, V), jnp.bfloat16),
@@ -178,3 +183,4 @@ def test_forward_alone_forms_lower_for_sm90(fake_h200, monkeypatch):
         applied = inverse and (row_gate or gram == "lineattn_chunk_gram")  # (a scalar gate's needs ROW_GATE)
         assert n == outputs and "lineattn_state_pass_mosaic" in text
         assert ("lineattn_inverse_mosaic" in text) == applied and ("lineattn_solve_mosaic" in text) != applied
+        assert ("setmaxnreg" in text) == (warpgroups == 2)
