@@ -19,8 +19,6 @@ gate the raw q and k with the gate's row factors. Without a GPU they run in the 
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
-
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -106,13 +104,6 @@ def _copy_out(pairs):
         plgpu.copy_smem_to_gmem(src, dst)
 
 
-class _ChunkIO(NamedTuple):
-    """A state pass's chunk step's output hooks (see `state_pass_mosaic`'s chunk)."""
-    copy_out: Callable[[], None]
-    wait: Callable[[str], None]
-    sent: Callable[[str], None]
-
-
 def _run(body, inputs, out_type, scratch, B, H, V, bv, nseg, name, interpret, warpgroups=1):
     """`body` on the grid (batch x segment, head, V tile): the body reads its (b, s, h, j) from `_where`. With
     warpgroups > 1, that many compute warpgroups and a memory warpgroup a CTA (axis "wg"; the scratch then holds
@@ -147,11 +138,11 @@ def _decay(dend_s, K, bv):
     return jax.lax.broadcast_in_dim(plgpu.load(dend_s, layout=_ROW, optimized=False), (K, bv), [0])
 
 
-def pick_warpgroups(ctas: int, V: int, bv: int, keep_dtype, out_dtype) -> int:
+def pick_warpgroups(ctas: int, V: int, bv: int, keep: bool, out_dtype) -> int:
     """The compute warpgroups a CTA of `state_pass_mosaic` takes (see PASS_WARPGROUPS) for a grid of `ctas` CTAs
     of one V tile each."""
     wgs = PASS_WARPGROUPS
-    fits = keep_dtype in (None, bf16) and out_dtype == bf16 and V % (wgs * bv) == 0 and ctas // wgs >= PASS_MIN_CTAS
+    fits = not keep and out_dtype == bf16 and V % (wgs * bv) == 0 and ctas // wgs >= PASS_MIN_CTAS
     return wgs if wgs > 1 and fits else 1
 
 
@@ -195,11 +186,11 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
     nseg = _check("state_pass_mosaic", C, K, V, bv, matrices, dend, h0, B, H, N)
     Ns = N // nseg
     keep = keep_dtype is not None
-    wgs = pick_warpgroups(B * nseg * H * (V // bv), V, bv, keep_dtype, out_dtype) if warpgroups is None else warpgroups
-    if wgs not in (1, 2) or (wgs > 1 and (keep_dtype not in (None, bf16) or out_dtype != bf16 or V % (wgs * bv))):
-        raise ValueError(f"state_pass_mosaic: warpgroups must be 1, or 2 with keep_dtype None or bf16, a bf16 "
-                         f"out_dtype and 2 block_v dividing V; got {warpgroups} with keep_dtype {keep_dtype}, "
-                         f"out_dtype {out_dtype}, block_v {bv}, V = {V}")
+    wgs = pick_warpgroups(B * nseg * H * (V // bv), V, bv, keep, out_dtype) if warpgroups is None else warpgroups
+    if wgs not in (1, 2) or (wgs > 1 and (keep or out_dtype != bf16 or V % (wgs * bv))):
+        raise ValueError(f"state_pass_mosaic: warpgroups must be 1, or 2 with no keep_dtype, a bf16 out_dtype and "
+                         f"2 block_v dividing V; got {warpgroups} with keep_dtype {keep_dtype}, out_dtype "
+                         f"{out_dtype}, block_v {bv}, V = {V}")
     n_qk, inv = 2 * (raw_qk is not None), inverse is not None
     raw_k = inv and w is None  # (the W S product's left operand: the raw k)
     n_in = 2 + (not raw_k) + inv + 3 + len(rows)  # (the pipelined inputs: q/Qin, k/Kg, [W], [R], V/U, M, e^(G_C))
@@ -213,21 +204,16 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
         u_r, m_r, dend_r, *row_rs = rest
         return qin_r, kg_r, w_r, r_r, u_r, m_r, dend_r, row_rs
 
-    def chunk(ins, S, s_s, e_s, ek_s, o_s, kept_s, io):
-        """One chunk from the state S entering it: its O into o_s, copied out by io.copy_out(); the next state. The
-        buffers' first writes wait on io.wait(name) ("s", "e", "o": o_s may be ek_s, free once the products have
-        read it); io.sent(name) follows the commit of S's and E's bf16 copies. kept_s: the slots of the kept S
-        and E, or () where S's and E's bf16 copies are kept (io.sent sends them)."""
+    def chunk(ins, S, s_s, e_s, ek_s, o_s, kept_s, copy_out, wait_o):
+        """One chunk from the state S entering it: O into o_s, then copy_out(); the next state. wait_o() comes before
+        the chunk's first write into o_s (which may be ek_s: free once the products have read it)."""
         qin_s, kg_s, w_s, r_s, u_s, m_s, dend_s, row_s = ins
         factor = lambda i: _row_factor(row_s[min(i, len(row_s) - 1)], C, bv)  # (b = a: one factor, the last)
-        io.wait("s")
         s_s[...] = S.astype(bf16)
-        if kept_s:
+        if keep:
             kept_s[0][...] = S.astype(keep_dtype)
         plgpu.commit_smem()
-        io.sent("s")
         WS, *QS = _products([(w_s, s_s)], *([[(qin_s, s_s)]] if n_qk else []))  # (raw q S: its own accumulator)
-        io.wait("e")
         if inv:  # E = R (Diag(a) V - Diag(b) (w S)); e_s first holds R's right operand
             e_s[...] = (factor(n_qk) * _load(u_s).astype(f32) - factor(n_qk + 1) * WS).astype(bf16)
             plgpu.commit_smem()
@@ -235,23 +221,22 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
         else:
             E = _load(u_s).astype(f32) - WS
         e_s[...] = E.astype(bf16)
-        if kept_s:
+        if keep:
             kept_s[1][...] = E.astype(keep_dtype)
         if n_qk:  # (the right operand of k^T: E's rows scaled by e^(G_C - G); it may hold O too)
             if o_s is ek_s:
-                io.wait("o")
+                wait_o()
             ek_s[...] = (E * factor(1)).astype(bf16)
         plgpu.commit_smem()
-        io.sent("e")
         if n_qk:
             ME, KgE = _products([(m_s, e_s)], [(kg_s.transpose((1, 0)), ek_s)])
             O = QS[0] * factor(0) + ME
         else:
             O, KgE = _products([(qin_s, s_s), (m_s, e_s)], [(kg_s.transpose((1, 0)), e_s)])
         if o_s is not ek_s:
-            io.wait("o")
+            wait_o()
         o_s[...] = O.astype(out_dtype)
-        io.copy_out()
+        copy_out()
         return S * _decay(dend_s, K, bv) + KgE
 
     def operands_and_specs(gmem, b, sg, h, j, first):
@@ -286,8 +271,7 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
                 [(outs_s[0].at[slot], o_g.at[b, tok, h, cols])]
                 + ([(kept_s[0], keep_g[0].at[b, h, pl.ds(n * K, K), cols]),
                     (kept_s[1], keep_g[1].at[b, h, tok, cols])] if keep else []))
-            io = _ChunkIO(copy_out, wait=lambda name: None, sent=lambda name: None)
-            return chunk(split_inputs(ins), S, s_s, e_s, ek_s, outs_s[0].at[slot], kept_s, io)
+            return chunk(split_inputs(ins), S, s_s, e_s, ek_s, outs_s[0].at[slot], kept_s, copy_out, lambda: None)
 
         operands, in_specs = operands_and_specs(gmem, b, sg, h, j, first)
         S = plgpu.emit_pipeline(step, grid=(Ns,), in_specs=in_specs, max_concurrent_steps=2,
@@ -295,7 +279,7 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
         _write_state(S, ht_g.at[b, h, sg, :, cols], K, bv)
 
     def body_warpgroups(*refs):
-        gmem, (h0_g, o_g, ht_g, *keep_g, (stage, bufs), bar) = refs[:n_in], refs[n_in:]
+        gmem, (h0_g, o_g, ht_g, (stage, bufs), bar) = refs[:n_in], refs[n_in:]
         b, sg, h, j = _where(nseg)
         wg, first = jax.lax.axis_index("wg"), sg * Ns
         cols = pl.ds((j * wgs + wg) * bv, bv)  # (this warpgroup's V tile; the memory warpgroup's is unused)
@@ -308,20 +292,11 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
             *ins, S = ins_and_state
             ins = split_inputs(ins)
             ins = ins[:4] + (ins[4].at[:, pl.ds(wg * bv, bv)],) + ins[5:]  # (this warpgroup's V columns)
-            n = first + idx[0]
-            tok = pl.ds(n * C, C)
+            tok = pl.ds((first + idx[0]) * C, C)
             copy_out = lambda: _copy_out([(o_s, o_g.at[b, tok, h, cols])])
-            if keep:  # S and E leave from their bf16 operand buffers: copies S, E, O a chunk (and the pipeline
-                # commits an empty group after each chunk), so with at most the last two groups in flight the copy
-                # of the buffer about to be written has read it
-                kept = {"s": (s_s, keep_g[0].at[b, h, pl.ds(n * K, K), cols]),
-                        "e": (e_s, keep_g[1].at[b, h, tok, cols])}
-                io = _ChunkIO(copy_out, wait=lambda name: plgpu.wait_smem_to_gmem(2, wait_read_only=True),
-                              sent=lambda name: plgpu.copy_smem_to_gmem(*kept[name]))
-            else:  # one O slot: the last chunk's copy out of it must have read it
-                wait_o = lambda name: plgpu.wait_smem_to_gmem(0, wait_read_only=True) if name == "o" else None
-                io = _ChunkIO(copy_out, wait=wait_o, sent=lambda name: None)
-            return chunk(ins, S, s_s, e_s, ek_s, o_s, (), io)
+            # one O slot: the last chunk's copy out of it must have read it
+            wait_o = lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            return chunk(ins, S, s_s, e_s, ek_s, o_s, (), copy_out, wait_o)
 
         def compute(run):
             # the state enters and leaves through fp32 SMEM sharing bytes with this warpgroup's bf16 buffers only
@@ -350,8 +325,6 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
     # Two warpgroups: the slots of U (or V) span both V tiles (8 KB more a slot), each warpgroup has one O slot
     # (raw_qk: the scaled E's), and its fp32 state shares bytes with its bf16 S, E, O (a RefUnion): KDA's inverse
     # form with b = a 226.5 KB, 464 bytes under the limit (with b given it does not fit).
-    if keep:
-        out += [jax.ShapeDtypeStruct((B, H, N * K, V), keep_dtype), jax.ShapeDtypeStruct((B, H, Tp, V), keep_dtype)]
     if wgs > 1:
         n_rows = K + 2 * C  # (S, E, O)
         scratch = [plgpu.RefUnion(_smem((wgs, n_rows // 2, bv), f32), _operand((wgs, n_rows, bv), bv)),
@@ -359,8 +332,9 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
     else:
         scratch = [_operand((K, bv), bv), _operand((C, bv), bv)] + [_operand((C, bv), bv)] * (n_qk > 0)
         scratch += [_smem((2, C, bv), out_dtype)]
-        if keep:
-            scratch += [_smem((2, K, bv), keep_dtype), _smem((2, C, bv), keep_dtype)]
+    if keep:
+        out += [jax.ShapeDtypeStruct((B, H, N * K, V), keep_dtype), jax.ShapeDtypeStruct((B, H, Tp, V), keep_dtype)]
+        scratch += [_smem((2, K, bv), keep_dtype), _smem((2, C, bv), keep_dtype)]
     # (each chunk's e^(G_C) is a 1-D block of the flattened [B, H, N K])
     inputs = (qin, kg) + (() if raw_k else (w,)) + ((inverse[0],) if inv else ()) + (u, m, dend.reshape(B, H, N * K))
     o, ends, *kept = _run(body if wgs == 1 else body_warpgroups, inputs + rows + (_segmented(h0),), out, scratch,
