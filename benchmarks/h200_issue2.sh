@@ -73,6 +73,9 @@
 #   Run30 (session 28): the forward alone writes fewer intermediates (chunk_fwd.INVERSE_IN_PASS: R alone from the
 #   solve, E formed in the Mosaic pass; ROW_GATE: a scalar gate's raw q, k with row factors; DIAG_INVERSE_BLOCK 32):
 #   forward kernels GDN 0.760 -> 0.599 ms, KDA 1.378 -> 1.324 (run30b); bench wall KDA 1.68 ms, GDN 0.93 (run30c).
+#   Run31 (session 29): the forward alone's Mosaic state pass as two compute warpgroups a CTA plus one issuing the
+#   loads (state_mgpu.PASS_WARPGROUPS): pass 0.28 -> 0.18 ms (GDN), 0.27 -> 0.20 (KDA); bench wall KDA 1.61 / 4.85 ms
+#   (0.736x jla's fwd+bwd), GDN 0.74; the whole GPU suite passed (113 tests, SHARDS=6 TEST_TIMEOUT=440, 305 s).
 #   The long GPU tests take ~30 s each (19 of them): a subset fits a call beside a bench part, e.g.
 #     TEST_TIMEOUT=200 TESTS_K="long_bf16 and default" SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
 #   A/B wall clock of settings, interleaved (not through this script): PYTHONPATH=$PWD python3

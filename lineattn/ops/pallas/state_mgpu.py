@@ -7,6 +7,8 @@ zero-start pass of the segments (`zero_start_pass_mosaic`, for `chunk_fwd._segme
 One CTA (one warpgroup) per (batch, segment, head, V tile of bv = 16, 32 or 64): the fp32 state (or its
 cotangent) [K, bv] stays in registers (the WGMMA accumulator layout) across the segment's chunks, which
 `plgpu.emit_pipeline` streams in by TMA (double buffered); each chunk's outputs leave through two SMEM slots by TMA.
+The forward's pass without kept states may instead run two compute warpgroups a CTA, each on its own V tile, fed by
+a third that issues the loads of the tiles they share (`plgpu.emit_pipeline_warp_specialized`; PASS_WARPGROUPS).
 A sequence is one segment unless the caller splits it (`segments`: each segment then starts from its true start,
 or, in reverse, its end cotangent, given). Per chunk, with S rounded to bf16 in SMEM:
     forward:  E = U - W S,   O = Qin S + M E,   S <- Diag(e^(G_C)) S + Kg^T E
@@ -31,7 +33,11 @@ BV = 64  # the V tile that PASS_IMPL "auto" takes (the one measured); 16 and 32 
 V_TILES = (16, 32, 64)  # (128 would hold the [K, 128] fp32 state and its accumulators in too few registers)
 # PASS_WARPGROUPS: compute warpgroups a CTA of the forward's state pass without kept states (`state_pass_mosaic`'s
 # warpgroups), taken where the grid keeps PASS_MIN_CTAS CTAs or more; MEMORY_REGISTERS: the registers a thread of
-# the memory warpgroup keeps (the compute warpgroups share the rest). Read when traced.
+# the memory warpgroup keeps (the compute warpgroups share the rest). Read when traced. H200, forward alone at 8 x
+# 4096 x 16 x 128 (run31a): 128 CTAs of two warpgroups (one wave on 132 SMs) against 256 of one (two waves, one CTA
+# an SM by shared memory): the pass 0.177 ms against 0.279 for GDN, 0.203 against 0.266 for KDA; forward kernels GDN
+# 0.498 against 0.599, KDA 1.260 against 1.322. (Two warpgroups in the pass that keeps S and E for the backward,
+# sending them from the bf16 operand buffers, took 0.315 ms against 0.306 in run31b: not kept, history 70c9934.)
 PASS_WARPGROUPS, PASS_MIN_CTAS, MEMORY_REGISTERS = 2, 128, 40
 
 
