@@ -67,24 +67,26 @@ def _check(name, C, K, V, bv, bf16_inputs, dend, state, B, H, N):
     return nseg
 
 
-def _read_state(src, bar, K, bv):
-    """An fp32 [K, bv] state tile from GMEM into registers (WGMMA layout), through SMEM scoped for it alone."""
-    def scoped(h_s):
-        plgpu.copy_gmem_to_smem(src, h_s, bar.at[0])
-        plgpu.barrier_wait(bar.at[0])
+def _read_state(src, bar, K, bv, h_s=None):
+    """An fp32 [K, bv] state tile from GMEM into registers (WGMMA layout), through the fp32 SMEM h_s, or SMEM
+    scoped for it alone; bar: the barrier (slot) of the copy."""
+    def through(h_s):
+        plgpu.copy_gmem_to_smem(src, h_s, bar)
+        plgpu.barrier_wait(bar)
         return _load(h_s)
 
-    return pl.run_scoped(scoped, _smem((K, bv), f32))
+    return through(h_s) if h_s is not None else pl.run_scoped(through, _smem((K, bv), f32))
 
 
-def _write_state(S, dst, K, bv):
-    def scoped(h_s):
+def _write_state(S, dst, K, bv, h_s=None):
+    """The fp32 state S [K, bv] into GMEM, through the fp32 SMEM h_s, or SMEM scoped for it alone."""
+    def through(h_s):
         h_s[...] = S
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(h_s, dst)
         plgpu.wait_smem_to_gmem(0)
 
-    pl.run_scoped(scoped, _smem((K, bv), f32))
+    pl.run_scoped(through, _smem((K, bv), f32)) if h_s is None else through(h_s)
 
 
 def _products(*pairs_by_acc):
@@ -281,7 +283,7 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
 
         operands, in_specs = operands_and_specs(gmem, b, sg, h, j, first)
         S = plgpu.emit_pipeline(step, grid=(Ns,), in_specs=in_specs, max_concurrent_steps=2,
-                                init_carry=_read_state(h0_g.at[b, h, sg, :, cols], bar, K, bv))(*operands)
+                                init_carry=_read_state(h0_g.at[b, h, sg, :, cols], bar.at[0], K, bv))(*operands)
         _write_state(S, ht_g.at[b, h, sg, :, cols], K, bv)
 
     def body_warpgroups(*refs):
@@ -307,16 +309,11 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
         def compute(run):
             # the state enters and leaves through fp32 SMEM sharing bytes with this warpgroup's bf16 buffers only
             st = stage.at[wg, pl.ds(0, K)]
-            plgpu.copy_gmem_to_smem(h0_g.at[b, h, sg, :, cols], st, bar.at[wg])
-            plgpu.barrier_wait(bar.at[wg])
-            S = _load(st)
+            S = _read_state(h0_g.at[b, h, sg, :, cols], bar.at[wg], K, bv, h_s=st)
             plgpu.commit_smem()  # (every warp has read st before the first chunk writes over it)
             S = run(S)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            st[...] = S
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(st, ht_g.at[b, h, sg, :, cols])
-            plgpu.wait_smem_to_gmem(0)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (the last O copy has read its slot, inside st)
+            _write_state(S, ht_g.at[b, h, sg, :, cols], K, bv, h_s=st)
 
         operands, in_specs = operands_and_specs(gmem, b, sg, h, j, first)
         plgpu.emit_pipeline_warp_specialized(step, grid=(Ns,), in_specs=in_specs, max_concurrent_steps=2,
@@ -395,7 +392,7 @@ def reverse_pass_mosaic(qin, kg, w, m, dend, do, dht, *, ds_dtype, de_dtype, blo
                     _spec((C, C), back, bv), plgpu.BlockSpec((K,), lambda n: (last - n,)),
                     _spec((C, bv), lambda n: (last - n, j), bv)]
         dS = plgpu.emit_pipeline(step, grid=(Ns,), in_specs=in_specs, max_concurrent_steps=2,
-                                 init_carry=_read_state(dht_g.at[b, h, sg, :, cols], bar, K, bv))(
+                                 init_carry=_read_state(dht_g.at[b, h, sg, :, cols], bar.at[0], K, bv))(
             qin_g.at[b, h], kg_g.at[b, h], w_g.at[b, h], m_g.at[b, h], dend_g.at[b, h], do_g.at[b, :, h, :])
         _write_state(dS, dh0_g.at[b, h, sg, :, cols], K, bv)
 
@@ -445,10 +442,11 @@ def zero_start_pass_mosaic(kg, w, u, dend, start, *, value_tiles: int, block_v: 
         in_specs = [_spec((C, K), rows_k, bv), _spec((C, K), rows_k, bv),
                     _spec((C, bv), lambda n: (first + n, jnp.minimum(j, value_tiles - 1)), bv),
                     plgpu.BlockSpec((K,), lambda n: (first + n,))]
+        cols = pl.ds(j * bv, bv)
         S = plgpu.emit_pipeline(step, grid=(Ns,), in_specs=in_specs, max_concurrent_steps=2,
-                                init_carry=_read_state(start_g.at[b, h, sg, :, pl.ds(j * bv, bv)], bar, K, bv))(
+                                init_carry=_read_state(start_g.at[b, h, sg, :, cols], bar.at[0], K, bv))(
             kg_g.at[b, h], w_g.at[b, h], u_g.at[b, h], dend_g.at[b, h])
-        _write_state(S, end_g.at[b, h, sg, :, pl.ds(j * bv, bv)], K, bv)
+        _write_state(S, end_g.at[b, h, sg, :, cols], K, bv)
 
     # SMEM at K = 128, bv = 64: two slots of (Kg, W, U, e^(G_C)) = 2 x 40.5 KB, S and E in bf16 (24 KB): 105 KB
     return _run(body, (kg, w, u, dend.reshape(B, H, N * K), start), jax.ShapeDtypeStruct(start.shape, f32),
