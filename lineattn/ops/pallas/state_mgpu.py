@@ -146,12 +146,18 @@ def _decay(dend_s, K, bv):
     return jax.lax.broadcast_in_dim(plgpu.load(dend_s, layout=_ROW, optimized=False), (K, bv), [0])
 
 
+def _warpgroups_fit(wgs: int, V: int, bv: int, keep: bool, out_dtype) -> bool:
+    """Whether `state_pass_mosaic` runs as CTAs of wgs (> 1) compute warpgroups: no kept states, a bf16 o, wgs V
+    tiles of bv a CTA."""
+    return not keep and out_dtype == bf16 and V % (wgs * bv) == 0
+
+
 def pick_warpgroups(ctas: int, V: int, bv: int, keep: bool, out_dtype) -> int:
     """The compute warpgroups a CTA of `state_pass_mosaic` takes (see PASS_WARPGROUPS) for a grid of `ctas` CTAs
     of one V tile each."""
     wgs = PASS_WARPGROUPS
-    fits = not keep and out_dtype == bf16 and V % (wgs * bv) == 0 and ctas // wgs >= PASS_MIN_CTAS
-    return wgs if wgs > 1 and fits else 1
+    fits = wgs > 1 and _warpgroups_fit(wgs, V, bv, keep, out_dtype) and ctas // wgs >= PASS_MIN_CTAS
+    return wgs if fits else 1
 
 
 def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None, block_v: int = BV,
@@ -195,7 +201,7 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
     Ns = N // nseg
     keep = keep_dtype is not None
     wgs = pick_warpgroups(B * nseg * H * (V // bv), V, bv, keep, out_dtype) if warpgroups is None else warpgroups
-    if wgs not in (1, 2) or (wgs > 1 and (keep or out_dtype != bf16 or V % (wgs * bv))):
+    if wgs not in (1, 2) or (wgs > 1 and not _warpgroups_fit(wgs, V, bv, keep, out_dtype)):
         raise ValueError(f"state_pass_mosaic: warpgroups must be 1, or 2 with no keep_dtype, a bf16 out_dtype and "
                          f"2 block_v dividing V; got {warpgroups} with keep_dtype {keep_dtype}, out_dtype "
                          f"{out_dtype}, block_v {bv}, V = {V}")
