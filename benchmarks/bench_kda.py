@@ -92,6 +92,41 @@ def _stream_events(trace_dir: str):
                         yield sorted((e.start_ns, e.end_ns, e.name) for e in line.events)
 
 
+def host_times(trace_dir: str) -> dict[str, float]:
+    """{"thread: event": total ns} of the host plane's events in the trace in trace_dir (nested events each count
+    their whole span): where a call's host time goes (dispatch, the executable's launches, the wait)."""
+    from jax.profiler import ProfileData
+
+    totals: dict[str, float] = collections.defaultdict(float)
+    for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
+        for plane in ProfileData.from_file(path).planes:
+            if plane.name.startswith("/host:"):
+                for line in plane.lines:
+                    for e in line.events:
+                        totals[f"{line.name}: {e.name}"] += e.duration_ns
+    return totals
+
+
+def call_timeline(trace_dir: str, marker: str = "PjitFunction") -> list[tuple[float, float, str]]:
+    """The last call's events, host threads and device streams alike, from the start of the last host event
+    named marker... to the trace's end, as (ms after that start, ms long, "thread: name") sorted by start."""
+    from jax.profiler import ProfileData
+
+    events = []
+    for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
+        for plane in ProfileData.from_file(path).planes:
+            if plane.name.startswith("/host:") or plane.name.startswith("/device:"):
+                for line in plane.lines:
+                    if plane.name.startswith("/device:") and not line.name.startswith("Stream"):
+                        continue
+                    events += [(e.start_ns, e.duration_ns, f"{line.name}: {e.name}") for e in line.events]
+    starts = [t for t, _, name in events if name.split(": ", 1)[1].startswith(marker)]
+    if not starts:
+        return []
+    t0 = max(starts)
+    return sorted(((t - t0) / 1e6, d / 1e6, name) for t, d, name in events if t >= t0)
+
+
 def kernel_times(trace_dir: str) -> dict[str, float]:
     """{kernel name: total ns} over the device streams of the trace in trace_dir."""
     totals: dict[str, float] = collections.defaultdict(float)

@@ -15,7 +15,9 @@ gated_deltanet).
 Kernels named by lineattn (`name=` of its `pallas_call`s: `lineattn_chunk_gram`, ...) and XLA fusions (pads,
 transposes, sums) appear under their own names. Writes
 <out>/<date>-h200-kda-profile.json: {impl: {mode: {"per_call_ms": {kernel: ms}, "total_ms": ..., "wall_ms": ...,
-"idle_before_ms": {kernel: ms the stream stood idle just before it, per call}, "idle_ms": ...}}}.
+"idle_before_ms": {kernel: ms the stream stood idle just before it, per call}, "idle_ms": ...,
+"host_ms": {"thread: event": ms per call, the 40 longest host-side events}, "timeline": [the last call's events
+from its start, host and device: (ms after, ms long, name)]}}}; --host prints them.
 --ncu runs each implementation's forward and forward+backward once (each of --configs for lineattn; and with --decode
 B one decode step of B requests: lineattn's kernel with each --readouts and FLA's `fused_recurrent_kda`), with no
 trace and no JSON, for Nsight Compute to read the kernels' counters: `NCU=1 bash benchmarks/h200_issue2.sh` wraps it
@@ -36,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_kda import forward_backward, kernel_gaps, kernel_times, make_inputs, versions  # noqa: E402
+from bench_kda import call_timeline, forward_backward, host_times, kernel_gaps, kernel_times, make_inputs, versions  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -47,15 +49,21 @@ from lineattn.ops.pallas.chunk import chunk_pallas  # noqa: E402
 f32 = jnp.float32
 
 
-def profile(fn, args, iters: int, sync: bool = False, trace_dir: Path | None = None) -> dict:
+def profile(fn, args, iters: int, sync: bool = False, trace_dir: Path | None = None,
+            host_detail: bool = False) -> dict:
     """Kernel times of `iters` calls in a trace; with sync each call is ended by block_until_ready (the bench's
     timing), so the stream's idle time shows the gaps a call's own launches leave and, between calls, each call's
     dispatch and sync latency; wall_ms is then the median call (else the mean of calls launched back to back).
-    trace_dir: keep the trace there (host and device planes) instead of in a temporary folder."""
+    trace_dir: keep the trace there (host and device planes) instead of in a temporary folder. host_detail: trace
+    the host's events in detail (level 3) and no Python calls (whose tracing would slow the calls timed), and
+    return the last call's timeline (`call_timeline`)."""
     jax.block_until_ready(fn(*args))  # compile and warm up outside the trace
     with tempfile.TemporaryDirectory() as tmp:
         tmp = str(trace_dir) if trace_dir else tmp
-        with jax.profiler.trace(tmp):
+        options = jax.profiler.ProfileOptions()
+        if host_detail:
+            options.python_tracer_level, options.host_tracer_level = 0, 3
+        with jax.profiler.trace(tmp, profiler_options=options):
             t0, calls = time.perf_counter(), []
             for _ in range(iters):
                 out = fn(*args)
@@ -67,10 +75,13 @@ def profile(fn, args, iters: int, sync: bool = False, trace_dir: Path | None = N
             wall = (time.perf_counter() - t0) * 1e3 / iters if not sync else float(np.median(calls)) * 1e3
         totals = kernel_times(tmp)
         gaps = kernel_gaps(tmp)
+        host = host_times(tmp)
+        timeline = call_timeline(tmp) if host_detail else []
     per_call = {name: ns / iters / 1e6 for name, ns in sorted(totals.items(), key=lambda kv: -kv[1])}
     idle = {name: ns / iters / 1e6 for name, ns in sorted(gaps.items(), key=lambda kv: -kv[1])}
+    host_ms = {name: ns / iters / 1e6 for name, ns in sorted(host.items(), key=lambda kv: -kv[1])[:40]}
     return {"per_call_ms": per_call, "total_ms": sum(per_call.values()), "wall_ms": wall, "idle_before_ms": idle,
-            "idle_ms": sum(idle.values())}
+            "idle_ms": sum(idle.values()), "host_ms": host_ms, "timeline": timeline[:200]}
 
 
 def rel_rms(a, b):
@@ -88,6 +99,9 @@ def main():
     p.add_argument("--configs", default="default", help="';'-separated lineattn configurations (see above)")
     p.add_argument("--check", action="store_true", help="compare with the XLA chunk form in fp32 first")
     p.add_argument("--sync", action="store_true", help="end each traced call by block_until_ready (see profile)")
+    p.add_argument("--host", action="store_true",
+                   help="print each call's host events (ms per call, by thread) and the last call's timeline")
+    p.add_argument("--timeline", type=int, default=80, help="with --host: the timeline's rows printed")
     p.add_argument("--keep-traces", action="store_true", help="keep each trace under <out>/traces/<impl>-<mode>")
     p.add_argument("--rule", default="kda", choices=["kda", "gdn"])
     p.add_argument("--ncu", action="store_true", help="run each mode once, for Nsight Compute (see above)")
@@ -146,7 +160,7 @@ def main():
                           + " ".join(f"{n} {e:.1e}" for n, e in errors.items()))
                 for mode, fn in modes.items():
                     keep = a.out / "traces" / f"{name.split()[0]}-{mode}" if a.keep_traces else None
-                    rec = profile(fn, (q, k, v, g, beta), a.iters, a.sync, keep)
+                    rec = profile(fn, (q, k, v, g, beta), a.iters, a.sync, keep, a.host)
                     result.setdefault(name, {})[mode] = rec
                     print(f"{name} {mode}: kernels {rec['total_ms']:.3f} ms per call "
                           f"(wall {rec['wall_ms']:.3f} ms, stream idle {rec['idle_ms']:.3f} ms)")
@@ -154,6 +168,12 @@ def main():
                         print(f"   {ms:8.3f}  {kname[:110]}")
                     idle = list(rec["idle_before_ms"].items())[:6]
                     print("   stream idle before: " + ", ".join(f"{kname[:40]} {ms:.3f}" for kname, ms in idle))
+                    if a.host:
+                        for hname, ms in list(rec["host_ms"].items())[:a.top]:
+                            print(f"   host {ms:8.3f}  {hname[:120]}")
+                        print("   the last call's timeline (ms from its PjitFunction's start, ms long, event):")
+                        for t, d, ename in rec["timeline"][:a.timeline]:
+                            print(f"   {t:8.3f} {d:8.3f}  {ename[:110]}")
                     path.write_text(json.dumps(result, indent=1))
         except Exception as err:  # e.g. a launch setting beyond the shared memory: recorded, then the next one
             result.setdefault(name, {})["error"] = str(err)[:300]
