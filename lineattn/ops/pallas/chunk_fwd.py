@@ -74,7 +74,6 @@ GRAM_WARPS, SOLVE_WARPS, PASS_WARPS, GRAM_BK, PASS_STAGES = 2, 4, 4, 64, 3
 # the exact path to a second kernel that rewrites the blocks holding a cut gave no gain: 0.17 ms for that kernel
 # when it read G, and with the Gram kernel writing per-block flags 0.90 + 0.05 ms. With the flags from the gate
 # cumsum kernel instead: GRAM_IMPL "triton-fast" below, the default since run11a.)
-GRAM_PROBE = ""  # timing probe (wrong results): "no_gated", "no_products", "no_key_exps", "no_dots"
 GRAM_SCALAR_WARPS = 4  # the scalar-gate Gram kernel, one program per chunk (run9a, GDN 8 x 4096: 0.26 ms)
 
 
@@ -104,13 +103,7 @@ def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delt
         d = pl.ds(t * bk, bk)
         Gr = G_ref[pl.ds(ref_row, 1), d]
         xr = exp(G_ref[blk, d] - Gr)
-        kc = keys_toward(k_ref[:, d], G_ref[:, d], Gr, limit) if GRAM_PROBE != "no_key_exps" else \
-            k_ref[:, d].astype(f32)
-        if GRAM_PROBE == "no_dots":
-            Mx = Mx + jnp.sum(kc, axis=1)[None, :] + jnp.sum(q_ref[pl.ds(q0, s), d].astype(f32) * xr, axis=1,
-                                                              keepdims=True)
-            Ax = Ax + jnp.sum(k_ref[blk, d].astype(f32) * xr, axis=1, keepdims=True)
-            continue
+        kc = keys_toward(k_ref[:, d], G_ref[:, d], Gr, limit)
         Mx = Mx + dot(q_ref[pl.ds(q0, s), d].astype(f32) * (scale * xr), kc, prec, trans_b=True)
         if delta:
             Ax = Ax + dot(k_ref[blk, d].astype(f32) * xr, kc, prec, trans_b=True)
@@ -161,7 +154,7 @@ def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_r
     r0 = (common.program_id(2) % (C // s)) * s
     K = k_ref.shape[-1]
     blk = pl.ds(r0, s)
-    for t in range(K // bk if GRAM_PROBE != "no_gated" else 0):
+    for t in range(K // bk):
         d = pl.ds(t * bk, bk)
         Ga = G_ref[blk, d]
         qin_ref[:, d] = (q_ref[:, d].astype(f32) * scale * exp(Ga)).astype(qin_ref.dtype)
@@ -170,9 +163,7 @@ def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_r
             kin_ref[0][:, d] = (k_ref[blk, d].astype(f32) * exp(Ga)).astype(kin_ref[0].dtype)
     kw = dict(scale=scale, prec=prec, delta=delta, bk=bk)
     fast = lambda: _gram_products(q_ref, k_ref, G_ref, r0, r0 + s // 2, LIMIT, **kw)
-    if GRAM_PROBE == "no_products":
-        Mx = Ax = jnp.zeros((s, C), f32)
-    elif fast_only:
+    if fast_only:
         Mx, Ax = fast()
     else:
         Mx, Ax = jax.lax.cond(_gram_block_spread(G_ref, r0, K, bk) <= LIMIT, fast,
