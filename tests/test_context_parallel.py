@@ -4,7 +4,8 @@ The multi-device checks need `XLA_FLAGS=--xla_force_host_platform_device_count=8
 this file as a script in a subprocess (`python tests/test_context_parallel.py <case>`), which prints its relative
 errors as JSON on its last line. Per device count (2, 4, 8), one compiled function covers all five rules with and
 without packing, and one more the single-device reference (compiled once a session: the subprocesses use the
-session's compilation cache); XLA's backend optimisation is off in the subprocess (it halves compile time).
+session's compilation cache); XLA's backend optimisation and LLVM's expensive passes are off in the subprocess
+(as in tests/conftest.py: the same arithmetic, compiled faster).
 fp32, metric max|x - x_ref| / max|x_ref|, tolerance 1e-5 on o, the final state and the gradients of q, k, v, g,
 beta and the initial state. Gates are mild (log decay in (-0.05, 0)), so every state
 really crosses device boundaries: scaling the carried state by 0.999 gives errors of about 1e-3.
@@ -31,8 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run_worker(*args: str) -> dict:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
-               JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+               "--xla_llvm_disable_expensive_passes=true", JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (f"worker {args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                                   f"{proc.stderr[-6000:]}")

@@ -17,7 +17,9 @@ from lineattn.train.testing import CACHE_DIR
 
 
 def test_eight_devices_equal_one():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+    # (XLA's backend optimisation and LLVM's expensive passes off, as in tests/conftest.py: compiled faster)
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
+           "--xla_llvm_disable_expensive_passes=true", "JAX_PLATFORMS": "cpu",
            "LINEATTN_TEST_CACHE": CACHE_DIR}
     res = subprocess.run([sys.executable, "-m", "lineattn.train.testing", "sharded"], capture_output=True,
                          text=True, env=env, timeout=600)
