@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from lineattn.ops.pallas.common import SUB, compiler_params, dot, exp, hopper, interpret_mode, is_pow2, pallas_call
-from lineattn.ops.pallas import common, gram_mgpu, gram_t_mgpu, segments, solve_mgpu, state_mgpu
+from lineattn.ops.pallas import common, gram_mgpu, segments, solve_mgpu, state_mgpu
 
 f32 = jnp.float32
 
@@ -464,7 +464,7 @@ def split_gram(scalar: bool, delta: bool) -> bool:
     """Whether the Gram stage takes the fast path everywhere and a fix-up after it, GRAM_IMPL "triton-fast" or
     "mosaic" (its gate cumsum then also writes the block spreads: the backward takes them from the forward's saved
     terms, or its own cumsum asks for them too)."""
-    return GRAM_IMPL in ("triton-fast", "mosaic", "mosaic-t") and not scalar and delta
+    return GRAM_IMPL in ("triton-fast", "mosaic") and not scalar and delta
 
 
 def mosaic_gram(scalar: bool, delta: bool, exact: bool) -> bool:
@@ -594,13 +594,7 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
                               warps=SOLVE_WARPS, interpret=interpret, with_r=save, kk=True,
                               flags=chunk_flags(spreads[0], C // SUB), into=(w, u, *R))
         return (qin, kg, w, u, m, dend) + ((KK, R[0], *gate) if save else ())
-    if split and GRAM_IMPL == "mosaic-t" and inverse_in_pass:  # (a prototype: M^T and A^T, transposed by XLA)
-        mt, at, qin, kg, kin0 = gram_t_mgpu.gram_keys_major(q, k, G, gram_beta, C=C, scale=scale, limit=LIMIT,
-                                                            interpret=interpret)
-        m, A, kin = gram_t_mgpu.chunk_transpose(mt), gram_t_mgpu.chunk_transpose(at), [kin0]
-        m, A = gram_exact_chunks(spreads[0], q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret,
-                                 prec=GRAM_PREC)
-    elif split:
+    if split:
         m, A, qin, kg, *kin = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store,
                                         prec=prec if exact else GRAM_PREC, delta=True, warps=warps,
                                         interpret=interpret, bk=GRAM_BK, fast_only=True, kin=inverse_in_pass)
