@@ -47,7 +47,8 @@
 #   Run21 (session 19): the forward's state pass in segments where it saves, its maps reused by the backward, and
 #   the Mosaic passes in segments: fwd+bwd 5.09 ms kernel time at 1 x 32768; bench alone 0.751x jla (8 x 4096),
 #   0.793x (1 x 32768, run21f; 0.811x in run21e). Where a call's time beyond its kernels goes (dispatch and sync,
-#   jla's too): PROFILE_ARGS="--impls noop,lineattn,jla --sync --iters 10" (the stream idle before each first kernel).
+#   jla's too): PROFILE_ARGS="--impls noop,lineattn,jla --sync --iters 10" (the stream idle before each first kernel);
+#   add --host for each call's host events and the last call's timeline, host and device (run32b).
 #   Run22 (session 20): the Mosaic zero-start pass as default (0.184 ms against 0.339 at 1 x 32768); the whole GPU suite
 #   with SHARDS=6 TEST_TIMEOUT=430 took 383 s (98 tests); bench alone 0.769x jla (8 x 4096), 0.756x (1 x 32768).
 #   Run23 (session 21): a persistent Triton decode kernel (programs looping over tiles, the next state prefetched)
