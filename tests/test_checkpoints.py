@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,10 +14,20 @@ from lineattn import ops
 
 # Chunk starts and ends, inside chunks, the first and last token, and the initial state (64-token chunks, T = 150).
 POSITIONS = [0, 1, 37, 64, 100, 128, 149, 150]
+ARGS = ("q", "k", "v", "g", "beta", "initial_state")
 
 
+def attention(rule, x, **kwargs):
+    """`ops.linear_attention(rule, ...)` on the inputs x, under `jax.jit` (one compile, where eagerly every op of
+    the chunk path compiles on its own)."""
+    run = lambda q, k, v, g, beta, h0: ops.linear_attention(rule, q, k, v, g, beta, initial_state=h0, **kwargs)
+    return jax.jit(run)(*(x[n] for n in ARGS))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
 def oracle_state_after(rule, x, p):
-    """The oracle's state after the first p tokens (a fixed gate [H] is not per token)."""
+    """The oracle's state after the first p tokens (a fixed gate [H] is not per token), jitted (one compile per rule,
+    shapes and p, shared by the tests on the same inputs)."""
     if p == 0:
         return x["initial_state"]
     first = lambda a: a if a is None or a.ndim == 1 else a[:, :p]
@@ -30,14 +42,11 @@ def oracle_state_after(rule, x, p):
                          + [("kda", "recurrent"), ("delta_element", "auto"), ("element", "auto")])
 def test_checkpoints_equal_the_oracle_states(rule, backend):
     x = make_inputs(rule, B=2, T=150, H=2, K=32, V=24)
-    o, final, states = ops.linear_attention(rule, x["q"], x["k"], x["v"], x["g"], x["beta"],
-                                            initial_state=x["initial_state"], output_final_state=True,
-                                            checkpoint_positions=POSITIONS, backend=backend)
+    o, final, states = attention(rule, x, output_final_state=True, checkpoint_positions=POSITIONS, backend=backend)
     assert states.shape == (len(POSITIONS), *final.shape)
     for i, p in enumerate(POSITIONS):
         assert rel_err(states[i], oracle_state_after(rule, x, p)) <= 2e-5, f"position {p}"
-    o_plain, _ = ops.linear_attention(rule, x["q"], x["k"], x["v"], x["g"], x["beta"],
-                                      initial_state=x["initial_state"], backend="recurrent")
+    o_plain, _ = attention(rule, x, backend="recurrent")
     assert rel_err(o, o_plain) <= 2e-5
 
 
@@ -56,13 +65,10 @@ def test_checkpoint_positions_are_checked():
 def test_pallas_checkpoints_equal_the_oracle_states(rule):
     """The Pallas state pass exports chunk-start states; the in-chunk advance uses the kernels' W and U."""
     x = make_inputs(rule, B=2, T=150, H=2, K=32, V=16)
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    o, final, states = ops.linear_attention(rule, *args, initial_state=x["initial_state"], output_final_state=True,
-                                            checkpoint_positions=POSITIONS, backend="pallas")
+    o, final, states = attention(rule, x, output_final_state=True, checkpoint_positions=POSITIONS, backend="pallas")
     for i, p in enumerate(POSITIONS):
         assert rel_err(states[i], oracle_state_after(rule, x, p)) <= 2e-5, f"position {p}"
-    o_ref, final_ref = ops.linear_attention(rule, *args, initial_state=x["initial_state"], output_final_state=True,
-                                            backend="recurrent")
+    o_ref, final_ref = attention(rule, x, output_final_state=True, backend="recurrent")
     assert rel_err(o, o_ref) <= 2e-5 and rel_err(final, final_ref) <= 2e-5
 
 
@@ -73,9 +79,7 @@ def test_pallas_checkpoints_bf16_and_gradients():
     positions = [0, 37, 64, 100]
     rms = lambda a, b: float(np.sqrt(np.mean((np.asarray(a) - np.asarray(b)) ** 2) / np.mean(np.asarray(b) ** 2)))
     bf = {n: x[n].astype(jnp.bfloat16) for n in ("q", "k", "v", "beta")}
-    _, _, states = ops.linear_attention("kda", bf["q"], bf["k"], bf["v"], x["g"], bf["beta"],
-                                        initial_state=x["initial_state"], checkpoint_positions=positions,
-                                        backend="pallas")
+    _, _, states = attention("kda", dict(x, **bf), checkpoint_positions=positions, backend="pallas")
     rounded = dict(x, **{n: b.astype(jnp.float32) for n, b in bf.items()})
     for i, p in enumerate(positions):
         assert rms(states[i], oracle_state_after("kda", rounded, p)) <= 5e-3, f"position {p}"
