@@ -367,12 +367,12 @@ def test_mosaic_gram_solve_matches_the_triton_stages(save, settings):
 
 def test_mosaic_state_pass_matches_the_triton_pass():
     # `state_mgpu.state_pass_mosaic` (Mosaic GPU, run by its interpreter here) against the Triton state pass on the
-    # same intra-chunk terms: B = 1, T = 150 (3 chunks of 64, ragged), H = 2, K = 64, V = 128, a non-zero h0, bf16;
+    # same intra-chunk terms: B = 2, T = 150 (3 chunks of 64, ragged), H = 2, K = 64, V = 128, a non-zero h0, bf16;
     # o, the final state and the kept per-chunk states and E of the backward's form; through `forward` (PASS_IMPL
-    # "mosaic": V tiles of 16 here) and directly with V tiles of 32 and 64. (B = 1: the interpreter's time grows with
-    # the CTAs; the heads, chunks and V tiles still index the terms.)
+    # "mosaic": V tiles of 16 here) and directly with V tiles of 32 and 64. (The CPU test of the Mosaic passes with
+    # two sequences: the others take one, as the interpreter's time grows with the CTAs.)
     from lineattn.ops.pallas import chunk_fwd, state_mgpu, tuning
-    x = make_inputs("kda", B=1, T=150, H=2, K=64, V=128, seed=22)
+    x = make_inputs("kda", B=2, T=150, H=2, K=64, V=128, seed=22)
     args = tuple(x[n].astype(jnp.bfloat16) for n in ("q", "k", "v")) + (x["g"], x["beta"].astype(jnp.bfloat16),
                                                                           x["initial_state"])
     kw = dict(scale=64**-0.5, interpret=True, save=True, states_dtype="bfloat16")
@@ -399,7 +399,7 @@ def test_mosaic_state_pass_matches_the_triton_pass():
     with pytest.raises(ValueError, match="block_v in"):
         state_mgpu.state_pass_mosaic(qin, kg, w, u, m, jnp.swapaxes(dend, -1, -2), x["initial_state"],
                                      out_dtype=jnp.bfloat16, block_v=128, interpret=True)
-    start = jnp.zeros((1, 2, 1, 64, 128 + 64), jnp.float32)  # (the zero-start pass: V + K columns)
+    start = jnp.zeros((2, 2, 1, 64, 128 + 64), jnp.float32)  # (the zero-start pass: V + K columns)
     with pytest.raises(ValueError, match="value_tiles must be"):
         state_mgpu.zero_start_pass_mosaic(kg, w, u, jnp.swapaxes(dend, -1, -2), start, value_tiles=1, block_v=64)
     with tuning.override({"chunk_fwd.PASS_IMPL": "mosaic"}), pytest.raises(ValueError, match="exported"):
