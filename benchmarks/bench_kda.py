@@ -78,48 +78,48 @@ def time_jax(fn, args, iters):
     return 1e3 * float(np.median(times))
 
 
+def _planes(trace_dir: str):
+    """The planes (host, each device) of the traces in trace_dir."""
+    from jax.profiler import ProfileData
+
+    for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
+        yield from ProfileData.from_file(path).planes
+
+
 def _stream_events(trace_dir: str):
     """The kernel events of each device stream in the trace in trace_dir, as lists of (start ns, end ns, name)
     sorted by start (stream lines only, so that the 'XLA Ops' / 'XLA Modules' summary lines are not counted
     twice)."""
-    from jax.profiler import ProfileData
+    for plane in _planes(trace_dir):
+        if plane.name.startswith("/device:"):
+            for line in plane.lines:
+                if line.name.startswith("Stream"):
+                    yield sorted((e.start_ns, e.end_ns, e.name) for e in line.events)
 
-    for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
-        for plane in ProfileData.from_file(path).planes:
-            if plane.name.startswith("/device:"):
-                for line in plane.lines:
-                    if line.name.startswith("Stream"):
-                        yield sorted((e.start_ns, e.end_ns, e.name) for e in line.events)
+
+def _host_events(trace_dir: str):
+    """(start ns, duration ns, "thread: name") of every host event in the trace in trace_dir."""
+    for plane in _planes(trace_dir):
+        if plane.name.startswith("/host:"):
+            for line in plane.lines:
+                yield from ((e.start_ns, e.duration_ns, f"{line.name}: {e.name}") for e in line.events)
 
 
 def host_times(trace_dir: str) -> dict[str, float]:
-    """{"thread: event": total ns} of the host plane's events in the trace in trace_dir (nested events each count
-    their whole span): where a call's host time goes (dispatch, the executable's launches, the wait)."""
-    from jax.profiler import ProfileData
-
+    """{"thread: event": total ns} of the host's events in the trace in trace_dir (nested events each count their
+    whole span): where a call's host time goes (dispatch, the executable's launches, the wait)."""
     totals: dict[str, float] = collections.defaultdict(float)
-    for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
-        for plane in ProfileData.from_file(path).planes:
-            if plane.name.startswith("/host:"):
-                for line in plane.lines:
-                    for e in line.events:
-                        totals[f"{line.name}: {e.name}"] += e.duration_ns
+    for _, duration, name in _host_events(trace_dir):
+        totals[name] += duration
     return totals
 
 
 def call_timeline(trace_dir: str, marker: str = "PjitFunction") -> list[tuple[float, float, str]]:
-    """The last call's events, host threads and device streams alike, from the start of the last host event
-    named marker... to the trace's end, as (ms after that start, ms long, "thread: name") sorted by start."""
-    from jax.profiler import ProfileData
-
-    events = []
-    for path in glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True):
-        for plane in ProfileData.from_file(path).planes:
-            if plane.name.startswith("/host:") or plane.name.startswith("/device:"):
-                for line in plane.lines:
-                    if plane.name.startswith("/device:") and not line.name.startswith("Stream"):
-                        continue
-                    events += [(e.start_ns, e.duration_ns, f"{line.name}: {e.name}") for e in line.events]
+    """The last call's events, host threads and device streams alike, from the start of the last host event whose
+    name starts with marker to the trace's end, as (ms after that start, ms long, "thread: name") sorted by start."""
+    events = list(_host_events(trace_dir))
+    events += [(start, end - start, f"stream: {name}") for stream in _stream_events(trace_dir)
+               for start, end, name in stream]
     starts = [t for t, _, name in events if name.split(": ", 1)[1].startswith(marker)]
     if not starts:
         return []

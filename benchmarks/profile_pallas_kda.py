@@ -16,8 +16,8 @@ Kernels named by lineattn (`name=` of its `pallas_call`s: `lineattn_chunk_gram`,
 transposes, sums) appear under their own names. Writes
 <out>/<date>-h200-kda-profile.json: {impl: {mode: {"per_call_ms": {kernel: ms}, "total_ms": ..., "wall_ms": ...,
 "idle_before_ms": {kernel: ms the stream stood idle just before it, per call}, "idle_ms": ...,
-"host_ms": {"thread: event": ms per call, the 40 longest host-side events}, "timeline": [the last call's events
-from its start, host and device: (ms after, ms long, name)]}}}; --host prints them.
+and with --host "host_ms": {"thread: event": ms per call, the 40 longest host events}, "timeline": [the last call's
+events from its start, host and device: (ms after, ms long, name)]}}}.
 --ncu runs each implementation's forward and forward+backward once (each of --configs for lineattn; and with --decode
 B one decode step of B requests: lineattn's kernel with each --readouts and FLA's `fused_recurrent_kda`), with no
 trace and no JSON, for Nsight Compute to read the kernels' counters: `NCU=1 bash benchmarks/h200_issue2.sh` wraps it
@@ -38,7 +38,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_kda import call_timeline, forward_backward, host_times, kernel_gaps, kernel_times, make_inputs, versions  # noqa: E402
+from bench_kda import (call_timeline, forward_backward, host_times, kernel_gaps, kernel_times,  # noqa: E402
+                       make_inputs, versions)
 
 import numpy as np  # noqa: E402
 
@@ -56,7 +57,7 @@ def profile(fn, args, iters: int, sync: bool = False, trace_dir: Path | None = N
     dispatch and sync latency; wall_ms is then the median call (else the mean of calls launched back to back).
     trace_dir: keep the trace there (host and device planes) instead of in a temporary folder. host_detail: trace
     the host's events in detail (level 3) and no Python calls (whose tracing would slow the calls timed), and
-    return the last call's timeline (`call_timeline`)."""
+    return the longest host events per call (`host_times`) and the last call's timeline (`call_timeline`)."""
     jax.block_until_ready(fn(*args))  # compile and warm up outside the trace
     with tempfile.TemporaryDirectory() as tmp:
         tmp = str(trace_dir) if trace_dir else tmp
@@ -75,7 +76,7 @@ def profile(fn, args, iters: int, sync: bool = False, trace_dir: Path | None = N
             wall = (time.perf_counter() - t0) * 1e3 / iters if not sync else float(np.median(calls)) * 1e3
         totals = kernel_times(tmp)
         gaps = kernel_gaps(tmp)
-        host = host_times(tmp)
+        host = host_times(tmp) if host_detail else {}
         timeline = call_timeline(tmp) if host_detail else []
     per_call = {name: ns / iters / 1e6 for name, ns in sorted(totals.items(), key=lambda kv: -kv[1])}
     idle = {name: ns / iters / 1e6 for name, ns in sorted(gaps.items(), key=lambda kv: -kv[1])}
