@@ -32,9 +32,9 @@
 #   ..."] PROFILE_ARGS="--impls lineattn,jla --configs 'default;chunk_bwd.WY_BT=64' --decode 256" wraps
 #   profile_pallas_kda.py --ncu (registers, occupancy, spills, DRAM throughput per kernel into ncu.log). It showed the
 #   backward's Triton kernels spilling at 255 registers; the fixes took fwd+bwd to 0.84x jla at 8 x 4096 (run17d).
-#   Run18 (session 16): the Gram and solve fused in one Mosaic GPU kernel (chunk_fwd.GRAM_IMPL=mosaic, opt-in): exact,
-#   2.66 ms against 0.79 + 0.41 (its warps wait on instruction fetches, run18d). Run19 (session 17): the exps as PTX
-#   ex2.approx (common.FAST_EXP in the Triton kernels, solve_mgpu.APPROX_MATH in the Mosaic ones; defaults since):
+#   Run18 (session 16): the Gram and solve fused in one Mosaic GPU kernel (GRAM_IMPL=mosaic, removed in session 30):
+#   exact, 2.66 ms against 0.79 + 0.41 (its warps wait on instruction fetches, run18d). Run19 (session 17): the exps as
+#   PTX ex2.approx (common.FAST_EXP in the Triton kernels, solve_mgpu.APPROX_MATH in the Mosaic ones; defaults since):
 #   fwd+bwd 4.836 -> 4.448 ms kernel time; the fused kernel 1.19 ms (still no faster than 0.725 + 0.404). The wall
 #   clocks of the bench spread widely after a batch of tests (run19c-d): time the bench in a call of its own:
 #     SKIP_TESTS=1 BENCH_TIMEOUT=190 BENCH_ARGS="--iters 30 --shapes 8x4096,1x32768 --fla= --decode= --skip

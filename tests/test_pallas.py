@@ -292,15 +292,13 @@ def test_pallas_gram_gradients_split_or_not(split, monkeypatch):
 
 
 @pytest.mark.parametrize("gate", ["default", "cut"])
-@pytest.mark.parametrize("setting,kernel", [("SOLVE_IMPL", "lineattn_solve_mosaic"),
-                                            ("GRAM_IMPL", "lineattn_gram_solve_mosaic")])
-def test_pallas_with_the_mosaic_solve(gate, setting, kernel, monkeypatch):
-    # `chunk_fwd.SOLVE_IMPL = "mosaic"` (the default on a Hopper GPU) or `GRAM_IMPL = "mosaic"` (Gram and solve in one
-    # Mosaic GPU kernel): KDA in bf16 at chunk 64 (T = 80 ragged, K = V = 64) within FLA's bounds of the fp32
-    # oracle, forward and every gradient, and the forward alone (no saved terms); with -1000 cuts as well (the
-    # chunks that the fix-up kernels recompute).
+def test_pallas_with_the_mosaic_solve(gate, monkeypatch):
+    # `chunk_fwd.SOLVE_IMPL = "mosaic"` (the default on a Hopper GPU): KDA in bf16 at chunk 64 (T = 80 ragged, K = V =
+    # 64) within FLA's bounds of the fp32 oracle, forward and every gradient, and the forward alone (no saved
+    # terms); with -1000 cuts as well (the chunks that the fix-up kernel recomputes).
     from lineattn.ops.pallas import chunk_fwd
-    monkeypatch.setattr(chunk_fwd, setting, "mosaic")
+    monkeypatch.setattr(chunk_fwd, "SOLVE_IMPL", "mosaic")
+    kernel = "lineattn_solve_mosaic"
     inputs = make_inputs("kda", B=1, **dict(SMALL, K=64, V=64), seed=6)
     if gate == "cut":
         inputs["g"] = inputs["g"].at[:, jnp.array([3, 20, 61])].set(-1000.0)
@@ -316,53 +314,6 @@ def test_pallas_with_the_mosaic_solve(gate, setting, kernel, monkeypatch):
                                          backend="recurrent")
     o, ht = jax.jit(forward)(x["q"])
     assert _rel_rms(o, o_ref) <= BF16_RMS["o"] and _rel_rms(ht, ht_ref) <= BF16_RMS["ht"]
-
-
-@pytest.mark.parametrize("save,settings", [(False, {}), (True, {}), (True, {
-    "gram_mgpu.LOOP": "blocks", "gram_mgpu.OVERLAP": True, "solve_mgpu.APPROX_MATH": False}), (False, {
-    "gram_mgpu.LOOP": "none", "gram_mgpu.KEYS_SPLIT": False}), (True, {"gram_mgpu.LOOP": "tiles"})])
-def test_mosaic_gram_solve_matches_the_triton_stages(save, settings):
-    # `gram_mgpu.gram_solve_mosaic` (one Mosaic GPU kernel, its interpreter here): two chunks of 64, K = 128 (two
-    # channel tiles of GBK = 64), V = 64, bf16, gates down to -5 per token; the defaults, then the other forms of
-    # its loops. The Gram matrices against an fp64 reference (KK in fp32 from bf16x3 products; M stored in bf16),
-    # Qin and Kg against the Triton Gram kernel's, W, U, R against the Triton solve on the same key Gram.
-    from lineattn.ops.pallas import chunk_fwd, gram_mgpu, tuning
-    rng = np.random.default_rng(23)
-    B, Tp, H, K, V, C = 1, 128, 1, 128, 64, 64
-    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
-    q, k = (jnp.asarray(unit(rng.standard_normal((B, Tp, H, K))), jnp.bfloat16) for _ in range(2))
-    v = jnp.asarray(rng.standard_normal((B, Tp, H, V)), jnp.bfloat16)
-    G, _ = chunk_fwd.gate_cumsum(-jnp.asarray(rng.uniform(0, 5, (B, Tp, H, K)), jnp.float32), C=C, K=K,
-                                 interpret=True)
-    beta = jnp.asarray(rng.uniform(0, 1, (B, Tp, H)), jnp.bfloat16)
-    scale, LIMIT = K**-0.5, chunk_fwd.LIMIT
-    by_chunk = lambda x: np.asarray(x, np.float64).reshape(B, Tp // C, C, H, K)
-    qc, kc, Gc = by_chunk(q), by_chunk(k), by_chunk(G)
-    decay = np.exp(Gc[:, :, :, None] - Gc[:, :, None, :])  # [B, N, i, j, H, K]
-    gram = lambda x, lower: (np.einsum("bnihk,bnjhk,bnijhk->bhnij", x, kc, decay * lower[:, :, None, None])
-                             * lower).reshape(B, H, Tp, C)
-    KK_ref, M_ref = gram(kc, np.tril(np.ones((C, C)), -1)), scale * gram(qc, np.tril(np.ones((C, C))))
-    with tuning.override(settings):
-        got = gram_mgpu.gram_solve_mosaic(q, k, v, G, beta, C=C, scale=scale, save=save, limit=LIMIT)
-    keys_split = settings.get("gram_mgpu.KEYS_SPLIT", True)  # (False: the keys in bf16, M and KK 1e-3 apart)
-    assert len(got) == 6 + save
-    M, KK, qin, kg, w, u = got[:6]
-    _, _, qin_t, kg_t = chunk_fwd.gram_rows(q, k, G, beta, C=C, scale=scale, store=jnp.bfloat16, prec="tf32",
-                                           delta=True, warps=2, interpret=True, fast_only=True)
-    KK_in = KK if save else jnp.asarray(KK_ref, jnp.float32)  # (without save KK is left unwritten: fix-ups only)
-    want = chunk_fwd.solve_full(KK_in, k, v, G, beta, C=C, store=jnp.bfloat16, prec="bf16", inv_prec="bf16x3",
-                                warps=4, interpret=True, with_r=save, kk=True)
-    assert _rel_rms(M, M_ref) <= (3e-3 if keys_split else 5e-3)  # (bf16's rounding: 1.5e-3)
-    assert not save or _rel_rms(KK, KK_ref) <= (2e-5 if keys_split else 3e-3)
-    assert _rel_rms(qin, qin_t) <= 1e-3 and _rel_rms(kg, kg_t) <= 1e-3  # an ulp where two exps round apart
-    for name, x, y in zip("WUR", got[4:], want):
-        assert _rel_rms(x, y) <= (1e-5 if name == "R" else 1e-3), name
-    with pytest.raises(ValueError, match="bf16 q, k, v"):
-        gram_mgpu.gram_solve_mosaic(q, k.astype(jnp.float32), v, G, beta, C=C, scale=scale, limit=LIMIT,
-                                    interpret=True)
-    with pytest.raises(ValueError, match="K, V multiples of 64"):
-        gram_mgpu.gram_solve_mosaic(q[..., :32], k[..., :32], v, G[..., :32], beta, C=C, scale=scale,
-                                    limit=LIMIT, interpret=True)
 
 
 def test_mosaic_state_pass_matches_the_triton_pass():

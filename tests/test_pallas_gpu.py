@@ -51,7 +51,6 @@ VARIANTS = [("kda", None), ("gdn", None), ("deltanet", None), ("gla", None), ("k
             ("kda", ("kernels-saved", {"chunk_fwd.SOLVE_IMPL": "triton"})),  # the default off Hopper
             ("kda", ("kernels-saved", {"solve_mgpu.LHS_REGS": False})),
             ("kda", ("kernels-saved", {"chunk_fwd.GRAM_IMPL": "triton"})),
-            ("kda", ("kernels-saved", {"chunk_fwd.GRAM_IMPL": "mosaic"})),
             ("kda", ("kernels-saved", {"chunk.SAVE_STATES": False})),
             ("gdn", ("kernels-saved", {"chunk.SAVE_STATES": False})),
             ("kda", ("kernels-saved", {"chunk_bwd.GRADS_SPLIT": False})),

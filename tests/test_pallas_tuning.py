@@ -34,6 +34,8 @@ def test_override_sets_restores_and_retraces():
         assert "lineattn_chunk_gram_exact" not in kernels()
     assert (chunk_fwd.GRAM_IMPL, chunk_bwd.WY_WARPS) == defaults
     assert "lineattn_chunk_gram_exact" in kernels()
+    with tuning.override({"chunk_fwd.GRAM_IMPL": "mosaic"}), pytest.raises(ValueError, match="GRAM_IMPL must be"):
+        kernels()  # (a Gram stage that is not there, e.g. the removed "mosaic", is an error, not a fallback)
     with pytest.raises(RuntimeError), tuning.override({"chunk_bwd.WY_WARPS": 2}):
         raise RuntimeError  # restored when the block raises too
     assert chunk_bwd.WY_WARPS == defaults[1]

@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from lineattn.ops.pallas.common import SUB, compiler_params, dot, exp, hopper, interpret_mode, is_pow2, pallas_call
-from lineattn.ops.pallas import common, gram_mgpu, segments, solve_mgpu, state_mgpu
+from lineattn.ops.pallas import common, segments, solve_mgpu, state_mgpu
 
 f32 = jnp.float32
 
@@ -452,25 +452,20 @@ SOLVE_IMPL = "auto"
 # row blocks' factors e^(G_ma - G_mb) on the left operand, as 16 x 16 products: 1.18-8.04 ms (history 3331c0f);
 # run27a, the Gram kernel forming G itself from g by Triton scans (no gate-cumsum kernel) and writing Kin for the
 # solve: 1.95-2.30 ms against 0.70 + 0.16 (history 12059fe).)
-# "mosaic": `gram_mgpu.gram_solve_mosaic`, the Gram and solve stages fused in one Mosaic GPU kernel (Hopper; bf16
-# inputs, chunk 64, K and V multiples of 64) with the same fix-ups, `gram_exact_chunks` and `solve_full` on the
-# flagged chunks; opt-in: H200, 8 x 4096, 1.19 ms against 0.725 + 0.404 for the Gram kernel and the Mosaic solve
-# (run19a-b; run18a-e, before the exps took ex2.approx: 8.3 ms at first, 206 M register spills; 3.6 with channel
-# tiles of 64; 2.66 with a loop over the row blocks), errors unchanged.
+# ("mosaic", the Gram and solve stages fused in one Mosaic GPU kernel, `gram_mgpu.py`, opt-in since run18: H200,
+# 8 x 4096, 1.19 ms against 0.725 + 0.404 for the Gram kernel and the Mosaic solve it would replace, 0.87 for the
+# forward alone's Gram, inversion and inverse since run30. Removed in session 30; history 2b834a5. Run32's Gram
+# kernel in key-major orientation, Mosaic GPU: 0.82-0.97 ms against 0.74, history 02751f6.)
 GRAM_IMPL = "triton-fast"
 
 
 def split_gram(scalar: bool, delta: bool) -> bool:
-    """Whether the Gram stage takes the fast path everywhere and a fix-up after it, GRAM_IMPL "triton-fast" or
-    "mosaic" (its gate cumsum then also writes the block spreads: the backward takes them from the forward's saved
-    terms, or its own cumsum asks for them too)."""
-    return GRAM_IMPL in ("triton-fast", "mosaic") and not scalar and delta
-
-
-def mosaic_gram(scalar: bool, delta: bool, exact: bool) -> bool:
-    """Whether the Gram and solve stages run fused as `gram_mgpu.gram_solve_mosaic` (GRAM_IMPL "mosaic"; it raises a
-    ValueError where the shapes or dtypes do not fit)."""
-    return GRAM_IMPL == "mosaic" and not scalar and delta and not exact
+    """Whether the Gram stage takes the fast path everywhere and a fix-up after it, GRAM_IMPL "triton-fast" (its
+    gate cumsum then also writes the block spreads: the backward takes them from the forward's saved terms, or its
+    own cumsum asks for them too)."""
+    if GRAM_IMPL not in ("triton", "triton-fast"):
+        raise ValueError(f"chunk_fwd.GRAM_IMPL must be 'triton' or 'triton-fast', got {GRAM_IMPL!r}")
+    return GRAM_IMPL == "triton-fast" and not scalar and delta
 
 
 def mosaic_solve(exact: bool, C: int, K: int, V: int, interpret: bool) -> bool:
@@ -523,23 +518,12 @@ def _solve_full_kernel(a_ref, k_ref, v_ref, G_ref, beta_ref, w_ref, u_ref, *r_re
         r_ref[0][...] = X
 
 
-def _solve_flagged_kernel(flag_ref, *refs, solve):
-    """`solve` (a `_solve_full_kernel`) on the flagged chunks only; the others keep their W, U (and R): the outputs
-    alias the inputs after A, k, v, G, beta."""
-    outs = refs[5 + (len(refs) - 5) // 2:]
-
-    @pl.when(jnp.max(flag_ref[...]) > 0.0)
-    def _():
-        solve(*refs[:5], *outs)
-
-
-def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, with_r=False, kk=False, flags=None,
-               into=(), diag_inverse=0):
+def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, with_r=False, kk=False,
+               diag_inverse=0):
     """W, U [B, H, Tp, .] (and R [B, H, Tp, C] fp32 when with_r) by `_solve_full_kernel`; G [B, Tp, H, K], or
     [B, Tp, H] for a gate equal across K; kk: A is the unscaled key Gram (A = Diag(beta) KK is formed in the
-    kernel). flags [B, H, N, C / 16] (`chunk_flags`): solve the flagged chunks only, the others keeping the values
-    of `into` (W, U and R as returned before), which the outputs alias. diag_inverse (16 or 32): A's diagonal blocks
-    of that size are their inverses' strictly lower parts (`invert_diagonal_blocks`)."""
+    kernel). diag_inverse (16 or 32): A's diagonal blocks of that size are their inverses' strictly lower parts
+    (`invert_diagonal_blocks`)."""
     B, Tp, H, K = k.shape
     V, N = v.shape[-1], Tp // C
     tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
@@ -549,12 +533,6 @@ def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, 
                                diag_inverse=diag_inverse)
     in_specs = [chunk_out(C), tok(K), tok(V), tok(K) if G.ndim == 4 else tok1, tok1]
     out_specs = [chunk_out(K), chunk_out(V)] + ([chunk_out(C)] if with_r else [])
-    args, aliases, name = (A, k, v, G, beta), {}, "lineattn_chunk_solve_full"
-    if flags is not None:
-        kernel = functools.partial(_solve_flagged_kernel, solve=kernel)
-        in_specs = [pl.BlockSpec((None, None, None, C // SUB), lambda b, h, n: (b, h, n, 0))] + in_specs + out_specs
-        args, aliases = (flags, *args, *into), {6 + n: n for n in range(len(into))}
-        name = "lineattn_chunk_solve_flagged"
     return pallas_call(
         kernel,
         grid=(B, H, N),
@@ -562,11 +540,10 @@ def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, 
         out_specs=out_specs,
         out_shape=[jax.ShapeDtypeStruct((B, H, Tp, K), store), jax.ShapeDtypeStruct((B, H, Tp, V), store)]
         + ([jax.ShapeDtypeStruct((B, H, Tp, C), f32)] if with_r else []),
-        input_output_aliases=aliases,
         compiler_params=compiler_params(num_warps=warps, num_stages=1),
         interpret=interpret,
-        name=name,
-    )(*args)
+        name="lineattn_chunk_solve_full",
+    )(A, k, v, G, beta)
 
 
 def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, save=False, scalar=False,
@@ -585,15 +562,6 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     # saved for the backward: a channel gate's G and block spreads (a scalar gate's G is K times its g: recomputed)
     gate = (None, None) if scalar else (G, spreads[0] if split else None)
     gram_beta = jnp.ones_like(beta) if save else beta
-    if mosaic_gram(scalar, delta, exact):  # Gram and solve in one kernel, then the flagged chunks exactly
-        m, KK, qin, kg, w, u, *R = gram_mgpu.gram_solve_mosaic(q, k, v, G, beta, C=C, scale=scale, limit=LIMIT,
-                                                               save=save, interpret=interpret)
-        m, KK = gram_exact_chunks(spreads[0], q, k, G, jnp.ones_like(beta), m, KK, C=C, scale=scale,
-                                  interpret=interpret, prec=GRAM_PREC)
-        w, u, *R = solve_full(KK, k, v, G, beta, C=C, store=store, prec=UW_PREC, inv_prec=SOLVE_PREC,
-                              warps=SOLVE_WARPS, interpret=interpret, with_r=save, kk=True,
-                              flags=chunk_flags(spreads[0], C // SUB), into=(w, u, *R))
-        return (qin, kg, w, u, m, dend) + ((KK, R[0], *gate) if save else ())
     if split:
         m, A, qin, kg, *kin = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store,
                                         prec=prec if exact else GRAM_PREC, delta=True, warps=warps,
@@ -813,7 +781,7 @@ def pick_block_v(programs: int, V: int) -> int:
 def _constants():
     """The module constants (upper-case names) of the modules the forward reads when traced, every one of them, so
     that none set later is missed; and whether the device is a Hopper GPU (which `mosaic_solve` asks)."""
-    modules = (sys.modules[__name__], common, gram_mgpu, solve_mgpu, state_mgpu, segments)
+    modules = (sys.modules[__name__], common, solve_mgpu, state_mgpu, segments)
     return tuple((name, value) for module in modules for name, value in sorted(vars(module).items())
                  if name.isupper() and isinstance(value, (bool, int, float, str, tuple))) + (hopper(),)
 
@@ -881,7 +849,7 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
 
     nseg = pass_segments(B * H, N, V, save, bool(export_chunks))
     BV = block_v or pick_block_v(B * H * nseg, V)
-    fused = (delta and not save and not only_intra and nseg == 1 and not mosaic_gram(scalar, delta, exact)
+    fused = (delta and not save and not only_intra and nseg == 1
              and mosaic_pass(store, delta, C, K, V, BV, bool(export_chunks), None, interpret))
     row_gate = ROW_GATE and scalar and fused
     inverse_in_pass = INVERSE_IN_PASS and fused and (row_gate or not scalar)

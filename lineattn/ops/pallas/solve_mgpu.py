@@ -56,9 +56,9 @@ def _interpret_params(interpret: bool | None):
 # stores, 16 KB less SMEM); the Mosaic GPU interpreter takes SMEM operands only, so on the CPU they are staged
 # through SMEM either way (read when a call is traced). H200, 8 x 4096 x 16 x 128 (run11a): 0.415 ms against 0.471.
 LHS_REGS = True
-# APPROX_MATH: the Mosaic GPU kernels' exps (here e^G of Kin; `gram_mgpu`'s Gram factors) as one multiply and an
-# ex2.approx instead of the accurate expansion (the Triton kernels' counterpart: `common.FAST_EXP`). H200, 8 x 4096
-# (run19a): the solve 0.404 ms against 0.415 (in fwd+bwd 0.425 against 0.445), the fused Gram + solve kernel 1.167
+# APPROX_MATH: the Mosaic GPU kernels' exps (here e^G of Kin) as one multiply and an ex2.approx instead of the
+# accurate expansion (the Triton kernels' counterpart: `common.FAST_EXP`). H200, 8 x 4096 (run19a): the solve 0.404
+# ms against 0.415 (in fwd+bwd 0.425 against 0.445), the fused Gram + solve kernel of the time (removed since) 1.167
 # against 2.66; o and the gradients' errors unchanged to two digits. Read when a call is traced.
 APPROX_MATH = True
 
@@ -95,13 +95,13 @@ def operand_buffers(C: int, regs: bool):
     return [_smem((C, C), bf16) for _ in range(2 if regs else 4)]
 
 
-def invert_and_apply(A_, outs, sq, regs: bool, before_apply=None, diag_inverse: int = 0):
+def invert_and_apply(A_, outs, sq, regs: bool, diag_inverse: int = 0):
     """R = (I + A)^-1 for a strictly lower [C, C] fp32 A_ (registers, WGMMA layout) by block doubling
     (X_2b = X_b - X_b A_b X_b, A_b: A inside the diagonal blocks of 2b, off those of b; the products bf16x3), then
     R x for each bf16 SMEM tile x [C, D] in outs (e.g. k and v for W and U) on the tensor cores, written back in
-    place. sq: `operand_buffers`; before_apply: called just before those products (e.g. to finish forming v);
-    diag_inverse (16 or 32; 0: none): A_'s diagonal blocks of that size hold their inverses' strictly lower parts
-    (X_b - I), and the doubling starts from them. outs empty: R alone. Returns R (fp32 registers)."""
+    place. sq: `operand_buffers`; diag_inverse (16 or 32; 0: none): A_'s diagonal blocks of that size hold their
+    inverses' strictly lower parts (X_b - I), and the doubling starts from them. outs empty: R alone. Returns R (fp32
+    registers)."""
     C = A_.shape[0]
     i = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=_WG)
     j = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=_WG)
@@ -127,8 +127,6 @@ def invert_and_apply(A_, outs, sq, regs: bool, before_apply=None, diag_inverse: 
     else:
         sq[0][...] = X.astype(bf16)
         x_op = sq[0]
-    if before_apply is not None:
-        before_apply()
     plgpu.commit_smem()
 
     def apply(*accs):
