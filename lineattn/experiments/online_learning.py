@@ -18,6 +18,7 @@ max|x - ref| / max|ref|. `checks()` returns the rows; `main()` prints them as a 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 
 import jax
@@ -90,6 +91,7 @@ def sgd_step(loss, lr):
 
 # --- the rule as lineattn runs it -----------------------------------------------------------------------------
 
+@functools.partial(jax.jit, static_argnames=("rule", "backend"))  # (one compile a call form, not one an op)
 def rule_step(rule, S, k, v, g=None, beta=None, backend="recurrent"):
     """One token of `rule` from initial state S [B, H, K, V]; returns the new state."""
     q = k[:, None]  # any query; the state is what is compared
@@ -218,8 +220,8 @@ def checks(seed: int = 0) -> list[Check]:
     vals = jnp.asarray(rng.normal(size=(B, T, H, V)), jnp.float32)
     bet = jnp.asarray(rng.uniform(0.05, 1, (B, T, H)), jnp.float32)
     gch = jnp.asarray(np.log(rng.uniform(0.5, 1, (B, T, H, K))), jnp.float32)
-    _, ht = ops.linear_attention("kda", keys, keys, vals, gch, bet, initial_state=S, output_final_state=True,
-                                 backend="chunk")
+    _, ht = jax.jit(lambda *a: ops.linear_attention("kda", *a, initial_state=S, output_final_state=True,
+                                                    backend="chunk"))(keys, keys, vals, gch, bet)
 
     def online(S_, xs):
         k_, v_, b_, g_ = xs
