@@ -152,8 +152,7 @@ def _gram_outputs_of_forward(args, name):
         lowering_platforms=("cuda",)).as_text()
     calls = [line for line in text.splitlines() if "custom_call @__gpu$xla.gpu.triton" in line and f'{name}"' in line]
     assert len(calls) == 1, calls
-    results = calls[0].split("=")[0]  # ("%3:2 " for two outputs, "%3 " for one)
-    return text, int(results.split(":")[1]) if ":" in results else 1
+    return text, int(calls[0].split("=")[0].split(":")[1])
 
 
 @pytest.mark.parametrize("warpgroups", [1, 2])
@@ -161,8 +160,7 @@ def test_forward_alone_forms_lower_for_sm90(fake_h200, monkeypatch, warpgroups):
     # A forward alone on a Hopper GPU (faked) with V tiles of 64. GDN: the Mosaic state pass applies the gate's row
     # factors to the raw q and k (`chunk_fwd.ROW_GATE`), so the scalar Gram kernel has two outputs (M, A), not four;
     # with INVERSE_IN_PASS (the default) the solve is `solve_mgpu.inverse_mosaic` (R alone; its left operands from
-    # registers, which the CPU interpreter cannot run) and the pass applies it; with both and GRAM_IN_PASS the pass
-    # forms M too, and the scalar Gram kernel writes A alone (one output). KDA: with INVERSE_IN_PASS the Gram
+    # registers, which the CPU interpreter cannot run) and the pass applies it. KDA: with INVERSE_IN_PASS the Gram
     # kernel also writes Kin (five outputs) and the solve is the inverse alone. The state pass as CTAs of one or two
     # compute warpgroups (`state_mgpu.PASS_WARPGROUPS`; two set the registers of the memory warpgroup's threads apart
     # by setmaxnreg) fits the shared memory in every form (KDA's inverse form: 464 bytes to spare).
@@ -175,13 +173,12 @@ def test_forward_alone_forms_lower_for_sm90(fake_h200, monkeypatch, warpgroups):
     args = (S((B, T, H, K), jnp.bfloat16), S((B, T, H, K), jnp.bfloat16), S((B, T, H, V), jnp.bfloat16),
             S((B, T, H), jnp.float32), S((B, T, H), jnp.bfloat16), S((B, H, K, V), jnp.float32))
     channel_gate = args[:3] + (S((B, T, H, K), jnp.float32),) + args[4:]
-    scalar, channel = (args, "lineattn_chunk_gram_scalar"), (channel_gate, "lineattn_chunk_gram")
-    cases = [(*scalar, True, True, True, 1), (*scalar, True, True, False, 2), (*scalar, True, False, True, 2),
-             (*scalar, False, True, True, 4), (*channel, True, True, True, 5), (*channel, True, False, True, 4)]
-    for x, gram, row_gate, inverse, in_pass, outputs in cases:
+    cases = [(args, "lineattn_chunk_gram_scalar", True, True, 2), (args, "lineattn_chunk_gram_scalar", True, False, 2),
+             (args, "lineattn_chunk_gram_scalar", False, True, 4), (channel_gate, "lineattn_chunk_gram", True, True, 5),
+             (channel_gate, "lineattn_chunk_gram", True, False, 4)]
+    for x, gram, row_gate, inverse, outputs in cases:
         monkeypatch.setattr(chunk_fwd, "ROW_GATE", row_gate)
         monkeypatch.setattr(chunk_fwd, "INVERSE_IN_PASS", inverse)
-        monkeypatch.setattr(chunk_fwd, "GRAM_IN_PASS", in_pass)
         text, n = _gram_outputs_of_forward(x, gram)
         applied = inverse and (row_gate or gram == "lineattn_chunk_gram")  # (a scalar gate's needs ROW_GATE)
         assert n == outputs and "lineattn_state_pass_mosaic" in text

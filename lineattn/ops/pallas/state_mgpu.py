@@ -146,9 +146,7 @@ def _qk_gram(QK, G_s, C, scale):
     layout) and a chunk's in-chunk gate cumsum G [C] in SMEM (`chunk_fwd._gram_scalar_kernel`'s M, in the pass)."""
     i = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=_WG)
     j = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=_WG)
-    # (G along the columns: a load that is not `optimized` where `_row_factor`'s is; the other way round, Mosaic GPU's
-    # layout inference finds no solution for sm_90)
-    G_j = jax.lax.broadcast_in_dim(plgpu.load(G_s, layout=_WG.reduce(0)), (C, C), [1])
+    G_j = jax.lax.broadcast_in_dim(plgpu.load(G_s, layout=_WG.reduce(0), optimized=False), (C, C), [1])
     return (scale * QK * jnp.exp(jnp.where(j <= i, _row_factor(G_s, C, C) - G_j, -jnp.inf))).astype(bf16)
 
 
