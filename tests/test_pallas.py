@@ -368,8 +368,7 @@ def test_mosaic_pass_forms_of_a_forward_alone(rule):
     # A forward alone through the Mosaic state pass (its interpreter here). `chunk_fwd.ROW_GATE` (GDN): the pass
     # reads the raw q and k and applies the gate's row factors, and the scalar Gram kernel writes M and A only (no
     # Qin, Kg). INVERSE_IN_PASS: the solve writes R = (I + A)^-1 alone (`solve_mgpu.inverse_mosaic`) and the pass
-    # forms E from R, the raw v and Kin (KDA: a fifth output of the Gram kernel; GDN: the raw k). GRAM_IN_PASS (GDN,
-    # with both): the pass also forms M from the raw q, k and G, and the scalar Gram kernel writes A alone. bf16, B = 1 (the
+    # forms E from R, the raw v and Kin (KDA: a fifth output of the Gram kernel; GDN: the raw k). bf16, B = 1 (the
     # interpreter's time grows with the CTAs), T = 150 (3 chunks of 64, ragged), H = 2, K = 64, V = 128, a non-zero
     # h0: o and the final state equal those of the pass over Qin, Kg, W and U to rounding (CPU, GDN: o 1.9e-4 /
     # 4.2e-4, the state 6.0e-4 / 7.6e-4 relative RMS; KDA: o 7.1e-4; the bf16 operands differ) and the fp32 form's
@@ -381,28 +380,27 @@ def test_mosaic_pass_forms_of_a_forward_alone(rule):
     fwd = lambda *a: chunk_fwd.forward(*a, scale=64**-0.5, interpret=True)
     want = fwd(*(a.astype(jnp.float32) for a in args))
     got = {}
-    settings = ([(False, False, False), (True, False, False), (True, True, False), (True, True, True)] if rule == "gdn"
-                else [(False, False, False), (False, True, False)])
-    for row_gate, inverse, gram in settings:
+    settings = [(False, False), (True, False), (True, True)] if rule == "gdn" else [(False, False), (False, True)]
+    for row_gate, inverse in settings:
         with tuning.override({"chunk_fwd.PASS_IMPL": "mosaic", "chunk_fwd.ROW_GATE": row_gate,
-                              "chunk_fwd.INVERSE_IN_PASS": inverse, "chunk_fwd.GRAM_IN_PASS": gram}):
-            got[row_gate, inverse, gram] = fwd(*args)
+                              "chunk_fwd.INVERSE_IN_PASS": inverse}):
+            got[row_gate, inverse] = fwd(*args)
             text = str(jax.make_jaxpr(fwd)(*args))
         if rule == "gdn":
-            assert _out_avals(text, "lineattn_chunk_gram_scalar") == (1 if gram else 2 if row_gate else 4)
+            assert _out_avals(text, "lineattn_chunk_gram_scalar") == (2 if row_gate else 4)
         else:
             assert _out_avals(text, "lineattn_chunk_gram") == (5 if inverse else 4)
         assert "lineattn_state_pass_mosaic" in text
         assert ("lineattn_inverse_mosaic" in text) == inverse
         assert ("lineattn_chunk_solve_full" in text) == (not inverse)
         for i, name in enumerate(("o", "ht")):
-            assert _rel_rms(got[row_gate, inverse, gram][i], want[i]) <= 5e-3, (row_gate, inverse, gram, name)
+            assert _rel_rms(got[row_gate, inverse][i], want[i]) <= 5e-3, (row_gate, inverse, name)
     for key in settings[1:]:
         for i, name in enumerate(("o", "ht")):
-            assert _rel_rms(got[key][i], got[settings[0]][i]) <= 1.5e-3, (key, name)
+            assert _rel_rms(got[key][i], got[False, False][i]) <= 1.5e-3, (key, name)
 
 
-@pytest.mark.parametrize("form", ["plain", "raw_qk", "inverse", "raw_qk+inverse", "raw_qk+inverse+gram"])
+@pytest.mark.parametrize("form", ["plain", "raw_qk", "inverse", "raw_qk+inverse"])
 def test_mosaic_pass_two_warpgroups_equal_one(form):
     # `state_mgpu.state_pass_mosaic` as CTAs of two compute warpgroups (each on its own V tile of 64, a third issuing
     # the loads they share; the forward alone's default where 128 CTAs or more remain) against CTAs of one, in each
@@ -420,10 +418,9 @@ def test_mosaic_pass_two_warpgroups_equal_one(form):
     q, k = (by_token(K), by_token(K)) if raw else (by_head(K), by_head(K))
     w = None if raw and inv else by_head(K)  # (Kin with inverse alone; the raw k with both)
     u = rand(B, T, H, V, scale=1.0) if inv else rand(B, H, T, V, scale=1.0)
-    m = None if "gram" in form else by_head(C)  # (gram: the pass forms M from q, k and G)
+    m = by_head(C)
     extra = dict(raw_qk=(rows(), rows()) if raw else None,
-                 inverse=(by_head(C), rows(), rows() if raw else None) if inv else None,
-                 qk_decay=-jnp.cumsum(rows(), axis=-1) if "gram" in form else None, qk_scale=0.125)
+                 inverse=(by_head(C), rows(), rows() if raw else None) if inv else None)
     one, two = (state_mgpu.state_pass_mosaic(q, k, w, u, m, dend, h0, out_dtype=jnp.bfloat16, block_v=64,
                                              warpgroups=n, interpret=True, **extra) for n in (1, 2))
     for name, a, b in zip(("o", "ht"), one, two):
@@ -441,17 +438,11 @@ def test_mosaic_pass_forms_reject_bad_arguments():
     dend, h0 = jnp.ones((2, 2, 3, 64), jnp.float32), jnp.zeros((2, 2, 64, 128), jnp.float32)
     v = jnp.zeros((2, 192, 2, 128), jnp.bfloat16)
     bad = [dict(raw_qk=rows, keep_dtype=jnp.bfloat16), dict(raw_qk=rows[:1]), dict(raw_qk=rows, inverse=(m, *rows)),
-           dict(inverse=(m, *rows), w=None, u=v),  # (inverse: v [B, Tp, H, V]; w None only with raw_qk)
-           dict(raw_qk=rows, qk_decay=rows[0][..., None], m=None)]  # (qk_decay: [B, H, Tp])
+           dict(inverse=(m, *rows), w=None, u=v)]  # (inverse: v [B, Tp, H, V]; w None only with raw_qk)
     for kwargs in bad:
-        args = dict(w=w, u=u, m=m, out_dtype=jnp.bfloat16, interpret=True) | kwargs
+        args = dict(w=w, u=u, out_dtype=jnp.bfloat16, interpret=True) | kwargs
         with pytest.raises(ValueError, match="raw_qk and inverse take one segment"):
-            state_mgpu.state_pass_mosaic(q, k, args.pop("w"), args.pop("u"), args.pop("m"), dend, h0, **args)
-    # qk_decay (the pass forming M) takes raw_qk, and m None exactly with it
-    for kwargs in [dict(qk_decay=rows[0], m=None), dict(raw_qk=rows, qk_decay=rows[0]), dict(raw_qk=rows, m=None)]:
-        args = dict(m=m, out_dtype=jnp.bfloat16, interpret=True) | kwargs
-        with pytest.raises(ValueError, match="qk_decay takes raw_qk"):
-            state_mgpu.state_pass_mosaic(q, k, w, u, args.pop("m"), dend, h0, **args)
+            state_mgpu.state_pass_mosaic(q, k, args.pop("w"), args.pop("u"), m, dend, h0, **args)
     # two compute warpgroups: no kept states, a bf16 o, two V tiles a CTA
     for kwargs in [dict(keep_dtype=jnp.bfloat16), dict(out_dtype=jnp.float32), dict(u=u[..., :64], h0=h0[..., :64]),
                    dict(warpgroups=3)]:

@@ -320,65 +320,48 @@ def scalar_decay(g_ref):
     return Gs[:, None], decay, jnp.sum(g)
 
 
-def _gram_scalar_kernel(*refs, C, scale, prec, delta, bk, with_m):
-    """refs: q, k, g, beta, M, A and the gated outputs Qin, Kg (or none: a state pass that applies the row factors
-    itself, `forward`'s row_gate); without M (with_m False, `forward`'s gram_in_pass): k, g, beta, A."""
-    if with_m:
-        q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, *gated_refs = refs
-    else:
-        (k_ref, g_ref, beta_ref, a_ref), q_ref, m_ref, gated_refs = refs, None, None, ()
+def _gram_scalar_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, *gated_refs, C, scale, prec, delta, bk):
+    """gated_refs: Qin, Kg (or none: a state pass that applies the row factors itself, `forward`'s row_gate)."""
     i, j = _iota((C, C), 0), _iota((C, C), 1)
     G, decay, G_end = scalar_decay(g_ref)
     to_end = exp(G_end - G)
     QK, KK = jnp.zeros((C, C), f32), jnp.zeros((C, C), f32)
     for t in range(k_ref.shape[-1] // bk):
         d = pl.ds(t * bk, bk)
-        k = k_ref[:, d]
-        if with_m:
-            q = q_ref[:, d]
-            QK = QK + dot(q, k, prec, trans_b=True)
+        q, k = q_ref[:, d], k_ref[:, d]
         if gated_refs:
             qin_ref, kg_ref = gated_refs
             qin_ref[:, d] = (q.astype(f32) * (scale * exp(G))).astype(qin_ref.dtype)
             kg_ref[:, d] = (k.astype(f32) * to_end).astype(kg_ref.dtype)
+        QK = QK + dot(q, k, prec, trans_b=True)
         if delta:
             KK = KK + dot(k, k, prec, trans_b=True)
-    if with_m:
-        m_ref[...] = (scale * QK * decay).astype(m_ref.dtype)
+    m_ref[...] = (scale * QK * decay).astype(m_ref.dtype)
     if delta:
         a_ref[...] = jnp.where(j < i, beta_ref[...].astype(f32)[:, None] * KK * decay, 0.0)
 
 
-def gram_scalar(q, k, g, beta, *, C, scale, store, exact, delta, interpret, a_dtype=f32, bk=64, gated=True,
-                with_m=True):
+def gram_scalar(q, k, g, beta, *, C, scale, store, exact, delta, interpret, a_dtype=f32, bk=64, gated=True):
     """`gram_rows`'s outputs (M, A, Qin, Kg [B, H, Tp, .]) for a gate equal across K, by `_gram_scalar_kernel`;
     g [B, Tp, H] fp32 is the scalar log gate (its in-chunk cumsum is taken in the kernel). gated False: Qin and
-    Kg are not written (None); with_m False (delta, not gated): nor M (None), and q is not read."""
+    Kg are not written (None)."""
     B, Tp, H, K = q.shape
-    if not with_m and (gated or not delta):
-        raise ValueError("gram_scalar: with_m=False takes the delta write and gated=False")
     kernel = functools.partial(_gram_scalar_kernel, C=C, scale=scale, prec="ieee" if exact else "bf16", delta=delta,
-                               bk=min(bk, K), with_m=with_m)
+                               bk=min(bk, K))
     tok = pl.BlockSpec((None, C, None, K), lambda b, h, n: (b, n, h, 0))
     tok1 = pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))
     out = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
     outs = 4 if gated else 2
-    out_specs, out_shape = [out(C), out(C), out(K), out(K)][:outs], _gram_outputs(B, H, Tp, C, K, store, a_dtype)[:outs]
-    ins, in_specs = (q, k, g, beta), [tok, tok, tok1, tok1]
-    if not with_m:
-        ins, in_specs, out_specs, out_shape = ins[1:], in_specs[1:], out_specs[1:], out_shape[1:]
-    res = pallas_call(
+    return (*pallas_call(
         kernel,
         grid=(B, H, Tp // C),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
+        in_specs=[tok, tok, tok1, tok1],
+        out_specs=[out(C), out(C), out(K), out(K)][:outs],
+        out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype)[:outs],
         compiler_params=compiler_params(num_warps=GRAM_SCALAR_WARPS, num_stages=1),
         interpret=interpret,
         name="lineattn_chunk_gram_scalar",
-    )(*ins)
-    res = list(res) if with_m else [None, *res]
-    return (*res, *(() if gated else (None, None)))
+    )(q, k, g, beta), *(() if gated else (None, None)))
 
 
 # ---- Gate cumsum as a kernel (XLA's cumsum over the chunk axis took 0.6 ms at 8 x 4096 x 16 x 128) ----
@@ -564,14 +547,14 @@ def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, 
 
 
 def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, save=False, scalar=False,
-           row_gate=False, inverse_in_pass=False, gram_in_pass=False):
+           row_gate=False, inverse_in_pass=False):
     """The intra-chunk stage's outputs (qin, kg, w, u, m, e^(G_C) as [B, H, K, N]): the gate-cumsum kernel, the
     Gram rows (or `gram_scalar`) and the whole-chunk solve. save: also the unscaled key Gram KK and
     R = (I + A)^-1 (fp32 [B, H, Tp, C]) for the backward (the Gram kernel then writes KK and the solve scales it
     by beta), G and the block spreads (see `forward`'s save). row_gate (a scalar gate, not with save): qin and kg
     None, and the scalar gate's G [B, Tp, H] last (see ROW_GATE). inverse_in_pass (not with save): R = (I + A)^-1
     [B, H, Tp, C] bf16 in w's place and Kin = k e^G [B, H, Tp, K] in u's (None for a scalar gate; see
-    INVERSE_IN_PASS). gram_in_pass (with row_gate): m None, the state pass forms M (see GRAM_IN_PASS)."""
+    INVERSE_IN_PASS)."""
     K = q.shape[-1]
     exact = prec == "ieee"
     split = split_gram(scalar, delta)
@@ -587,7 +570,7 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
                                  prec=prec if exact else GRAM_PREC)
     elif scalar:
         m, A, qin, kg = gram_scalar(q, k, g, gram_beta, C=C, scale=scale, store=store, exact=exact,
-                                    delta=delta, interpret=interpret, gated=not row_gate, with_m=not gram_in_pass)
+                                    delta=delta, interpret=interpret, gated=not row_gate)
         kin = []
     else:
         m, A, qin, kg, *kin = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store,
@@ -735,10 +718,6 @@ ROW_GATE = True
 # pass 0.270 against 0.207: 1.379 against 1.381, no gain. With 32 x 32 blocks (run30b) the inverse takes 0.081
 # against the solve's 0.231: KDA forward kernels 1.324 against 1.378.
 INVERSE_IN_PASS = True
-# GRAM_IN_PASS: with ROW_GATE and INVERSE_IN_PASS, the state pass also forms M = scale (q k^T) * e^(G_i - G_j) (j <= i)
-# from the raw q and k it reads and the gate's in-chunk cumsum G, so the scalar Gram kernel reads no q and writes A
-# alone. Read when traced.
-GRAM_IN_PASS = True
 
 
 def mosaic_pass(dtype, delta: bool, C: int, K: int, V: int, BV: int, exporting: bool, keep_dtype,
@@ -874,11 +853,10 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
              and mosaic_pass(store, delta, C, K, V, BV, bool(export_chunks), None, interpret))
     row_gate = ROW_GATE and scalar and fused
     inverse_in_pass = INVERSE_IN_PASS and fused and (row_gate or not scalar)
-    gram_in_pass = GRAM_IN_PASS and row_gate and inverse_in_pass
     qin, kg, w, u, m, dend, *extra = _intra(
         q, k, v, g, beta, C=C, scale=scale, store=store, prec="ieee" if exact else "tf32", delta=delta,
         warps=warps[0], interpret=interpret, save=save, scalar=scalar, row_gate=row_gate,
-        inverse_in_pass=inverse_in_pass, gram_in_pass=gram_in_pass)
+        inverse_in_pass=inverse_in_pass)
     if only_intra:
         return qin, kg, w, u, m, dend
     if not delta:
@@ -896,8 +874,7 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
             w, u = u, v
         o, ends = state_mgpu.state_pass_mosaic(
             q if row_gate else qin, k if row_gate else kg, w, u, m, jnp.swapaxes(dend, -1, -2), h0.astype(f32),
-            out_dtype=dt, block_v=BV, raw_qk=raw_qk, inverse=inverse, interpret=interpret,
-            qk_decay=by_row(extra[0])[0] if gram_in_pass else None, qk_scale=scale)
+            out_dtype=dt, block_v=BV, raw_qk=raw_qk, inverse=inverse, interpret=interpret)
         return o[:, :T], ends
 
     prec = "ieee" if exact else "bf16"

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from lineattn.ops.pallas.solve_mgpu import _ROW, _WG, _interpret_params, _load, _smem
+from lineattn.ops.pallas.solve_mgpu import _ROW, _interpret_params, _load, _smem
 
 f32, bf16 = jnp.float32, jnp.bfloat16
 BV = 64  # the V tile that PASS_IMPL "auto" takes (the one measured); 16 and 32 run too (PASS_IMPL "mosaic")
@@ -141,15 +141,6 @@ def _row_factor(row_s, C, bv):
     return jax.lax.broadcast_in_dim(plgpu.load(row_s, layout=_ROW, optimized=False), (C, bv), [0])
 
 
-def _qk_gram(QK, G_s, C, scale):
-    """M = scale QK * e^(G_i - G_j) on j <= i (else 0) as bf16, from the products QK = q k^T [C, C] (fp32, WGMMA
-    layout) and a chunk's in-chunk gate cumsum G [C] in SMEM (`chunk_fwd._gram_scalar_kernel`'s M, in the pass)."""
-    i = plgpu.broadcasted_iota(jnp.int32, (C, C), 0, layout=_WG)
-    j = plgpu.broadcasted_iota(jnp.int32, (C, C), 1, layout=_WG)
-    G_j = jax.lax.broadcast_in_dim(plgpu.load(G_s, layout=_WG.reduce(0), optimized=False), (C, C), [1])
-    return (scale * QK * jnp.exp(jnp.where(j <= i, _row_factor(G_s, C, C) - G_j, -jnp.inf))).astype(bf16)
-
-
 def _decay(dend_s, K, bv):
     """e^(G_C) [K] from SMEM as a [K, bv] row broadcast in the WGMMA layout."""
     return jax.lax.broadcast_in_dim(plgpu.load(dend_s, layout=_ROW, optimized=False), (K, bv), [0])
@@ -170,8 +161,7 @@ def pick_warpgroups(ctas: int, V: int, bv: int, keep: bool, out_dtype) -> int:
 
 
 def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None, block_v: int = BV,
-                      raw_qk=None, inverse=None, qk_decay=None, qk_scale: float = 1.0, warpgroups: int | None = None,
-                      interpret: bool | None = None):
+                      raw_qk=None, inverse=None, warpgroups: int | None = None, interpret: bool | None = None):
     """o [B, Tp, H, V] (out_dtype) and the final state [B, H, K, V] fp32 of the delta-rule state pass; with
     keep_dtype also every chunk's incoming state [B, H, N K, V] and E = U - W S [B, H, Tp, V] in keep_dtype.
 
@@ -185,37 +175,28 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
       (or None with raw_qk: the raw k), and E = R (Diag(a) V - Diag(b) (w S)), which is U - W S for a = beta,
       b = beta (b = beta e^G with the raw k): no W, U need be formed or written. b None: b = a (one row factor
       less to load).
-    - with raw_qk, qk_decay = G [B, H, Tp] fp32, the scalar gate's in-chunk cumsum, and m None: the pass forms
-      M = qk_scale (q k^T) * e^(G_i - G_j) (j <= i) itself, so no M need be written.
     warpgroups: the compute warpgroups of a CTA, each on its own V tile, sharing the loads of every [C, K] and
     [C, C] tile (a third warpgroup issues them: `plgpu.emit_pipeline_warp_specialized`); 2 takes no keep_dtype
     and a bf16 out_dtype. None: `pick_warpgroups`."""
     B, H, Tp, K = w.shape if w is not None else qin.shape
     if raw_qk is not None:
         B, Tp, H, K = qin.shape
-    gram = qk_decay is not None
-    if (gram and raw_qk is None) or (m is None) != gram:
-        raise ValueError("state_pass_mosaic: qk_decay takes raw_qk, and m None exactly when qk_decay is given")
-    C = m.shape[-1] if m is not None else 64
     rows = tuple(raw_qk or ()) + tuple(r for r in (inverse[1:] if inverse is not None else ()) if r is not None)
     if raw_qk is not None or inverse is not None:
         n_rows = 2 * (raw_qk is not None) + (len(inverse) - 1 - (inverse[-1] is None) if inverse is not None else 0)
         want = {"k": (kg.shape, qin.shape), "rows": ([r.shape for r in rows], [(B, H, Tp)] * n_rows),
-                "qk_decay": ((None if m is None else m.shape[-1], None if qk_decay is None else qk_decay.shape),
-                             (None, (B, H, Tp)) if gram else (C, None)),
                 "w": (None if w is None else w.shape, None if raw_qk is not None and inverse is not None else
                       (B, H, Tp, K))}
         if inverse is not None:
-            want.update(v=(u.shape[:3], (B, Tp, H)), R=(inverse[0].shape, (B, H, Tp, C)))
+            want.update(v=(u.shape[:3], (B, Tp, H)), R=(inverse[0].shape, (B, H, Tp, m.shape[-1])))
         bad = {n: got for n, (got, expected) in want.items() if got != expected}
         if keep_dtype is not None or _segmented(h0).shape[2] != 1 or bad:
             raise ValueError(f"state_pass_mosaic: raw_qk and inverse take one segment, no keep_dtype, q and k [B, "
                              f"Tp, H, K] = {(B, Tp, H, K)} (raw_qk) or w [B, H, Tp, K] and row factors [B, H, Tp] "
-                             f"(v [B, Tp, H, V], R [B, H, Tp, C] with inverse; qk_decay [B, H, Tp] with m None); "
-                             f"got {bad}")
-    V = u.shape[-1]
+                             f"(v [B, Tp, H, V], R [B, H, Tp, C] with inverse); got {bad}")
+    V, C = u.shape[-1], m.shape[-1]
     N, bv = Tp // C, block_v
-    matrices = (qin, kg, u) + ((m,) if not gram else ()) + ((w,) if w is not None else ()) + ((inverse[0],) if inverse is not None else ())
+    matrices = (qin, kg, u, m) + ((w,) if w is not None else ()) + ((inverse[0],) if inverse is not None else ())
     nseg = _check("state_pass_mosaic", C, K, V, bv, matrices, dend, h0, B, H, N)
     Ns = N // nseg
     keep = keep_dtype is not None
@@ -226,8 +207,7 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
                          f"{out_dtype}, block_v {bv}, V = {V}")
     n_qk, inv = 2 * (raw_qk is not None), inverse is not None
     raw_k = inv and w is None  # (the W S product's left operand: the raw k)
-    # (the pipelined inputs: q/Qin, k/Kg, [W], [R], V/U, M (or G, gram), e^(G_C) and the row factors)
-    n_in = 2 + (not raw_k) + inv + 3 + len(rows)
+    n_in = 2 + (not raw_k) + inv + 3 + len(rows)  # (the pipelined inputs: q/Qin, k/Kg, [W], [R], V/U, M, e^(G_C))
 
     def split_inputs(refs):
         """(qin, kg, w, r, u, m, dend, row factors) from the inputs in their order (w is k for raw_k, r None
@@ -238,21 +218,16 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
         u_r, m_r, dend_r, *row_rs = rest
         return qin_r, kg_r, w_r, r_r, u_r, m_r, dend_r, row_rs
 
-    def chunk(ins, S, s_s, e_s, ek_s, o_s, kept_s, copy_out, wait_o, mq_s=None):
+    def chunk(ins, S, s_s, e_s, ek_s, o_s, kept_s, copy_out, wait_o):
         """One chunk from the state S entering it: O into o_s, then copy_out(); the next state. wait_o() comes before
-        the chunk's first write into o_s (which may be ek_s: free once the products have read it). gram: m_s holds
-        the chunk's G, and M is formed into mq_s."""
+        the chunk's first write into o_s (which may be ek_s: free once the products have read it)."""
         qin_s, kg_s, w_s, r_s, u_s, m_s, dend_s, row_s = ins
         factor = lambda i: _row_factor(row_s[min(i, len(row_s) - 1)], C, bv)  # (b = a: one factor, the last)
         s_s[...] = S.astype(bf16)
         if keep:
             kept_s[0][...] = S.astype(keep_dtype)
         plgpu.commit_smem()
-        WS, *QS = _products([(w_s, s_s)], *([[(qin_s, s_s)]] if n_qk else []),  # (raw q S: its own accumulator)
-                            *([[(qin_s, kg_s.transpose((1, 0)))]] if gram else []))
-        if gram:
-            mq_s[...] = _qk_gram(QS.pop(), m_s, C, qk_scale)
-            m_s = mq_s
+        WS, *QS = _products([(w_s, s_s)], *([[(qin_s, s_s)]] if n_qk else []))  # (raw q S: its own accumulator)
         if inv:  # E = R (Diag(a) V - Diag(b) (w S)); e_s first holds R's right operand
             e_s[...] = (factor(n_qk) * _load(u_s).astype(f32) - factor(n_qk + 1) * WS).astype(bf16)
             plgpu.commit_smem()
@@ -286,18 +261,16 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
         qk = (by_token(qin_g), by_token(kg_g)) if n_qk else (qin_g.at[b, h], kg_g.at[b, h])
         in_specs = [_spec((C, K), rows_k, bv)] * (2 if raw_k else 3) + [_spec((C, C), rows_k, bv)] * inv
         operands = qk + (() if raw_k else (w_g.at[b, h],)) + ((r_g.at[b, h],) if inv else ())
-        m_spec = plgpu.BlockSpec((C,), lambda n: (first + n,)) if gram else _spec((C, C), rows_k, bv)
-        in_specs += [_spec((C, wgs * bv), lambda n: (first + n, j), bv), m_spec,
+        in_specs += [_spec((C, wgs * bv), lambda n: (first + n, j), bv), _spec((C, C), rows_k, bv),
                      plgpu.BlockSpec((K,), lambda n: (first + n,))] + [plgpu.BlockSpec((C,), lambda n: (first + n,))] \
             * len(rows)
-        operands += (by_token(u_g) if inv else u_g.at[b, h], m_g.at[b, h], dend_g.at[b, h])  # (m_g: G with gram)
+        operands += (by_token(u_g) if inv else u_g.at[b, h], m_g.at[b, h], dend_g.at[b, h])
         return operands + tuple(r_g.at[b, h] for r_g in row_gs), in_specs
 
     def body(*refs):
         gmem, (h0_g, o_g, ht_g, *rest) = refs[:n_in], refs[n_in:]
         keep_g, (s_s, e_s, *outs_s, bar) = rest[:2 * keep], rest[2 * keep:]
         ek_s, outs_s = (outs_s[0], outs_s[1:]) if n_qk else (None, outs_s)
-        mq_s, outs_s = (outs_s[-1], outs_s[:-1]) if gram else (None, outs_s)
         b, sg, h, j = _where(nseg)
         cols, first = pl.ds(j * bv, bv), sg * Ns  # (this segment's first chunk)
 
@@ -312,8 +285,7 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
                 [(outs_s[0].at[slot], o_g.at[b, tok, h, cols])]
                 + ([(kept_s[0], keep_g[0].at[b, h, pl.ds(n * K, K), cols]),
                     (kept_s[1], keep_g[1].at[b, h, tok, cols])] if keep else []))
-            return chunk(split_inputs(ins), S, s_s, e_s, ek_s, outs_s[0].at[slot], kept_s, copy_out, lambda: None,
-                         mq_s)
+            return chunk(split_inputs(ins), S, s_s, e_s, ek_s, outs_s[0].at[slot], kept_s, copy_out, lambda: None)
 
         operands, in_specs = operands_and_specs(gmem, b, sg, h, j, first)
         S = plgpu.emit_pipeline(step, grid=(Ns,), in_specs=in_specs, max_concurrent_steps=2,
@@ -321,7 +293,7 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
         _write_state(S, ht_g.at[b, h, sg, :, cols], K, bv)
 
     def body_warpgroups(*refs):
-        gmem, (h0_g, o_g, ht_g, (stage, bufs), *mq, bar) = refs[:n_in], refs[n_in:]
+        gmem, (h0_g, o_g, ht_g, (stage, bufs), bar) = refs[:n_in], refs[n_in:]
         b, sg, h, j = _where(nseg)
         wg, first = jax.lax.axis_index("wg"), sg * Ns
         cols = pl.ds((j * wgs + wg) * bv, bv)  # (this warpgroup's V tile; the memory warpgroup's is unused)
@@ -338,7 +310,7 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
             copy_out = lambda: _copy_out([(o_s, o_g.at[b, tok, h, cols])])
             # one O slot: the last chunk's copy out of it must have read it
             wait_o = lambda: plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            return chunk(ins, S, s_s, e_s, ek_s, o_s, (), copy_out, wait_o, mq[0].at[wg] if gram else None)
+            return chunk(ins, S, s_s, e_s, ek_s, o_s, (), copy_out, wait_o)
 
         def compute(run):
             # the state enters and leaves through fp32 SMEM sharing bytes with this warpgroup's bf16 buffers only
@@ -364,17 +336,16 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
     # form with b = a 226.5 KB, 464 bytes under the limit (with b given it does not fit).
     if wgs > 1:
         n_rows = K + 2 * C  # (S, E, O)
-        scratch = [plgpu.RefUnion(_smem((wgs, n_rows // 2, bv), f32), _operand((wgs, n_rows, bv), bv))]
-        scratch += [_operand((wgs, C, C), bv)] * gram + [plgpu.Barrier(num_arrivals=1, num_barriers=wgs)]
+        scratch = [plgpu.RefUnion(_smem((wgs, n_rows // 2, bv), f32), _operand((wgs, n_rows, bv), bv)),
+                   plgpu.Barrier(num_arrivals=1, num_barriers=wgs)]
     else:
         scratch = [_operand((K, bv), bv), _operand((C, bv), bv)] + [_operand((C, bv), bv)] * (n_qk > 0)
-        scratch += [_smem((2, C, bv), out_dtype)] + [_operand((C, C), bv)] * gram
+        scratch += [_smem((2, C, bv), out_dtype)]
     if keep:
         out += [jax.ShapeDtypeStruct((B, H, N * K, V), keep_dtype), jax.ShapeDtypeStruct((B, H, Tp, V), keep_dtype)]
         scratch += [_smem((2, K, bv), keep_dtype), _smem((2, C, bv), keep_dtype)]
     # (each chunk's e^(G_C) is a 1-D block of the flattened [B, H, N K])
-    inputs = (qin, kg) + (() if raw_k else (w,)) + ((inverse[0],) if inv else ()) + (u, qk_decay if gram else m,
-                                                                                      dend.reshape(B, H, N * K))
+    inputs = (qin, kg) + (() if raw_k else (w,)) + ((inverse[0],) if inv else ()) + (u, m, dend.reshape(B, H, N * K))
     o, ends, *kept = _run(body if wgs == 1 else body_warpgroups, inputs + rows + (_segmented(h0),), out, scratch,
                           B, H, V, bv * wgs, nseg, "lineattn_state_pass_mosaic", interpret, warpgroups=wgs)
     return (o, ends if h0.ndim == 5 else ends[:, :, 0], *kept)
