@@ -286,6 +286,7 @@ DIAG_INVERSE = True
 # solve 0.231 against 0.256; forward kernels GDN 0.599 against 0.649, KDA 1.324 (1.378 with INVERSE_IN_PASS off,
 # 1.383 with 16 as well).
 DIAG_INVERSE_BLOCK = 32
+DIAG_INVERSE_WARPS = 1  # the inversion kernel's warps a block (read when traced)
 
 
 def invert_diagonal_blocks(A, *, C, interpret, block=SUB):
@@ -299,7 +300,7 @@ def invert_diagonal_blocks(A, *, C, interpret, block=SUB):
     return pallas_call(
         _invert_diagonal_block_kernel, grid=(B, H, Tp // block), in_specs=[spec], out_specs=spec,
         out_shape=jax.ShapeDtypeStruct(A.shape, A.dtype), input_output_aliases={0: 0},
-        compiler_params=compiler_params(num_warps=1, num_stages=1), interpret=interpret,
+        compiler_params=compiler_params(num_warps=DIAG_INVERSE_WARPS, num_stages=1), interpret=interpret,
         name="lineattn_invert_diagonal_blocks",
     )(A)
 
