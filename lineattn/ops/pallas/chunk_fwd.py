@@ -286,7 +286,9 @@ DIAG_INVERSE = True
 # solve 0.231 against 0.256; forward kernels GDN 0.599 against 0.649, KDA 1.324 (1.378 with INVERSE_IN_PASS off,
 # 1.383 with 16 as well).
 DIAG_INVERSE_BLOCK = 32
-DIAG_INVERSE_WARPS = 1  # the inversion kernel's warps a block (read when traced)
+# DIAG_INVERSE_WARPS: the inversion kernel's warps a block (read when traced). H200, KDA 8 x 4096 (run33d): 32 x 32
+# blocks 0.062 ms with 1, 0.143 with 2, 0.158 with 4; 16 x 16 blocks on 2 warps 0.121 (0.041 on 1, run30b).
+DIAG_INVERSE_WARPS = 1
 
 
 def invert_diagonal_blocks(A, *, C, interpret, block=SUB):
