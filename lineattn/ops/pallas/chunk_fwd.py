@@ -93,21 +93,37 @@ def keys_toward(k, G, Gr, limit=LIMIT):
     return k.astype(f32) * exp(jnp.minimum(Gr - G, limit))
 
 
+# GRAM_TILE_LOOP: the Gram kernel's K tiles in a `fori_loop` (one tile's values live at a time) instead of unrolled;
+# GRAM_STAGES: its Triton pipelining depth (read when traced).
+GRAM_TILE_LOOP, GRAM_STAGES = False, 1
+
+
+def _over_tiles(K, bk, tile, carry):
+    """carry after tile(d, carry) for each K tile d of bk channels: unrolled, or a `fori_loop` (GRAM_TILE_LOOP)."""
+    if GRAM_TILE_LOOP and K > bk:
+        return jax.lax.fori_loop(0, K // bk, lambda t, c: tile(pl.ds(pl.multiple_of(t * bk, bk), bk), c), carry)
+    for t in range(K // bk):
+        carry = tile(pl.ds(t * bk, bk), carry)
+    return carry
+
+
 def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delta, bk, q0=0):
     """[16, C] rows of (scale q) and k against all keys, factored through the reference row ref_row (the block's
     queries at rows q0.. of q_ref: 0 for a 16-row block, r0 for a whole chunk)."""
     s, C, K = SUB, k_ref.shape[0], k_ref.shape[-1]
     blk = pl.ds(r0, s)
-    Mx, Ax = jnp.zeros((s, C), f32), jnp.zeros((s, C), f32)
-    for t in range(K // bk):
-        d = pl.ds(t * bk, bk)
+
+    def tile(d, carry):
+        Mx, Ax = carry
         Gr = G_ref[pl.ds(ref_row, 1), d]
         xr = exp(G_ref[blk, d] - Gr)
         kc = keys_toward(k_ref[:, d], G_ref[:, d], Gr, limit)
         Mx = Mx + dot(q_ref[pl.ds(q0, s), d].astype(f32) * (scale * xr), kc, prec, trans_b=True)
         if delta:
             Ax = Ax + dot(k_ref[blk, d].astype(f32) * xr, kc, prec, trans_b=True)
-    return Mx, Ax
+        return Mx, Ax
+
+    return _over_tiles(K, bk, tile, (jnp.zeros((s, C), f32), jnp.zeros((s, C), f32)))
 
 
 def _gram_exact(q_ref, k_ref, G_ref, r0, *, scale, prec, delta, bk, q0=0):
@@ -154,13 +170,16 @@ def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_r
     r0 = (common.program_id(2) % (C // s)) * s
     K = k_ref.shape[-1]
     blk = pl.ds(r0, s)
-    for t in range(K // bk):
-        d = pl.ds(t * bk, bk)
+
+    def gated(d, carry):
         Ga = G_ref[blk, d]
         qin_ref[:, d] = (q_ref[:, d].astype(f32) * scale * exp(Ga)).astype(qin_ref.dtype)
         kg_ref[:, d] = (k_ref[blk, d].astype(f32) * exp(G_ref[pl.ds(C - 1, 1), d] - Ga)).astype(kg_ref.dtype)
         if kin_ref:
             kin_ref[0][:, d] = (k_ref[blk, d].astype(f32) * exp(Ga)).astype(kin_ref[0].dtype)
+        return carry
+
+    _over_tiles(K, bk, gated, 0)
     kw = dict(scale=scale, prec=prec, delta=delta, bk=bk)
     fast = lambda: _gram_products(q_ref, k_ref, G_ref, r0, r0 + s // 2, LIMIT, **kw)
     if fast_only:
@@ -194,7 +213,7 @@ def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, 
         in_specs=[sub(K), whole(K), whole(K), pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i, h))],
         out_specs=[row_out(C), row_out(C), row_out(K), row_out(K)] + [row_out(K)] * kin,
         out_shape=_gram_outputs(B, H, Tp, C, K, store, a_dtype) + [jax.ShapeDtypeStruct((B, H, Tp, K), store)] * kin,
-        compiler_params=compiler_params(num_warps=warps, num_stages=1),
+        compiler_params=compiler_params(num_warps=warps, num_stages=GRAM_STAGES),
         interpret=interpret,
         name="lineattn_chunk_gram",
     )(q, k, G, beta)
