@@ -600,6 +600,33 @@ def test_pallas_kernel_tiles(monkeypatch):
     _compare("kda", make_inputs("kda", B=1, T=80, H=2, K=32, V=128, seed=20))
 
 
+def test_gram_tile_loop_gives_the_unrolled_numbers(monkeypatch):
+    # `chunk_fwd.GRAM_TILE_LOOP` (the default): the fast-path Gram kernel takes its K tiles in a `fori_loop` (pipelined
+    # on a GPU, GRAM_STAGES) instead of unrolled. M, A, Qin, Kg and Kin equal the unrolled kernel's bit for bit: two
+    # chunks, K = 128 in two tiles of 64 (and four of 32), bf16, gates in (-5, 0).
+    from lineattn.ops.pallas import chunk_fwd
+    rng = np.random.default_rng(23)
+    B, Tp, H, K, C = 1, 128, 2, 128, 64
+    q, k = (jnp.asarray(rng.standard_normal((B, Tp, H, K)) / np.sqrt(K), jnp.bfloat16) for _ in range(2))
+    G, _ = chunk_fwd.gate_cumsum(-jnp.asarray(rng.uniform(0, 5, (B, Tp, H, K)), jnp.float32), C=C, K=K,
+                                 interpret=True)
+    beta = jnp.asarray(rng.uniform(0, 1, (B, Tp, H)), jnp.bfloat16)
+    for bk in (64, 32):
+        gram = lambda: chunk_fwd.gram_rows(q, k, G, beta, C=C, scale=K**-0.5, store=jnp.bfloat16, prec="tf32",
+                                           delta=True, warps=2, interpret=True, bk=bk, fast_only=True, kin=True)
+        forms = {}
+        for loop in (True, False):  # (the kernel's trace is cached: cleared for each setting)
+            monkeypatch.setattr(chunk_fwd, "GRAM_TILE_LOOP", loop)
+            jax.clear_caches()
+            forms[loop] = (gram(), str(jax.make_jaxpr(gram)()))
+        (looped, looped_text), (unrolled, unrolled_text) = forms[True], forms[False]
+        assert looped_text.count("dot_general") == 2 and unrolled_text.count("dot_general") == 2 * K // bk
+        assert len(looped) == len(unrolled) == 5 and float(jnp.max(jnp.abs(unrolled[0].astype(jnp.float32)))) > 0.01
+        for name, x, y in zip(("M", "A", "Qin", "Kg", "Kin"), looped, unrolled):
+            np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)), np.asarray(y.astype(jnp.float32)),
+                                          err_msg=f"{name}, K tile {bk}")
+
+
 def test_last_axis_fastest_keeps_the_grid_as_written(monkeypatch):
     # `common.LAST_AXIS_FASTEST` launches a kernel's grid reversed; its index maps and `common.program_id` still
     # see the grid as written: program (i, j) writes 10 i + j into block (i, j) either way.
