@@ -61,6 +61,10 @@ GRADS_WARPS, WY_WARPS, CHUNK_GRADS_WARPS, DG_WARPS, DG_BK = 4, 4, 4, 2, 64
 WY_BT, CHUNK_GRADS_BK, CHUNK_GRADS_BV = 64, 64, 128
 # The Gram gradients' K tile (run10b, 8 x 4096: 1.87 ms with 128 against 2.05 with 64 and 3.18 with 32).
 GRADS_BK = 128
+# GRADS_TILE_LOOP, GRADS_STAGES: the Gram gradients' fast-path kernel ("lineattn_gram_bwd_combine" with GRADS_SPLIT)
+# over its K tiles (GRADS_BK < K) in a `fori_loop` that Triton pipelines to GRADS_STAGES, as the forward's Gram kernel
+# (`chunk_fwd.GRAM_TILE_LOOP`); not yet timed on the H200: off. Read when traced.
+GRADS_TILE_LOOP, GRADS_STAGES = False, 1
 # GRADS_SPLIT: the Gram-gradient kernel without its exact path (every block on the fast path), then a second
 # kernel that rewrites by the exact path the chunks the gate-cumsum kernel flags beyond LIMIT (as the forward's
 # GRAM_IMPL "triton-fast"). Read when a call is traced; applies where the forward's Gram stage is split too (its
@@ -271,9 +275,11 @@ def _gram_bwd_kernel(*refs, C, scale, prec, bk, delta=True, paths="both"):
             dG_ref[out, d] = dG
             r_ref[pl.ds(o0 // s, 1), d] = jnp.sum(kg_dkg, axis=0, keepdims=True)
 
-        for t in range(K // bk):
-            d = pl.ds(t * bk, bk)
+        def tile(d, carry):
             emit(d, *path(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, scale=scale, prec=prec))
+            return carry
+
+        common.over_tiles(K // bk, bk, tile, 0, loop=GRADS_TILE_LOOP and paths == "fast")
 
     if paths == "exact":  # one program per chunk: its four blocks in turn, where the chunk is flagged
         def each_block(a, carry):
@@ -319,7 +325,7 @@ def gram_grads_fused(q, k, G, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, inte
             functools.partial(_gram_bwd_kernel, C=C, scale=scale, prec=prec, bk=min(bk, K), delta=delta, paths=paths),
             grid=grid, in_specs=in_specs + (out_specs if fast else []), out_specs=out_specs, out_shape=out_shape,
             input_output_aliases={9 + i: i for i in range(len(fast))}, interpret=interpret, name=name,
-            compiler_params=compiler_params(num_warps=warps, num_stages=1),
+            compiler_params=compiler_params(num_warps=warps, num_stages=GRADS_STAGES if paths == "fast" else 1),
         )(*([] if flags is None else [flags]), *args, *fast)
 
     if spreads is None:

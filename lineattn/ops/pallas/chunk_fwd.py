@@ -101,15 +101,6 @@ def keys_toward(k, G, Gr, limit=LIMIT):
 GRAM_TILE_LOOP, GRAM_STAGES = True, 2
 
 
-def _over_tiles(K, bk, tile, carry, loop=False):
-    """carry after tile(d, carry) for each K tile d of bk channels: unrolled, or a `fori_loop` (loop)."""
-    if loop and K > bk:
-        return jax.lax.fori_loop(0, K // bk, lambda t, c: tile(pl.ds(pl.multiple_of(t * bk, bk), bk), c), carry)
-    for t in range(K // bk):
-        carry = tile(pl.ds(t * bk, bk), carry)
-    return carry
-
-
 def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delta, bk, q0=0, loop=False):
     """[16, C] rows of (scale q) and k against all keys, factored through the reference row ref_row (the block's
     queries at rows q0.. of q_ref: 0 for a 16-row block, r0 for a whole chunk); loop: the K tiles in a `fori_loop`."""
@@ -126,7 +117,7 @@ def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delt
             Ax = Ax + dot(k_ref[blk, d].astype(f32) * xr, kc, prec, trans_b=True)
         return Mx, Ax
 
-    return _over_tiles(K, bk, tile, (jnp.zeros((s, C), f32), jnp.zeros((s, C), f32)), loop)
+    return common.over_tiles(K // bk, bk, tile, (jnp.zeros((s, C), f32), jnp.zeros((s, C), f32)), loop)
 
 
 def _gram_exact(q_ref, k_ref, G_ref, r0, *, scale, prec, delta, bk, q0=0):
@@ -183,7 +174,7 @@ def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_r
         return carry
 
     loop = fast_only and GRAM_TILE_LOOP
-    _over_tiles(K, bk, gated, 0, loop)
+    common.over_tiles(K // bk, bk, gated, 0, loop)
     kw = dict(scale=scale, prec=prec, delta=delta, bk=bk)
     fast = lambda: _gram_products(q_ref, k_ref, G_ref, r0, r0 + s // 2, LIMIT, **kw, loop=loop)
     if fast_only:

@@ -107,6 +107,17 @@ def pallas_call(kernel, *, interpret, grid=(), in_specs=None, out_specs=None, na
     return pl.pallas_call(traced, interpret=interpret, grid=grid, name=name, **specs, **kwargs)
 
 
+def over_tiles(count: int, width: int, tile, carry, loop: bool = False):
+    """carry after tile(d, carry) for the column tiles d = pl.ds(t * width, width), t < count: unrolled, or (loop) as
+    a `fori_loop`, where one tile's values are live at a time and Triton can pipeline the next tile's loads
+    (`num_stages`)."""
+    if loop and count > 1:
+        return jax.lax.fori_loop(0, count, lambda t, c: tile(pl.ds(pl.multiple_of(t * width, width), width), c), carry)
+    for t in range(count):
+        carry = tile(pl.ds(t * width, width), carry)
+    return carry
+
+
 def compiler_params(num_warps: int = 4, num_stages: int = 1):
     return pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
