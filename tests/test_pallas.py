@@ -655,6 +655,24 @@ def test_gram_gradient_tile_loop_gives_the_unrolled_numbers(monkeypatch):
                                       err_msg=name)
 
 
+def test_wy_backward_tile_loop_gives_the_unrolled_numbers():
+    # `chunk_bwd.WY_TILE_LOOP` (opt-in, for H200 sweeps): the WY backward's V and K tiles (WY_BT = 32 of 64 here) in
+    # `fori_loop`s give the unrolled kernel's gradients bit for bit (KDA, bf16, T = 100 ragged, a non-zero h0).
+    from lineattn.ops.pallas import tuning
+    x = make_inputs("kda", B=1, T=100, H=2, K=64, V=64, seed=25)
+    x = {n: v.astype(jnp.bfloat16) if n in ("q", "k", "v", "beta") else v for n, v in x.items()}
+    got, texts = {}, {}
+    for loop in (True, False):  # (override clears JAX's caches: each setting traced afresh)
+        with tuning.override({"chunk_bwd.WY_BT": 32, "chunk_bwd.WY_TILE_LOOP": loop}):
+            got[loop] = loss_and_grads("kda", x, backend="pallas")
+            texts[loop] = grad_jaxpr("kda", x, backend="pallas")
+    assert texts[True] != texts[False] and all("lineattn_chunk_wy_bwd" in t for t in texts.values())
+    assert float(jnp.max(jnp.abs(got[False][2]["dv"].astype(jnp.float32)))) > 0.01
+    for name in got[False][2]:
+        np.testing.assert_array_equal(np.asarray(got[True][2][name].astype(jnp.float32)),
+                                      np.asarray(got[False][2][name].astype(jnp.float32)), err_msg=name)
+
+
 def test_last_axis_fastest_keeps_the_grid_as_written(monkeypatch):
     # `common.LAST_AXIS_FASTEST` launches a kernel's grid reversed; its index maps and `common.program_id` still
     # see the grid as written: program (i, j) writes 10 i + j into block (i, j) either way.

@@ -63,8 +63,9 @@ WY_BT, CHUNK_GRADS_BK, CHUNK_GRADS_BV = 64, 64, 128
 GRADS_BK = 128
 # GRADS_TILE_LOOP, GRADS_STAGES: the Gram gradients' fast-path kernel ("lineattn_gram_bwd_combine" with GRADS_SPLIT)
 # over its K tiles (GRADS_BK < K) in a `fori_loop` that Triton pipelines to GRADS_STAGES, as the forward's Gram kernel
-# (`chunk_fwd.GRAM_TILE_LOOP`); not yet timed on the H200: off. Read when traced.
-GRADS_TILE_LOOP, GRADS_STAGES = False, 1
+# (`chunk_fwd.GRAM_TILE_LOOP`); WY_TILE_LOOP, WY_STAGES the same for the WY backward's V and K tiles (WY_BT). Not yet
+# timed on the H200: off. Read when traced.
+GRADS_TILE_LOOP, GRADS_STAGES, WY_TILE_LOOP, WY_STAGES = False, 1, False, 1
 # GRADS_SPLIT: the Gram-gradient kernel without its exact path (every block on the fast path), then a second
 # kernel that rewrites by the exact path the chunks the gate-cumsum kernel flags beyond LIMIT (as the forward's
 # GRAM_IMPL "triton-fast"). Read when a call is traced; applies where the forward's Gram stage is split too (its
@@ -412,22 +413,24 @@ def _wy_bwd_kernel(r_ref, kk_ref, du_ref, dw_ref, v_ref, k_ref, G_ref, beta_ref,
     i, j = _iota((C, C), 0), _iota((C, C), 1)
     R = r_ref[...]
     beta = beta_ref[...].astype(f32)[:, None]
-    dR = jnp.zeros((C, C), f32)
-    dbeta = jnp.zeros((C,), f32)
-    for t in range(v_ref.shape[-1] // bt):  # the value side: dv, and dU (bV)^T into dR
-        d = pl.ds(t * bt, bt)
+
+    def value_side(d, carry):  # dv, and dU (bV)^T into dR
+        dR, dbeta = carry
         dU, v = du_ref[:, d], v_ref[:, d].astype(f32)
         dBv = dot(R, dU, prec, trans_a=True)
         dv_ref[:, d] = (beta * dBv).astype(dv_ref.dtype)
-        dbeta = dbeta + jnp.sum(dBv * v, axis=1)
-        dR = dR + dot(dU, beta * v, prec, trans_b=True)
-    for t in range(k_ref.shape[-1] // bt):  # the key side: dKin, and dW (bKin)^T into dR
-        d = pl.ds(t * bt, bt)
+        return dR + dot(dU, beta * v, prec, trans_b=True), dbeta + jnp.sum(dBv * v, axis=1)
+
+    def key_side(d, carry):  # dKin, and dW (bKin)^T into dR
+        dR, dbeta = carry
         dW, kin = dw_ref[:, d], k_ref[:, d].astype(f32) * gate_factor(G_ref, d)
         dBk = dot(R, dW, prec, trans_a=True)
         dkin_ref[:, d] = (beta * dBk).astype(dkin_ref.dtype)
-        dbeta = dbeta + jnp.sum(dBk * kin, axis=1)
-        dR = dR + dot(dW, beta * kin, prec, trans_b=True)
+        return dR + dot(dW, beta * kin, prec, trans_b=True), dbeta + jnp.sum(dBk * kin, axis=1)
+
+    carry = common.over_tiles(v_ref.shape[-1] // bt, bt, value_side, (jnp.zeros((C, C), f32), jnp.zeros((C,), f32)),
+                              WY_TILE_LOOP)
+    dR, dbeta = common.over_tiles(k_ref.shape[-1] // bt, bt, key_side, carry, WY_TILE_LOOP)
     dA = -jnp.where(j < i, dot(dot(R, dR, prec, trans_a=True), R, prec, trans_b=True), 0.0)
     dbeta_ref[...] = (dbeta + jnp.sum(dA * kk_ref[...], axis=1)).astype(dbeta_ref.dtype)
     dkk_ref[...] = (beta * dA).astype(dkk_ref.dtype)
@@ -531,7 +534,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
             out_specs=[tok(V), tok1, chunk(C), chunk(K)],
             out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), v.dtype), jax.ShapeDtypeStruct((B, Tp, H), beta.dtype),
                        jax.ShapeDtypeStruct((B, H, Tp, C), wy_cot), jax.ShapeDtypeStruct((B, H, Tp, K), wy_cot)],
-            compiler_params=compiler_params(num_warps=WY_WARPS, num_stages=1), interpret=interpret,
+            compiler_params=compiler_params(num_warps=WY_WARPS, num_stages=WY_STAGES), interpret=interpret,
             name="lineattn_chunk_wy_bwd",
         )(R, KK, flat(cot.U_BHNCV), flat(cot.W_BHNCK), vp, kp, G, bp)
     else:
