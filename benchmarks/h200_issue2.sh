@@ -81,6 +81,12 @@
 #     TEST_TIMEOUT=200 TESTS_K="long_bf16 and default" SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
 #   A/B wall clock of settings, interleaved (not through this script): PYTHONPATH=$PWD python3
 #     benchmarks/ab_pallas_kda.py --out $OUT --configs "default;chunk_fwd.SOLVE_IMPL=triton"
+#   Run33 (session 31): the whole GPU suite passed (109 tests); the Gram kernel's K tiles in a fori_loop pipelined two
+#   deep (chunk_fwd.GRAM_TILE_LOOP, GRAM_STAGES): 0.70 ms against 0.73, the default since; GDN's M formed inside the
+#   state pass: slower (reverted). Next, the same loop in the backward's kernels (opt-in until timed):
+#     SKIP_TESTS=1 PROFILE=1 PROFILE_ARGS="--impls lineattn --check --configs default;chunk_bwd.GRADS_BK=64+
+#       chunk_bwd.GRADS_TILE_LOOP=True+chunk_bwd.GRADS_STAGES=2;chunk_bwd.WY_TILE_LOOP=True+chunk_bwd.WY_STAGES=2"
+#     (one argument: no spaces or line breaks inside --configs' value)
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
 #   --rule gdn for Gated DeltaNet, e.g. PROFILE_ARGS='--rule gdn --check --configs default;api.SCALAR_GATE=1')
