@@ -600,11 +600,11 @@ def test_pallas_kernel_tiles(monkeypatch):
     _compare("kda", make_inputs("kda", B=1, T=80, H=2, K=32, V=128, seed=20))
 
 
-def test_gram_tile_loop_gives_the_unrolled_numbers(monkeypatch):
+def test_gram_tile_loop_gives_the_unrolled_numbers():
     # `chunk_fwd.GRAM_TILE_LOOP` (the default): the fast-path Gram kernel takes its K tiles in a `fori_loop` (pipelined
     # on a GPU, GRAM_STAGES) instead of unrolled. M, A, Qin, Kg and Kin equal the unrolled kernel's bit for bit: two
     # chunks, K = 128 in two tiles of 64 (and four of 32), bf16, gates in (-5, 0).
-    from lineattn.ops.pallas import chunk_fwd
+    from lineattn.ops.pallas import chunk_fwd, tuning
     rng = np.random.default_rng(23)
     B, Tp, H, K, C = 1, 128, 2, 128, 64
     q, k = (jnp.asarray(rng.standard_normal((B, Tp, H, K)) / np.sqrt(K), jnp.bfloat16) for _ in range(2))
@@ -615,10 +615,9 @@ def test_gram_tile_loop_gives_the_unrolled_numbers(monkeypatch):
         gram = lambda: chunk_fwd.gram_rows(q, k, G, beta, C=C, scale=K**-0.5, store=jnp.bfloat16, prec="tf32",
                                            delta=True, warps=2, interpret=True, bk=bk, fast_only=True, kin=True)
         forms = {}
-        for loop in (True, False):  # (the kernel's trace is cached: cleared for each setting)
-            monkeypatch.setattr(chunk_fwd, "GRAM_TILE_LOOP", loop)
-            jax.clear_caches()
-            forms[loop] = (gram(), str(jax.make_jaxpr(gram)()))
+        for loop in (True, False):  # (override clears JAX's caches: each setting traced afresh)
+            with tuning.override({"chunk_fwd.GRAM_TILE_LOOP": loop}):
+                forms[loop] = (gram(), str(jax.make_jaxpr(gram)()))
         (looped, looped_text), (unrolled, unrolled_text) = forms[True], forms[False]
         assert looped_text.count("dot_general") == 2 and unrolled_text.count("dot_general") == 2 * K // bk
         assert len(looped) == len(unrolled) == 5 and float(jnp.max(jnp.abs(unrolled[0].astype(jnp.float32)))) > 0.01
@@ -627,11 +626,11 @@ def test_gram_tile_loop_gives_the_unrolled_numbers(monkeypatch):
                                           err_msg=f"{name}, K tile {bk}")
 
 
-def test_gram_gradient_tile_loop_gives_the_unrolled_numbers(monkeypatch):
+def test_gram_gradient_tile_loop_gives_the_unrolled_numbers():
     # `chunk_bwd.GRADS_TILE_LOOP` (opt-in, for H200 sweeps): the Gram gradients' fast-path kernel over K tiles of 64
     # in a `fori_loop` gives the unrolled kernel's dq, dk, dG and column sums bit for bit (two chunks, K = 128, bf16 q,
     # k, gates in (-5, 0): no chunk flagged for the exact rewrite).
-    from lineattn.ops.pallas import chunk_bwd, chunk_fwd
+    from lineattn.ops.pallas import chunk_bwd, chunk_fwd, tuning
     rng = np.random.default_rng(24)
     B, Tp, H, K, C = 1, 128, 2, 128, 64
     q, k = (jnp.asarray(rng.standard_normal((B, Tp, H, K)) / np.sqrt(K), jnp.bfloat16) for _ in range(2))
@@ -644,10 +643,9 @@ def test_gram_gradient_tile_loop_gives_the_unrolled_numbers(monkeypatch):
     grads = lambda: chunk_bwd.gram_grads_fused(q, k, G, dM, dKK, dQin, dKg, dKin, C=C, scale=K**-0.5, exact=False,
                                                interpret=True, bk=64, spreads=spreads)
     forms = {}
-    for loop in (True, False):  # (the kernels' traces are cached: cleared for each setting)
-        monkeypatch.setattr(chunk_bwd, "GRADS_TILE_LOOP", loop)
-        jax.clear_caches()
-        forms[loop] = (grads(), str(jax.make_jaxpr(grads)()))
+    for loop in (True, False):  # (override clears JAX's caches: each setting traced afresh)
+        with tuning.override({"chunk_bwd.GRADS_TILE_LOOP": loop}):
+            forms[loop] = (grads(), str(jax.make_jaxpr(grads)()))
     assert forms[True][1].count("dot_general") < forms[False][1].count("dot_general")  # (the loop's body once)
     assert float(jnp.max(jnp.abs(forms[False][0][0].astype(jnp.float32)))) > 0.01
     for name, x, y in zip(("dq", "dk", "dG", "column sums"), forms[True][0], forms[False][0]):
