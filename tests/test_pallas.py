@@ -249,14 +249,6 @@ def test_forward_alone_inverts_the_diagonal_blocks(rule, gate):
                                        rtol=0, atol=1e-5 * float(np.max(np.abs(want))))
         with pytest.raises(ValueError, match="blocks of 16 or 32"):
             chunk_fwd.invert_diagonal_blocks(A, C=C, interpret=True, block=64)
-        # `inverse_chunks` (INVERSE_IMPL "triton"): the whole (I + A)^-1 of each chunk, in fp32 and in bf16
-        want = np.linalg.inv(np.eye(C) + np.asarray(A, np.float64).reshape(1, 2, 2, C, C)).reshape(A.shape)
-        for store, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 4e-3)):
-            R = chunk_fwd.inverse_chunks(A, C=C, store=store, interpret=True)
-            assert R.dtype == store
-            np.testing.assert_allclose(np.asarray(R, np.float64), want, rtol=0, atol=tol * float(np.max(np.abs(want))))
-        with pytest.raises(ValueError, match="inverse_chunks takes A"):
-            chunk_fwd.inverse_chunks(A.astype(jnp.bfloat16), C=C, store=jnp.bfloat16, interpret=True)
     forward = jax.jit(lambda q: ops.linear_attention(rule, q, x["k"], x["v"], x["g"], x["beta"], chunk_size=C,
                                                      initial_state=x["initial_state"], output_final_state=True,
                                                      backend="pallas"))
@@ -388,31 +380,24 @@ def test_mosaic_pass_forms_of_a_forward_alone(rule):
     fwd = lambda *a: chunk_fwd.forward(*a, scale=64**-0.5, interpret=True)
     want = fwd(*(a.astype(jnp.float32) for a in args))
     got = {}
-    settings = ([(False, False, "mosaic"), (True, False, "mosaic"), (True, True, "mosaic"), (True, True, "triton")]
-                if rule == "gdn" else [(False, False, "mosaic"), (False, True, "mosaic"), (False, True, "triton")])
-    for row_gate, inverse, impl in settings:
+    settings = [(False, False), (True, False), (True, True)] if rule == "gdn" else [(False, False), (False, True)]
+    for row_gate, inverse in settings:
         with tuning.override({"chunk_fwd.PASS_IMPL": "mosaic", "chunk_fwd.ROW_GATE": row_gate,
-                              "chunk_fwd.INVERSE_IN_PASS": inverse, "chunk_fwd.INVERSE_IMPL": impl}):
-            got[row_gate, inverse, impl] = fwd(*args)
+                              "chunk_fwd.INVERSE_IN_PASS": inverse}):
+            got[row_gate, inverse] = fwd(*args)
             text = str(jax.make_jaxpr(fwd)(*args))
         if rule == "gdn":
             assert _out_avals(text, "lineattn_chunk_gram_scalar") == (2 if row_gate else 4)
         else:
             assert _out_avals(text, "lineattn_chunk_gram") == (5 if inverse else 4)
         assert "lineattn_state_pass_mosaic" in text
-        # INVERSE_IMPL "triton": R from `inverse_chunks` (one kernel) instead of the diagonal blocks' inversion
-        # and `inverse_mosaic`
-        assert ("lineattn_inverse_mosaic" in text) == (inverse and impl == "mosaic")
-        assert ("name=lineattn_inverse\n" in text) == (inverse and impl == "triton")
+        assert ("lineattn_inverse_mosaic" in text) == inverse
         assert ("lineattn_chunk_solve_full" in text) == (not inverse)
         for i, name in enumerate(("o", "ht")):
-            assert _rel_rms(got[row_gate, inverse, impl][i], want[i]) <= 5e-3, (row_gate, inverse, impl, name)
+            assert _rel_rms(got[row_gate, inverse][i], want[i]) <= 5e-3, (row_gate, inverse, name)
     for key in settings[1:]:
         for i, name in enumerate(("o", "ht")):
-            assert _rel_rms(got[key][i], got[False, False, "mosaic"][i]) <= 1.5e-3, (key, name)
-    for i, name in enumerate(("o", "ht")):  # the two inverses' R differ by an ulp of bf16 in a few entries
-        triton, mosaic = (got[settings[-1][:2] + (impl,)][i] for impl in ("triton", "mosaic"))
-        assert _rel_rms(triton, mosaic) <= 1e-3, name
+            assert _rel_rms(got[key][i], got[False, False][i]) <= 1.5e-3, (key, name)
 
 
 @pytest.mark.parametrize("form", ["plain", "raw_qk", "inverse", "raw_qk+inverse"])

@@ -184,21 +184,3 @@ def test_forward_alone_forms_lower_for_sm90(fake_h200, monkeypatch, warpgroups):
         assert n == outputs and "lineattn_state_pass_mosaic" in text
         assert ("lineattn_inverse_mosaic" in text) == applied and ("lineattn_solve_mosaic" in text) != applied
         assert ("setmaxnreg" in text) == (warpgroups == 2)
-
-
-@pytest.mark.parametrize("head_gate", [True, False])
-def test_triton_inverse_of_a_forward_alone_lowers_for_sm90(fake_h200, monkeypatch, head_gate):
-    # `chunk_fwd.INVERSE_IMPL = "triton"`: R = (I + A)^-1 by one Triton kernel a chunk (`inverse_chunks`) in place of
-    # the diagonal blocks' inversion and `solve_mgpu.inverse_mosaic`, for GDN's and KDA's forward alone.
-    from lineattn.ops.pallas import chunk_fwd, state_mgpu
-    monkeypatch.setattr(chunk_fwd, "hopper", lambda: True)
-    monkeypatch.setattr(state_mgpu, "PASS_MIN_CTAS", 1)
-    monkeypatch.setattr(chunk_fwd, "PASS_MIN_PROGRAMS", 1)
-    monkeypatch.setattr(chunk_fwd, "INVERSE_IMPL", "triton")
-    B, T, H, K, V = 1, 100, 2, 128, 128
-    x = (S((B, T, H, K), jnp.bfloat16), S((B, T, H, K), jnp.bfloat16), S((B, T, H, V), jnp.bfloat16),
-         S((B, T, H) if head_gate else (B, T, H, K), jnp.float32), S((B, T, H), jnp.bfloat16),
-         S((B, H, K, V), jnp.float32))
-    text, _ = _gram_outputs_of_forward(x, "lineattn_chunk_gram_scalar" if head_gate else "lineattn_chunk_gram")
-    assert 'lineattn_inverse"' in text and "lineattn_state_pass_mosaic" in text
-    assert "lineattn_inverse_mosaic" not in text and "lineattn_invert_diagonal_blocks" not in text

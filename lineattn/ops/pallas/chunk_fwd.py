@@ -271,39 +271,18 @@ def unit_lower_inverse_exact(L):
     return X
 
 
-def unit_lower_inverse_blocks(a_ref, n, prec="ieee"):
-    """The 16 x 16 blocks X[i, j] (j <= i, fp32) of (I + L)^-1 for the strictly lower [n, n] L in a_ref, by block
-    forward substitution: each diagonal block by `unit_lower_inverse_exact`, then X_ij = -X_ii sum_{j <= m < i}
-    L_im X_mj, products at `prec` (for n = 32 the numbers of one doubling step, -X2 L21 X1)."""
-    at = lambda i: pl.ds(i * SUB, SUB)
-    X = {}
-    for i in range(n // SUB):
-        X[i, i] = unit_lower_inverse_exact(a_ref[at(i), at(i)])
-        for j in range(i):
-            right = functools.reduce(jnp.add, [dot(a_ref[at(i), at(m)], X[m, j], prec) for m in range(j, i)])
-            X[i, j] = -dot(X[i, i], right, prec)
-    return X
-
-
-def _store_blocks(o_ref, X, n, identity):
-    """Writes the blocks X[i, j] of a lower-triangular [n, n] matrix into o_ref (zeros above the diagonal), minus
-    the identity unless `identity`."""
-    at = lambda i: pl.ds(i * SUB, SUB)
-    eye = jnp.where(_iota((SUB, SUB), 0) == _iota((SUB, SUB), 1), 1.0, 0.0)
-    for i in range(n // SUB):
-        for j in range(n // SUB):
-            x = X[i, j] - (0.0 if identity else eye) if j == i else X[i, j] if j < i else jnp.zeros_like(eye)
-            o_ref[at(i), at(j)] = x.astype(o_ref.dtype)
-
-
 def _invert_diagonal_block_kernel(a_ref, o_ref):
     n = a_ref.shape[0]
-    _store_blocks(o_ref, unit_lower_inverse_blocks(a_ref, n), n, identity=False)
-
-
-def _inverse_kernel(a_ref, r_ref, *, prec):
-    C = a_ref.shape[0]
-    _store_blocks(r_ref, unit_lower_inverse_blocks(a_ref, C, prec), C, identity=True)
+    eye = jnp.where(_iota((SUB, SUB), 0) == _iota((SUB, SUB), 1), 1.0, 0.0)
+    if n == SUB:
+        o_ref[...] = unit_lower_inverse_exact(a_ref[...]) - eye
+        return
+    # a 32 x 32 block [[L1, 0], [L21, L2]]: its 16 x 16 halves by forward substitution, then the block inverse's
+    # corner -X2 L21 X1 by two fp32 products
+    top, bottom = pl.ds(0, SUB), pl.ds(SUB, SUB)
+    X1, X2 = unit_lower_inverse_exact(a_ref[top, top]), unit_lower_inverse_exact(a_ref[bottom, bottom])
+    o_ref[bottom, top] = -dot(dot(X2, a_ref[bottom, top], "ieee"), X1, "ieee")
+    o_ref[top, top], o_ref[bottom, bottom], o_ref[top, bottom] = X1 - eye, X2 - eye, jnp.zeros_like(eye)
 
 
 # DIAG_INVERSE: in a forward alone (nothing saved for the backward), a small kernel inverts each 16 x 16 diagonal
@@ -339,33 +318,6 @@ def invert_diagonal_blocks(A, *, C, interpret, block=SUB):
         out_shape=jax.ShapeDtypeStruct(A.shape, A.dtype), input_output_aliases={0: 0},
         compiler_params=compiler_params(num_warps=DIAG_INVERSE_WARPS, num_stages=1), interpret=interpret,
         name="lineattn_invert_diagonal_blocks",
-    )(A)
-
-
-# INVERSE_IMPL: how a forward alone whose state pass applies R (INVERSE_IN_PASS) forms R = (I + A)^-1 from the
-# final A: "mosaic", `invert_diagonal_blocks` (32 x 32 blocks) and then `solve_mgpu.inverse_mosaic`'s doubling
-# (two kernels; A written and read again between them); "triton", `inverse_chunks`, one kernel per chunk that
-# reads A once and writes R. Read when traced.
-INVERSE_IMPL = "mosaic"
-# INVERSE_WARPS, INVERSE_PREC: `inverse_chunks`' warps a chunk and the precision of its block products ("ieee":
-# exact fp32; "bf16x3" as `inverse_mosaic`'s doubling).
-INVERSE_WARPS, INVERSE_PREC = 1, "ieee"
-
-
-def inverse_chunks(A, *, C, store, interpret):
-    """R = (I + A)^-1 [B, H, Tp, C] in `store`'s dtype, from A [B, H, Tp, C] fp32 (strictly lower per chunk of C, a
-    multiple of 16): one program per chunk, block forward substitution on 16 x 16 blocks in fp32
-    (`unit_lower_inverse_blocks`); the identity included, zeros above the diagonal."""
-    B, H, Tp, _ = A.shape
-    if C % SUB or A.shape[-1] != C or A.dtype != f32:
-        raise ValueError(f"inverse_chunks takes A [B, H, Tp, C] fp32 with C a multiple of {SUB}, got C = {C} and A "
-                         f"{A.shape} {A.dtype}")
-    spec = pl.BlockSpec((None, None, C, C), lambda b, h, n: (b, h, n, 0))
-    return pallas_call(
-        functools.partial(_inverse_kernel, prec=INVERSE_PREC), grid=(B, H, Tp // C), in_specs=[spec],
-        out_specs=spec, out_shape=jax.ShapeDtypeStruct(A.shape, store),
-        compiler_params=compiler_params(num_warps=INVERSE_WARPS, num_stages=1), interpret=interpret,
-        name="lineattn_inverse",
     )(A)
 
 
@@ -644,11 +596,6 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     if not delta:
         return (qin, kg, None, None, m, dend) + ((None, None, *gate) if save else ())
     # (A is final here: after the exact fix-up where there is one)
-    if inverse_in_pass and INVERSE_IMPL == "triton":
-        R = inverse_chunks(A, C=C, store=store, interpret=interpret)
-        return (qin, kg, R, kin[0] if kin else None, m, dend) + ((G,) if row_gate else ())
-    if INVERSE_IMPL not in ("mosaic", "triton"):
-        raise ValueError(f"chunk_fwd.INVERSE_IMPL must be 'mosaic' or 'triton', got {INVERSE_IMPL!r}")
     diag_inverse = min(DIAG_INVERSE_BLOCK, C) if DIAG_INVERSE and not save else 0
     if diag_inverse:
         A = invert_diagonal_blocks(A, C=C, interpret=interpret, block=diag_inverse)
