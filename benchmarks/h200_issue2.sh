@@ -83,10 +83,14 @@
 #     benchmarks/ab_pallas_kda.py --out $OUT --configs "default;chunk_fwd.SOLVE_IMPL=triton"
 #   Run33 (session 31): the whole GPU suite passed (109 tests); the Gram kernel's K tiles in a fori_loop pipelined two
 #   deep (chunk_fwd.GRAM_TILE_LOOP, GRAM_STAGES): 0.70 ms against 0.73, the default since; GDN's M formed inside the
-#   state pass: slower (reverted). Next, the same loop in the backward's kernels (opt-in until timed):
-#     SKIP_TESTS=1 PROFILE=1 PROFILE_ARGS="--impls lineattn --check --configs default;chunk_bwd.GRADS_BK=64+
-#       chunk_bwd.GRADS_TILE_LOOP=True+chunk_bwd.GRADS_STAGES=2;chunk_bwd.WY_TILE_LOOP=True+chunk_bwd.WY_STAGES=2"
-#     (one argument: no spaces or line breaks inside --configs' value)
+#   state pass: slower (reverted).
+#   Run34 (session 32): the same loop in the WY backward, pipelined three deep (chunk_bwd.WY_TILE_LOOP, WY_STAGES):
+#   0.480 ms against 0.529, the default since; in the Gram gradients (K tiles of 64) slower, 1.65-1.69 against 1.31
+#   (removed); R = (I + A)^-1 by one Triton kernel a chunk (block forward substitution) no faster than the inversion
+#   and Mosaic inverse it replaced, 0.146 ms with bf16x3 products against 0.145 (reverted: 2c7d932, 1fee734). The
+#   sweep was one call with two profiles, each with its own --out (one --configs argument: no spaces inside):
+#     export PYTHONPATH=$PWD/.site:$PWD; python3 benchmarks/profile_pallas_kda.py --out $OUT/kda --impls lineattn
+#       --check --configs "default;chunk_bwd.WY_TILE_LOOP=True+chunk_bwd.WY_STAGES=3"
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
 #   --rule gdn for Gated DeltaNet, e.g. PROFILE_ARGS='--rule gdn --check --configs default;api.SCALAR_GATE=1')

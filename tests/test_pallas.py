@@ -626,35 +626,8 @@ def test_gram_tile_loop_gives_the_unrolled_numbers():
                                           err_msg=f"{name}, K tile {bk}")
 
 
-def test_gram_gradient_tile_loop_gives_the_unrolled_numbers():
-    # `chunk_bwd.GRADS_TILE_LOOP` (opt-in, for H200 sweeps): the Gram gradients' fast-path kernel over K tiles of 64
-    # in a `fori_loop` gives the unrolled kernel's dq, dk, dG and column sums bit for bit (two chunks, K = 128, bf16 q,
-    # k, gates in (-5, 0): no chunk flagged for the exact rewrite).
-    from lineattn.ops.pallas import chunk_bwd, chunk_fwd, tuning
-    rng = np.random.default_rng(24)
-    B, Tp, H, K, C = 1, 128, 2, 128, 64
-    q, k = (jnp.asarray(rng.standard_normal((B, Tp, H, K)) / np.sqrt(K), jnp.bfloat16) for _ in range(2))
-    G, _, spreads = chunk_fwd.gate_cumsum(-jnp.asarray(rng.uniform(0, 5, (B, Tp, H, K)), jnp.float32), C=C, K=K,
-                                          interpret=True, spreads=True)
-    lower = np.tril(np.ones((C, C)), -1)
-    dM, dKK = (jnp.asarray(rng.standard_normal((B, H, Tp, C)) * np.tile(lower, (Tp // C, 1)), jnp.float32)
-               for _ in range(2))
-    dQin, dKg, dKin = (jnp.asarray(rng.standard_normal((B, H, Tp, K)), jnp.float32) for _ in range(3))
-    grads = lambda: chunk_bwd.gram_grads_fused(q, k, G, dM, dKK, dQin, dKg, dKin, C=C, scale=K**-0.5, exact=False,
-                                               interpret=True, bk=64, spreads=spreads)
-    forms = {}
-    for loop in (True, False):  # (override clears JAX's caches: each setting traced afresh)
-        with tuning.override({"chunk_bwd.GRADS_TILE_LOOP": loop}):
-            forms[loop] = (grads(), str(jax.make_jaxpr(grads)()))
-    assert forms[True][1].count("dot_general") < forms[False][1].count("dot_general")  # (the loop's body once)
-    assert float(jnp.max(jnp.abs(forms[False][0][0].astype(jnp.float32)))) > 0.01
-    for name, x, y in zip(("dq", "dk", "dG", "column sums"), forms[True][0], forms[False][0]):
-        np.testing.assert_array_equal(np.asarray(x.astype(jnp.float32)), np.asarray(y.astype(jnp.float32)),
-                                      err_msg=name)
-
-
 def test_wy_backward_tile_loop_gives_the_unrolled_numbers():
-    # `chunk_bwd.WY_TILE_LOOP` (opt-in, for H200 sweeps): the WY backward's V and K tiles (WY_BT = 32 of 64 here) in
+    # `chunk_bwd.WY_TILE_LOOP` (the default since run34a): the WY backward's V and K tiles (WY_BT = 32 of 64 here) in
     # `fori_loop`s give the unrolled kernel's gradients bit for bit (KDA, bf16, T = 100 ragged, a non-zero h0).
     from lineattn.ops.pallas import tuning
     x = make_inputs("kda", B=1, T=100, H=2, K=64, V=64, seed=25)

@@ -61,11 +61,12 @@ GRADS_WARPS, WY_WARPS, CHUNK_GRADS_WARPS, DG_WARPS, DG_BK = 4, 4, 4, 2, 64
 WY_BT, CHUNK_GRADS_BK, CHUNK_GRADS_BV = 64, 64, 128
 # The Gram gradients' K tile (run10b, 8 x 4096: 1.87 ms with 128 against 2.05 with 64 and 3.18 with 32).
 GRADS_BK = 128
-# GRADS_TILE_LOOP, GRADS_STAGES: the Gram gradients' fast-path kernel ("lineattn_gram_bwd_combine" with GRADS_SPLIT)
-# over its K tiles (GRADS_BK < K) in a `fori_loop` that Triton pipelines to GRADS_STAGES, as the forward's Gram kernel
-# (`chunk_fwd.GRAM_TILE_LOOP`); WY_TILE_LOOP, WY_STAGES the same for the WY backward's V and K tiles (WY_BT). Not yet
-# timed on the H200: off. Read when traced.
-GRADS_TILE_LOOP, GRADS_STAGES, WY_TILE_LOOP, WY_STAGES = False, 1, False, 1
+# WY_TILE_LOOP, WY_STAGES: the WY backward's V and K tiles (WY_BT) in a `fori_loop` that Triton pipelines to
+# WY_STAGES, as the forward's Gram kernel (`chunk_fwd.GRAM_TILE_LOOP`). Read when traced. H200, KDA 8 x 4096 (run34a,
+# kernel time): 0.480 ms with 3 stages against 0.514 with 2 and 0.529 unrolled; forward+backward kernels 4.357
+# against 4.406; errors unchanged (o 3.3e-3, dg 5.7e-3). The same loop over the Gram gradients' K tiles of 64 took
+# 1.646-1.685 ms against 1.311 for the default's one tile of 128 (run34a; removed, history 09163ea).
+WY_TILE_LOOP, WY_STAGES = True, 3
 # GRADS_SPLIT: the Gram-gradient kernel without its exact path (every block on the fast path), then a second
 # kernel that rewrites by the exact path the chunks the gate-cumsum kernel flags beyond LIMIT (as the forward's
 # GRAM_IMPL "triton-fast"). Read when a call is traced; applies where the forward's Gram stage is split too (its
@@ -280,7 +281,7 @@ def _gram_bwd_kernel(*refs, C, scale, prec, bk, delta=True, paths="both"):
             emit(d, *path(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, scale=scale, prec=prec))
             return carry
 
-        common.over_tiles(K // bk, bk, tile, 0, loop=GRADS_TILE_LOOP and paths == "fast")
+        common.over_tiles(K // bk, bk, tile, 0)
 
     if paths == "exact":  # one program per chunk: its four blocks in turn, where the chunk is flagged
         def each_block(a, carry):
@@ -326,7 +327,7 @@ def gram_grads_fused(q, k, G, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, inte
             functools.partial(_gram_bwd_kernel, C=C, scale=scale, prec=prec, bk=min(bk, K), delta=delta, paths=paths),
             grid=grid, in_specs=in_specs + (out_specs if fast else []), out_specs=out_specs, out_shape=out_shape,
             input_output_aliases={9 + i: i for i in range(len(fast))}, interpret=interpret, name=name,
-            compiler_params=compiler_params(num_warps=warps, num_stages=GRADS_STAGES if paths == "fast" else 1),
+            compiler_params=compiler_params(num_warps=warps, num_stages=1),
         )(*([] if flags is None else [flags]), *args, *fast)
 
     if spreads is None:
