@@ -67,9 +67,6 @@ GRADS_BK = 128
 # against 4.406; errors unchanged (o 3.3e-3, dg 5.7e-3). The same loop over the Gram gradients' K tiles of 64 took
 # 1.646-1.685 ms against 1.311 for the default's one tile of 128 (run34a; removed, history 09163ea).
 WY_TILE_LOOP, WY_STAGES = True, 3
-# CHUNK_GRADS_TILE_LOOP, CHUNK_GRADS_STAGES: the same for the chunk gradients' K tiles (CHUNK_GRADS_BK). Not yet timed
-# on the H200: off. Read when traced.
-CHUNK_GRADS_TILE_LOOP, CHUNK_GRADS_STAGES = False, 1
 # GRADS_SPLIT: the Gram-gradient kernel without its exact path (every block on the fast path), then a second
 # kernel that rewrites by the exact path the chunks the gate-cumsum kernel flags beyond LIMIT (as the forward's
 # GRAM_IMPL "triton-fast"). Read when a call is traced; applies where the forward's Gram stage is split too (its
@@ -604,21 +601,22 @@ def _reverse_ds_kernel(qin_ref, kg_ref, w_ref, m_ref, dend_ref, do_ref, dht_ref,
 
 
 def _chunk_grads_kernel(e_ref, s0_ref, ds_ref, do_ref, du_ref, dqin_ref, dm_ref, dkg_ref, dw_ref, ddend_ref, *, C, prec,
-                        delta, bk, bv, loop=False):
+                        delta, bk, bv):
     # [C, bk] accumulators per K tile over V tiles of bv (a chunk's whole [C, K] fp32 cotangents at once spilled
-    # registers: 5.0 ms at 8 x 4096 x 16 x 128 on the H200, 2026-12-01 profile); loop: the K tiles in a `fori_loop`
-    # (CHUNK_GRADS_TILE_LOOP)
+    # registers: 5.0 ms at 8 x 4096 x 16 x 128 on the H200, 2026-12-01 profile)
     K, V = s0_ref.shape
-    value_tiles = [pl.ds(c * bv, bv) for c in range(V // bv)]
-    # (the tiles in their stored dtype, bf16 for bf16 inputs: the products take them so, and fp32 copies of the four
-    # [C, bv] / [bk, bv] tiles spilled registers, run17b)
-    dM = functools.reduce(jnp.add, [dot(do_ref[:, e], e_ref[:, e], prec, trans_b=True) for e in value_tiles])
-
-    def key_tile(d, carry):
+    dM = jnp.zeros((C, C), f32)
+    for t in range(K // bk):
+        d = pl.ds(t * bk, bk)
         dqin, dkg, dw = (jnp.zeros((C, bk), f32) for _ in range(3))
         dd = jnp.zeros((bk,), f32)
-        for e in value_tiles:
+        for c in range(V // bv):
+            e = pl.ds(c * bv, bv)
+            # in their stored dtype (bf16 for bf16 inputs): the products take them so, and fp32 copies of the
+            # four [C, bv] / [bk, bv] tiles spilled registers (run17b)
             dO, E, S0, dS = do_ref[:, e], e_ref[:, e], s0_ref[d, e], ds_ref[d, e]
+            if t == 0:
+                dM = dM + dot(dO, E, prec, trans_b=True)
             dqin = dqin + dot(dO, S0, prec, trans_b=True)
             dkg = dkg + dot(E, dS, prec, trans_b=True)
             if delta:
@@ -629,9 +627,6 @@ def _chunk_grads_kernel(e_ref, s0_ref, ds_ref, do_ref, du_ref, dqin_ref, dm_ref,
         if delta:
             dw_ref[:, d] = dw.astype(dw_ref.dtype)
         ddend_ref[d] = dd
-        return carry
-
-    common.over_tiles(K // bk, bk, key_tile, 0, loop)
     dm_ref[...] = jnp.where(_iota((C, C), 1) <= _iota((C, C), 0), dM, 0.0).astype(dm_ref.dtype)  # M: lower
 
 
@@ -707,8 +702,7 @@ def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None,
     chunk = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
     kv = pl.BlockSpec((None, None, K, V), lambda b, h, n: (b, h, n, 0))
     dqin, dm, dkg, dw, ddend = pallas_call(
-        functools.partial(_chunk_grads_kernel, C=C, prec=prec, delta=delta, bk=min(bk, K), bv=min(bv, V),
-                          loop=CHUNK_GRADS_TILE_LOOP),
+        functools.partial(_chunk_grads_kernel, C=C, prec=prec, delta=delta, bk=min(bk, K), bv=min(bv, V)),
         grid=(B, H, N),
         in_specs=[chunk(V), kv, kv, pl.BlockSpec((None, C, None, V), lambda b, h, n: (b, n, h, 0)), chunk(V)],
         out_specs=[chunk(K), chunk(C), chunk(K), chunk(K), pl.BlockSpec((None, None, K, None),
@@ -716,8 +710,8 @@ def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None,
         out_shape=[jax.ShapeDtypeStruct((B, H, Tp, K), cot_dt), jax.ShapeDtypeStruct((B, H, Tp, C), cot_dt),
                    jax.ShapeDtypeStruct((B, H, Tp, K), cot_dt), jax.ShapeDtypeStruct((B, H, Tp, K), wy_dt),
                    jax.ShapeDtypeStruct((B, H, K, N), f32)],
-        compiler_params=compiler_params(num_warps=warps or CHUNK_GRADS_WARPS, num_stages=CHUNK_GRADS_STAGES),
-        interpret=interpret, name="lineattn_chunk_bwd_chunk_grads",
+        compiler_params=compiler_params(num_warps=warps or CHUNK_GRADS_WARPS, num_stages=1), interpret=interpret,
+        name="lineattn_chunk_bwd_chunk_grads",
     )(E, s0, ds, do, du)
     chunked = lambda x: x.reshape(B, H, N, C, x.shape[-1])
     cot = ChunkTerms(chunked(dqin), chunked(dm), chunked(dkg), jnp.swapaxes(ddend, -1, -2), chunked(du),
