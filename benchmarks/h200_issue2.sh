@@ -87,7 +87,8 @@
 #   Run34 (session 32): the same loop in the WY backward, pipelined three deep (chunk_bwd.WY_TILE_LOOP, WY_STAGES):
 #   0.480 ms against 0.529, the default since; in the Gram gradients (K tiles of 64) slower, 1.65-1.69 against 1.31
 #   (removed); R = (I + A)^-1 by one Triton kernel a chunk (block forward substitution) no faster than the inversion
-#   and Mosaic inverse it replaced, 0.146 ms with bf16x3 products against 0.145 (reverted: 2c7d932, 1fee734). The
+#   and Mosaic inverse it replaced, 0.146 ms with bf16x3 products against 0.145 (reverted: 2c7d932, 1fee734); the chunk
+#   gradients' K tiles looped, 0.497 ms against 0.505 (noise; reverted), the Gram kernel three deep 1.115 (run34d). The
 #   sweep was one call with two profiles, each with its own --out (one --configs argument: no spaces inside):
 #     export PYTHONPATH=$PWD/.site:$PWD; python3 benchmarks/profile_pallas_kda.py --out $OUT/kda --impls lineattn
 #       --check --configs "default;chunk_bwd.WY_TILE_LOOP=True+chunk_bwd.WY_STAGES=3"

@@ -98,6 +98,7 @@ def keys_toward(k, G, Gr, limit=LIMIT):
 # next tile's loads issued during this tile's math). Read when traced. H200, KDA 8 x 4096 (run33e): the Gram kernel
 # 0.701 ms against 0.732 unrolled (0.726 looped without pipelining; K tile 32 0.817, 4 warps 1.130), forward kernels
 # 1.231 against 1.262; o and the five gradients' errors against the fp32 XLA chunk form unchanged (o 3.3e-3, dg 5.7e-3).
+# Three deep: 1.115 ms (run34d).
 GRAM_TILE_LOOP, GRAM_STAGES = True, 2
 
 
@@ -298,7 +299,9 @@ DIAG_INVERSE = True
 # two 16 x 16 fp32 products; the solve's doubling then runs one level). Read when traced. H200, 8 x 4096 (run30b):
 # the inversion kernel 0.062 ms against 0.041 with 16; `solve_mgpu.inverse_mosaic` 0.081 against 0.152, the Mosaic
 # solve 0.231 against 0.256; forward kernels GDN 0.599 against 0.649, KDA 1.324 (1.378 with INVERSE_IN_PASS off,
-# 1.383 with 16 as well).
+# 1.383 with 16 as well). The whole R of a forward alone by one Triton kernel a chunk instead (block forward
+# substitution on 16 x 16 blocks) took 0.146 ms with bf16x3 products against 0.062 + 0.083 here (run34a; reverted,
+# history 2c7d932).
 DIAG_INVERSE_BLOCK = 32
 # DIAG_INVERSE_WARPS: the inversion kernel's warps a block (read when traced). H200, KDA 8 x 4096 (run33d): 32 x 32
 # blocks 0.062 ms with 1, 0.143 with 2, 0.158 with 4; 16 x 16 blocks on 2 warps 0.121 (0.041 on 1, run30b).
