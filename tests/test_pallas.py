@@ -548,6 +548,16 @@ def test_pallas_segmented_state_passes(rule, monkeypatch):
     assert "lineattn_chunk_state_pass_local" not in grad_jaxpr(rule, inputs, chunk_size=16, backend="pallas")
     o0, ht0, grads0 = loss_and_grads(rule, inputs, backend="pallas", chunk_size=16)
     assert_close({"o": o, "ht": ht, **grads}, {"o": o0, "ht": ht0, **grads0}, 1e-5, f"{rule}/maps from the forward")
+    # "always": a forward alone in segments too (its zero-start pass and `segment_starts`), the unsegmented one's o
+    # and final state to 1e-5 in fp32
+    forward = lambda: ops.linear_attention(rule, *(inputs[n] for n in ("q", "k", "v", "g", "beta")), chunk_size=16,
+                                           initial_state=inputs["initial_state"], output_final_state=True,
+                                           backend="pallas")
+    unsegmented = forward()
+    monkeypatch.setattr(chunk_fwd, "PASS_SEGMENTS", "always")
+    assert "lineattn_chunk_state_pass_local" in str(jax.make_jaxpr(forward)())
+    assert_close(dict(zip(("o", "ht"), forward())), dict(zip(("o", "ht"), unsegmented)), 1e-5,
+                 f"{rule}/forward alone in segments")
     monkeypatch.setattr(chunk_fwd, "PASS_SEGMENTS", "sometimes")
     with pytest.raises(ValueError, match="PASS_SEGMENTS"):
         chunk_fwd.pass_segments(2, 8, 32, True, False)

@@ -758,8 +758,10 @@ def mosaic_pass(dtype, delta: bool, C: int, K: int, V: int, BV: int, exporting: 
 # pass per segment over V + K columns, then a chain in XLA) gives each segment's true start and its map, and the
 # backward's zero-start reverse pass then needs V columns only, taking the maps from here (transposed): the K
 # extra columns are paid once. "always" also segments a forward that saves nothing (at 1 x 32768 in run13a its
-# kernels took 0.34 + 0.35 ms against 0.80, the call no faster: 2.469 against 2.471 ms); "never" turns it off.
-# Read when a call is traced; not with export_chunks.
+# kernels took 0.34 + 0.35 ms against 0.80, the call no faster: 2.469 against 2.471 ms; GDN at 1 x 32768 in run34e-f,
+# with the Mosaic zero-start and state passes: forward kernels 0.964 ms against 1.308, the profiler loop's wall clock
+# 1.295 against 1.570, where the unsegmented Triton pass took 0.785 ms: not yet a default, for want of a bench and
+# GPU tests of it); "never" turns it off. Read when a call is traced; not with export_chunks.
 PASS_SEGMENTS = "save"
 
 
