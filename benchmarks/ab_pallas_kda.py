@@ -1,13 +1,14 @@
-"""A/B wall clock of lineattn's Pallas KDA under several configurations, interleaved in one process.
+"""A/B wall clock of lineattn's Pallas KDA (or GDN) under several configurations, interleaved in one process.
 
     python benchmarks/ab_pallas_kda.py --out $OUT --configs "default;chunk_fwd.SOLVE_IMPL=triton" \
-        [--shapes 8x4096,1x32768] [--rounds 3] [--iters 10]
+        [--rule gdn] [--shapes 8x4096,1x32768] [--rounds 3] [--iters 10]
 
 The same timing as bench_pallas_kda.py (median of --iters calls, each followed by `block_until_ready`: dispatch
 and launch overheads included), but every configuration (module constants of `lineattn.ops.pallas`, as
 profile_pallas_kda.py's --configs) is compiled ahead of time and the configurations are timed in turn for
 --rounds rounds, so that a difference between them is not drift of the machine. Writes
-<out>/<date>-h200-kda-ab.json: a list of {"shape", "config", "mode", "ms" (median over rounds), "rounds_ms"}.
+<out>/<date>-h200-<rule>-ab.json: a list of {"shape", "config", "mode", "ms" (median over rounds), "rounds_ms"}.
+GDN (--rule gdn) takes the same inputs with the gate's first channel as its head gate, as bench_pallas_kda.py.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ from lineattn.ops.pallas import tuning  # noqa: E402
 H, K, V = 16, 128, 128
 
 
-def compiled_pair(args, do):
-    """AOT-compiled forward and forward+backward of `ops.chunk_kda(backend="pallas")` under the current
-    constants (a compiled executable keeps them after the constants are restored)."""
-    f = lambda *xs: ops.chunk_kda(*xs, backend="pallas")[0]
+def compiled_pair(rule, args, do):
+    """AOT-compiled forward and forward+backward of `ops.linear_attention(rule, ..., backend="pallas")` under the
+    current constants (a compiled executable keeps them after the constants are restored)."""
+    f = lambda *xs: ops.linear_attention(rule, *xs, backend="pallas")[0]
     step = forward_backward(f, do)
     return {"fwd": jax.jit(f).lower(*args).compile(), "fwdbwd": jax.jit(step).lower(*args).compile()}
 
@@ -43,6 +44,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--configs", default="default;chunk_fwd.SOLVE_IMPL=triton")
+    p.add_argument("--rule", default="kda", choices=["kda", "gdn"])
     p.add_argument("--shapes", default="8x4096,1x32768")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
@@ -52,13 +54,15 @@ def main():
     for shape in a.shapes.split(","):
         B, T = map(int, shape.split("x"))
         x, _ = make_inputs(B, T, H, K, V, "bfloat16")
+        if a.rule == "gdn":
+            x["g"] = np.ascontiguousarray(x["g"][..., 0])
         args = [jnp.asarray(x[n], jnp.bfloat16) for n in "qkv"] + [jnp.asarray(x["g"]),
                                                                  jnp.asarray(x["beta"], jnp.bfloat16)]
         do = jnp.asarray(x["do"], jnp.float32)
         fns = {}
         for config in a.configs.split(";"):
             with tuning.override(tuning.parse(config)):
-                fns[config] = compiled_pair(args, do)
+                fns[config] = compiled_pair(a.rule, args, do)
         times = {(c, m): [] for c in fns for m in ("fwd", "fwdbwd")}
         for _ in range(a.rounds):
             for (config, mode), ts in times.items():
@@ -68,7 +72,7 @@ def main():
             records.append(rec)
             print(f"  {shape:8s} {mode:7s} {float(np.median(ts)):7.3f} ms  {config}  (rounds: "
                   + ", ".join(f"{t:.3f}" for t in ts) + ")", flush=True)
-    out = a.out / f"{datetime.date.today()}-h200-kda-ab.json"
+    out = a.out / f"{datetime.date.today()}-h200-{a.rule}-ab.json"
     out.write_text(json.dumps({"device": jax.devices()[0].device_kind, "versions": versions(),
                                "records": records}, indent=1))
 

@@ -126,6 +126,31 @@ def test_forward_alone_mosaic_pass_forms_head_dim_128(rule):
     assert all(_rel_rms(got[True, True][i], one_warpgroup[i]) <= 1e-6 for i in range(2))
 
 
+@pytest.mark.parametrize("rule", ["gdn", "kda"])
+def test_forward_alone_in_segments_head_dim_128(rule):
+    # `chunk_fwd.PASS_SEGMENTS = "always"` (opt-in; run34f: GDN's forward kernels at 1 x 32768 0.964 ms against
+    # 1.308): a forward alone on few (batch, head) pairs (B = 1, H = 16; the Mosaic forms of a forward alone need 64)
+    # runs its state pass in 8 segments of 8 chunks (the Mosaic zero-start pass, then the state pass from each
+    # segment's true start) instead of one unsegmented pass. T = 4093 (ragged), K = V = 128, bf16, a non-zero h0: o
+    # and the final state within FLA's bounds of the XLA chunk form in fp32 and within 1.5e-3 of the unsegmented
+    # forward (the default "save" segments only a forward that saves for the backward).
+    bf16, rounded = _bf16_and_rounded(make_inputs(rule, B=1, T=4096 - 3, H=16, K=128, V=128, seed=15))
+    fwd = jax.jit(lambda x: ops.linear_attention(rule, x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                                 initial_state=x["initial_state"], output_final_state=True,
+                                                 backend="pallas"))
+    want = ops.linear_attention(rule, rounded["q"], rounded["k"], rounded["v"], rounded["g"], rounded["beta"],
+                                initial_state=rounded["initial_state"], output_final_state=True, backend="chunk")
+    assert "lineattn_zero_start_pass_mosaic" not in str(jax.make_jaxpr(fwd)(bf16))
+    unsegmented = fwd(bf16)
+    with tuning.override({"chunk_fwd.PASS_SEGMENTS": "always"}):
+        assert "lineattn_zero_start_pass_mosaic" in str(jax.make_jaxpr(fwd)(bf16))
+        got = fwd(bf16)
+    errors = {n: _rel_rms(got[i], want[i]) for i, n in enumerate(("o", "ht"))}
+    print(rule, "forward alone in segments", {n: f"{e:.1e}" for n, e in errors.items()})
+    assert all(e <= RMS[n] for n, e in errors.items()), errors
+    assert all(_rel_rms(got[i], unsegmented[i]) <= 1.5e-3 for i in range(2))
+
+
 @pytest.mark.parametrize("B,v_fastest,variant", [(8, False, {}), (64, False, {}), (64, True, {}),
                                                  (64, True, dict(readout="updated"))])
 def test_decode_step_head_dim_128(B, v_fastest, variant):
