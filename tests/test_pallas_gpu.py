@@ -94,6 +94,15 @@ def test_pallas_mosaic_state_passes_head_dim_128(rule, B, T):
     assert all(errors[n] <= RMS[n] for n in errors), errors
 
 
+def _forward_alone(rule, rounded):
+    """The jitted Pallas forward alone, x -> (o, final state), and its reference: the XLA chunk form in fp32 on the
+    rounded inputs."""
+    forward = lambda x, backend: ops.linear_attention(rule, x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                                      initial_state=x["initial_state"], output_final_state=True,
+                                                      backend=backend)
+    return jax.jit(lambda x: forward(x, "pallas")), forward(rounded, "chunk")
+
+
 @pytest.mark.parametrize("rule", ["gdn", "kda"])
 def test_forward_alone_mosaic_pass_forms_head_dim_128(rule):
     # A forward alone (no gradient) with V tiles of 64 on the Mosaic state pass, with the defaults: the pass applies
@@ -104,11 +113,7 @@ def test_forward_alone_mosaic_pass_forms_head_dim_128(rule):
     # (`state_mgpu.PASS_WARPGROUPS`); the defaults also as 256 CTAs of one, which must give the same o and state to
     # 1e-6 (the same products in the same order; a race between the warpgroups would show here).
     bf16, rounded = _bf16_and_rounded(make_inputs(rule, B=4, T=1024 - 3, H=32, K=128, V=128, seed=14))
-    fwd = jax.jit(lambda x: ops.linear_attention(rule, x["q"], x["k"], x["v"], x["g"], x["beta"],
-                                                 initial_state=x["initial_state"], output_final_state=True,
-                                                 backend="pallas"))
-    want = ops.linear_attention(rule, rounded["q"], rounded["k"], rounded["v"], rounded["g"], rounded["beta"],
-                                initial_state=rounded["initial_state"], output_final_state=True, backend="chunk")
+    fwd, want = _forward_alone(rule, rounded)
     text = str(jax.make_jaxpr(fwd)(bf16))
     assert "lineattn_state_pass_mosaic" in text and "lineattn_inverse_mosaic" in text
     got = {}
@@ -135,11 +140,7 @@ def test_forward_alone_in_segments_head_dim_128(rule):
     # and the final state within FLA's bounds of the XLA chunk form in fp32 and within 1.5e-3 of the unsegmented
     # forward (the default "save" segments only a forward that saves for the backward).
     bf16, rounded = _bf16_and_rounded(make_inputs(rule, B=1, T=4096 - 3, H=16, K=128, V=128, seed=15))
-    fwd = jax.jit(lambda x: ops.linear_attention(rule, x["q"], x["k"], x["v"], x["g"], x["beta"],
-                                                 initial_state=x["initial_state"], output_final_state=True,
-                                                 backend="pallas"))
-    want = ops.linear_attention(rule, rounded["q"], rounded["k"], rounded["v"], rounded["g"], rounded["beta"],
-                                initial_state=rounded["initial_state"], output_final_state=True, backend="chunk")
+    fwd, want = _forward_alone(rule, rounded)
     assert "lineattn_zero_start_pass_mosaic" not in str(jax.make_jaxpr(fwd)(bf16))
     unsegmented = fwd(bf16)
     with tuning.override({"chunk_fwd.PASS_SEGMENTS": "always"}):
