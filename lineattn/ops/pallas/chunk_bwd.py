@@ -277,11 +277,9 @@ def _gram_bwd_kernel(*refs, C, scale, prec, bk, delta=True, paths="both"):
             dG_ref[out, d] = dG
             r_ref[pl.ds(o0 // s, 1), d] = jnp.sum(kg_dkg, axis=0, keepdims=True)
 
-        def tile(d, carry):
+        for t in range(K // bk):
+            d = pl.ds(t * bk, bk)
             emit(d, *path(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, scale=scale, prec=prec))
-            return carry
-
-        common.over_tiles(K // bk, bk, tile, 0)
 
     if paths == "exact":  # one program per chunk: its four blocks in turn, where the chunk is flagged
         def each_block(a, carry):
