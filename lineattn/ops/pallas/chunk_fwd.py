@@ -753,16 +753,16 @@ def mosaic_pass(dtype, delta: bool, C: int, K: int, V: int, BV: int, exporting: 
     return PASS_IMPL == "auto" and fits and not interpret and hopper()
 
 
-# PASS_SEGMENTS: where the forward saves for the backward ("save", the default), a few long sequences (see
-# `segments.pick_segments`) run the state pass in segments of chunks side by side: `segment_starts` (a zero-start
-# pass per segment over V + K columns, then a chain in XLA) gives each segment's true start and its map, and the
-# backward's zero-start reverse pass then needs V columns only, taking the maps from here (transposed): the K
-# extra columns are paid once. "always" also segments a forward that saves nothing (at 1 x 32768 in run13a its
-# kernels took 0.34 + 0.35 ms against 0.80, the call no faster: 2.469 against 2.471 ms; GDN at 1 x 32768 in run34e-f,
-# with the Mosaic zero-start and state passes: forward kernels 0.964 ms against 1.308, the profiler loop's wall clock
-# 1.295 against 1.570, where the unsegmented Triton pass took 0.785 ms: not yet a default, for want of a bench and
-# GPU tests of it); "never" turns it off. Read when a call is traced; not with export_chunks.
-PASS_SEGMENTS = "save"
+# PASS_SEGMENTS: a few long sequences (see `segments.pick_segments`) run the forward's state pass in segments of
+# chunks side by side: `segment_starts` (a zero-start pass per segment over V + K columns, then a chain in XLA) gives
+# each segment's true start and its map, and where the forward saves for the backward, the backward's zero-start
+# reverse pass then needs V columns only, taking the maps from here (transposed): the K extra columns are paid once.
+# "always" (the default since run35a) segments a forward that saves nothing too: GDN at 1 x 32768, with the Mosaic
+# zero-start and state passes in place of the unsegmented Triton pass (0.785 ms of 1.308 of kernels, run34e-f), 1.233
+# ms a call against 1.539, KDA 1.910 against 2.173 (run35a A/B, 3 interleaved rounds; at 8 x 4096 the grid is large
+# enough unsegmented: no change). "save" segments only a forward that saves for the backward (the Triton passes gained
+# nothing in run13a: 2.469 against 2.471 ms), "never" none. Read when a call is traced; not with export_chunks.
+PASS_SEGMENTS = "always"
 
 
 # ZERO_START_IMPL: the segments' zero-start pass in the forward, "triton" (`_segment_end_kernel`), "mosaic"
