@@ -93,10 +93,11 @@
 #     export PYTHONPATH=$PWD/.site:$PWD; python3 benchmarks/profile_pallas_kda.py --out $OUT/kda --impls lineattn
 #       --check --configs "default;chunk_bwd.WY_TILE_LOOP=True+chunk_bwd.WY_STAGES=3"
 #   Run34e-f: GDN's forward alone at 1 x 32768 runs the unsegmented Triton pass (0.785 of 1.308 ms of kernels); in
-#   segments (chunk_fwd.PASS_SEGMENTS=always) 0.964 ms. Next: its GPU tests and A/B wall clocks, then the default:
+#   segments (chunk_fwd.PASS_SEGMENTS=always) 0.964 ms. Run35a: its GPU tests passed and the A/B gave GDN 1.233 ms a
+#   call against 1.539, KDA 1.910 against 2.173 (the default since); the one call was
 #     SKIP_BENCH=1 SHARDS=2 TEST_TIMEOUT=200 TESTS_K="in_segments" bash benchmarks/h200_issue2.sh; export
 #       PYTHONPATH=$PWD/.site:$PWD; for r in gdn kda; do python3 benchmarks/ab_pallas_kda.py --out $OUT --rule $r
-#       --shapes 1x32768 --configs "default;chunk_fwd.PASS_SEGMENTS=always"; done
+#       --shapes 1x32768,8x4096 --configs "default;chunk_fwd.PASS_SEGMENTS=always"; done
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
 #   --rule gdn for Gated DeltaNet, e.g. PROFILE_ARGS='--rule gdn --check --configs default;api.SCALAR_GATE=1')
