@@ -503,8 +503,8 @@ def test_pass_impl_auto_takes_the_mosaic_passes_where_they_fit(monkeypatch):
         x = dict(q=z, k=z, v=z, g=jnp.zeros((B, T, H, 128), jnp.float32),
                  beta=None if rule == "gla" else jnp.zeros((B, T, H), dtype))
         jaxpr = grad_jaxpr(rule, x, backend="pallas")
-        zero_start = "lineattn_zero_start_pass_mosaic" in jaxpr  # (a forward saving for the backward: in segments)
-        segmented = T == 1024 and api.BACKWARD == "kernels-saved"
+        zero_start = "lineattn_zero_start_pass_mosaic" in jaxpr
+        segmented = T == 1024  # (`chunk_fwd.PASS_SEGMENTS` "always": whether or not the forward saves)
         assert zero_start or ("lineattn_chunk_state_pass_local" in jaxpr) == segmented
         return "lineattn_state_pass_mosaic" in jaxpr, "lineattn_reverse_pass_mosaic" in jaxpr, zero_start
 
@@ -518,7 +518,7 @@ def test_pass_impl_auto_takes_the_mosaic_passes_where_they_fit(monkeypatch):
     monkeypatch.setattr(chunk_fwd, "ZERO_START_IMPL", "triton")
     assert passes("kda", 2, 32, T=1024) == (True, True, False)
     # the backward that recomputes its terms in fp32 ("kernels-mml2"): its passes stay Triton (run22b: in segments
-    # they raised for fp32 matrices), while its forward still takes the Mosaic pass
+    # they raised for fp32 matrices), while its forward still takes the Mosaic pass (in segments too)
     monkeypatch.setattr(api, "BACKWARD", "kernels-mml2")
     assert passes("kda", 2, 32, T=1024) == (True, False, False)
     assert passes("kda", 4, 32) == (True, False, False)
