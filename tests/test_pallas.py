@@ -400,6 +400,39 @@ def test_mosaic_pass_forms_of_a_forward_alone(rule):
             assert _rel_rms(got[key][i], got[False, False][i]) <= 1.5e-3, (key, name)
 
 
+@pytest.mark.parametrize("rule", ["gdn", "kda"])
+def test_mosaic_pass_forms_in_segments(rule, monkeypatch):
+    # `chunk_fwd.FORMS_IN_SEGMENTS`: a forward alone in segments (PASS_SEGMENTS "always"; 4 chunks in 2 segments of
+    # 2 here) takes the forms of `test_mosaic_pass_forms_of_a_forward_alone` (GDN: ROW_GATE and INVERSE_IN_PASS;
+    # KDA: INVERSE_IN_PASS) in its zero-start pass and its state pass, so its solve writes R alone. bf16, B = 1,
+    # T = 250 (ragged), H = 2, K = 64, V = 128, a non-zero h0, gates in (-0.05, 0) (so that the first segment's
+    # state reaches the second through its map), the Mosaic passes in their interpreter: o and the final state
+    # within FLA's 5e-3 of the fp32 form (CPU: GDN 3.4e-3 / 2.6e-3, KDA 3.6e-3 / 3.2e-3) and within 2.5e-3 of the
+    # same forms unsegmented (CPU: 2.0e-3 / 1.5e-3 and 2.0e-3 / 1.3e-3; the segments' chain sums in another order).
+    from lineattn.ops.pallas import chunk_fwd, segments, tuning
+    monkeypatch.setattr(segments, "MIN_SEGMENT_CHUNKS", 2)
+    assert segments.pick_segments(2, 4, 128) == 2
+    x = make_inputs(rule, B=1, T=250, H=2, K=64, V=128, seed=23, g_low=-0.05)
+    args = tuple(x[n].astype(jnp.bfloat16) for n in ("q", "k", "v")) + (x["g"], x["beta"].astype(jnp.bfloat16),
+                                                                          x["initial_state"])
+    fwd = lambda *a: chunk_fwd.forward(*a, scale=64**-0.5, interpret=True)
+    want = fwd(*(a.astype(jnp.float32) for a in args))
+    got = {}
+    for segmented in ("always", "never"):
+        with tuning.override({"chunk_fwd.PASS_IMPL": "mosaic", "chunk_fwd.ZERO_START_IMPL": "mosaic",
+                              "chunk_fwd.FORMS_IN_SEGMENTS": True, "chunk_fwd.PASS_SEGMENTS": segmented}):
+            got[segmented] = fwd(*args)
+            text = str(jax.make_jaxpr(fwd)(*args))
+        assert ("lineattn_zero_start_pass_mosaic" in text) == (segmented == "always")
+        assert "lineattn_inverse_mosaic" in text and "lineattn_chunk_solve_full" not in text
+        for i, name in enumerate(("o", "ht")):
+            assert _rel_rms(got[segmented][i], want[i]) <= 5e-3, (segmented, name)
+    for i, name in enumerate(("o", "ht")):
+        assert _rel_rms(got["always"][i], got["never"][i]) <= 2.5e-3, name
+    with tuning.override({"chunk_fwd.PASS_IMPL": "mosaic", "chunk_fwd.ZERO_START_IMPL": "mosaic"}):
+        assert "lineattn_inverse_mosaic" not in str(jax.make_jaxpr(fwd)(*args)), "opt-in"
+
+
 @pytest.mark.parametrize("form", ["plain", "raw_qk", "inverse", "raw_qk+inverse"])
 def test_mosaic_pass_two_warpgroups_equal_one(form):
     # `state_mgpu.state_pass_mosaic` as CTAs of two compute warpgroups (each on its own V tile of 64, a third issuing
@@ -430,7 +463,8 @@ def test_mosaic_pass_two_warpgroups_equal_one(form):
 
 def test_mosaic_pass_forms_reject_bad_arguments():
     # `state_mgpu.state_pass_mosaic`'s raw_qk and inverse forms: a ValueError naming the shapes for kept states, a
-    # wrong number of row factors, Kin given beside raw_qk's raw k, or no Kin without raw_qk.
+    # wrong number of row factors, Kin given beside raw_qk's raw k, or no Kin without raw_qk; the zero-start pass's
+    # kg_rows and inverse forms for a head-major k beside kg_rows, v head-major with inverse, or Kin beside the raw k.
     from lineattn.ops.pallas import state_mgpu
     q = k = jnp.zeros((2, 192, 2, 64), jnp.bfloat16)
     w, u, m = (jnp.zeros((2, 2, 192, n), jnp.bfloat16) for n in (64, 128, 64))
@@ -441,8 +475,15 @@ def test_mosaic_pass_forms_reject_bad_arguments():
            dict(inverse=(m, *rows), w=None, u=v)]  # (inverse: v [B, Tp, H, V]; w None only with raw_qk)
     for kwargs in bad:
         args = dict(w=w, u=u, out_dtype=jnp.bfloat16, interpret=True) | kwargs
-        with pytest.raises(ValueError, match="raw_qk and inverse take one segment"):
+        with pytest.raises(ValueError, match="raw_qk and inverse take no keep_dtype"):
             state_mgpu.state_pass_mosaic(q, k, args.pop("w"), args.pop("u"), m, dend, h0, **args)
+    start = jnp.zeros((2, 2, 1, 64, 128 + 64), jnp.float32)
+    for kg, w_, u_, kwargs in [(w, None, v, dict(kg_rows=rows[0], inverse=(m, *rows))),
+                               (k, None, u, dict(kg_rows=rows[0], inverse=(m, *rows))),
+                               (k, w, v, dict(kg_rows=rows[0], inverse=(m, *rows)))]:
+        with pytest.raises(ValueError, match="zero_start_pass_mosaic: kg .B, Tp, H, K. with kg_rows"):
+            state_mgpu.zero_start_pass_mosaic(kg, w_, u_, dend, start, value_tiles=2, block_v=64, interpret=True,
+                                              **kwargs)
     # two compute warpgroups: no kept states, a bf16 o, two V tiles a CTA
     for kwargs in [dict(keep_dtype=jnp.bfloat16), dict(out_dtype=jnp.float32), dict(u=u[..., :64], h0=h0[..., :64]),
                    dict(warpgroups=3)]:

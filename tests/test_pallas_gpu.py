@@ -131,23 +131,26 @@ def test_forward_alone_mosaic_pass_forms_head_dim_128(rule):
     assert all(_rel_rms(got[True, True][i], one_warpgroup[i]) <= 1e-6 for i in range(2))
 
 
-@pytest.mark.parametrize("rule", ["gdn", "kda"])
-def test_forward_alone_in_segments_head_dim_128(rule):
+@pytest.mark.parametrize("rule,forms", [("gdn", False), ("kda", False), ("gdn", True), ("kda", True)])
+def test_forward_alone_in_segments_head_dim_128(rule, forms):
     # `chunk_fwd.PASS_SEGMENTS = "always"` (the default since run35a; GDN at 1 x 32768 1.233 ms a call against 1.539):
     # a forward alone on few (batch, head) pairs (B = 1, H = 16; the Mosaic forms of a forward alone need 64) runs its
     # state pass in 8 segments of 8 chunks (the Mosaic zero-start pass, then the state pass from each segment's true
     # start) instead of one unsegmented pass ("save" segments only a forward that saves for the backward). T = 4093
     # (ragged), K = V = 128, bf16, a non-zero h0: o and the final state within FLA's bounds of the XLA chunk form in
-    # fp32 and within 1.5e-3 of the unsegmented forward.
+    # fp32 and within 1.5e-3 of the unsegmented forward. forms: with `chunk_fwd.FORMS_IN_SEGMENTS` (opt-in), the
+    # segments' zero-start pass and state pass in the forms of the unsegmented forward alone (no W, U written).
     bf16, rounded = _bf16_and_rounded(make_inputs(rule, B=1, T=4096 - 3, H=16, K=128, V=128, seed=15))
     fwd, want = _forward_alone(rule, rounded)
     with tuning.override({"chunk_fwd.PASS_SEGMENTS": "save"}):
         assert "lineattn_zero_start_pass_mosaic" not in str(jax.make_jaxpr(fwd)(bf16))
         unsegmented = fwd(bf16)
-    assert "lineattn_zero_start_pass_mosaic" in str(jax.make_jaxpr(fwd)(bf16))
-    got = fwd(bf16)
+    with tuning.override({"chunk_fwd.FORMS_IN_SEGMENTS": forms}):
+        text = str(jax.make_jaxpr(fwd)(bf16))
+        assert "lineattn_zero_start_pass_mosaic" in text and ("lineattn_inverse_mosaic" in text) == forms
+        got = fwd(bf16)
     errors = {n: _rel_rms(got[i], want[i]) for i, n in enumerate(("o", "ht"))}
-    print(rule, "forward alone in segments", {n: f"{e:.1e}" for n, e in errors.items()})
+    print(rule, "forward alone in segments", "(forms)" * forms, {n: f"{e:.1e}" for n, e in errors.items()})
     assert all(e <= RMS[n] for n, e in errors.items()), errors
     assert all(_rel_rms(got[i], unsegmented[i]) <= 1.5e-3 for i in range(2))
 

@@ -87,6 +87,26 @@ def test_mosaic_zero_start_pass_lowers_for_sm90(fake_h200, monkeypatch):
     assert text.count("__gpu$xla.gpu.triton") == 5 + 6 + 1
 
 
+@pytest.mark.parametrize("head_gate", [False, True])
+def test_forward_alone_forms_in_segments_lower_for_sm90(fake_h200, monkeypatch, head_gate):
+    # `chunk_fwd.FORMS_IN_SEGMENTS` on a Hopper GPU (faked): a forward alone on few long sequences (B = 1, T = 4096,
+    # H = 16: 8 segments of 8 chunks, V tiles of 64) runs the zero-start and state passes in the forms that need no W,
+    # U (KDA: the inverse form; GDN: that and the raw q, k), lowered for the GPU; off, the solve forms W and U.
+    from lineattn.ops.pallas import chunk_fwd, segments
+    monkeypatch.setattr(chunk_fwd, "hopper", lambda: True)
+    B, T, H, K, V = 1, 4096, 16, 128, 128
+    assert segments.pick_segments(B * H, T // 64, V) == 8
+    args = (S((B, T, H, K), jnp.bfloat16), S((B, T, H, K), jnp.bfloat16), S((B, T, H, V), jnp.bfloat16),
+            S((B, T, H) if head_gate else (B, T, H, K), jnp.float32), S((B, T, H), jnp.bfloat16),
+            S((B, H, K, V), jnp.float32))
+    for forms in (False, True):
+        monkeypatch.setattr(chunk_fwd, "FORMS_IN_SEGMENTS", forms)
+        forward = jax.jit(lambda *a: chunk_pallas(*a, K**-0.5, 64, False, "kernels-saved"))  # (traced anew)
+        text = forward.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "lineattn_zero_start_pass_mosaic" in text and "lineattn_state_pass_mosaic" in text
+        assert ("lineattn_inverse_mosaic" in text) == forms and ("lineattn_solve_mosaic" in text) == (not forms)
+
+
 @pytest.mark.parametrize("v_fastest,variant", [(False, {}), (True, {}), (True, dict(readout="updated"))])
 def test_decode_kernel_lowers_for_sm90(fake_h200, v_fastest, variant):
     B, T, H, K, V = 4, 2, 2, 128, 128

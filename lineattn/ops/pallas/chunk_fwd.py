@@ -666,19 +666,24 @@ def _segment_end_kernel(kg_ref, w_ref, u_ref, dend_ref, end_ref, *, C, N, prec, 
     end_ref[...] = jax.lax.fori_loop(0, N, body, S)
 
 
-def segment_starts(kg, w, u, dend, h0, *, C: int, nseg: int, BV: int, prec: str, delta: bool, interpret: bool):
+def segment_starts(kg, w, u, dend, h0, *, C: int, nseg: int, BV: int, prec: str, delta: bool, interpret: bool,
+                   kg_rows=None, inverse=None):
     """(every segment's true start [B, H, nseg, K, V] fp32, the segments' transposed maps PT [B, H, nseg, K, K])
     of the state pass over kg, w [B, H, Tp, K], u [B, H, Tp, V], dend = e^(G_C) [B, H, K, N] from h0 [B, H, K, V]:
     `_segment_end_kernel` on every segment at once (column tiles of min(BV, K): V's for the offsets, then K's for
-    the maps), then `segments.chain` in fp32. PT is what the backward's reverse pass takes (`chunk_bwd`)."""
+    the maps), then `segments.chain` in fp32. PT is what the backward's reverse pass takes (`chunk_bwd`). kg_rows,
+    inverse: the forms of a forward alone (`state_mgpu.zero_start_pass_mosaic`'s; its Mosaic kernel only)."""
     B, H, K, V = h0.shape
-    Tp, N = kg.shape[2], dend.shape[-1]
+    N = dend.shape[-1]
+    Tp = N * C
     BQ = min(BV, K)
     NQ = V // BQ
     if mosaic_zero_start(kg.dtype, delta, C, K, V, BQ, interpret):
         ends = state_mgpu.zero_start_pass_mosaic(kg, w, u, jnp.swapaxes(dend, -1, -2),
                                                  segments.zero_starts(B, H, nseg, K, V, K), value_tiles=NQ,
-                                                 block_v=BQ, interpret=interpret)
+                                                 block_v=BQ, kg_rows=kg_rows, inverse=inverse, interpret=interpret)
+    elif kg_rows is not None or inverse is not None:
+        raise ValueError("segment_starts: kg_rows and inverse take the Mosaic zero-start pass (ZERO_START_IMPL)")
     else:
         whole, _, state, _, kn, _ = segments.block_specs(Tp, N, K, nseg, BQ)
         u_tile = pl.BlockSpec((None, None, Tp // nseg, BQ), lambda b, h, s, j: (b, h, s, jnp.minimum(j, NQ - 1)))
@@ -738,6 +743,10 @@ ROW_GATE = True
 # pass 0.270 against 0.207: 1.379 against 1.381, no gain. With 32 x 32 blocks (run30b) the inverse takes 0.081
 # against the solve's 0.231: KDA forward kernels 1.324 against 1.378.
 INVERSE_IN_PASS = True
+# FORMS_IN_SEGMENTS: a forward alone in segments (PASS_SEGMENTS) takes those two forms too, its zero-start pass
+# (`state_mgpu.zero_start_pass_mosaic`'s kg_rows and inverse) and state pass alike; off, it takes the pass over Qin,
+# Kg, W and U, which its solve forms and writes. Opt-in until timed on the H200; read when traced.
+FORMS_IN_SEGMENTS = False
 
 
 def mosaic_pass(dtype, delta: bool, C: int, K: int, V: int, BV: int, exporting: bool, keep_dtype,
@@ -871,7 +880,9 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
 
     nseg = pass_segments(B * H, N, V, save, bool(export_chunks))
     BV = block_v or pick_block_v(B * H * nseg, V)
-    fused = (delta and not save and not only_intra and nseg == 1
+    segmented_forms = nseg == 1 or (FORMS_IN_SEGMENTS and mosaic_zero_start(store, delta, C, K, V, min(BV, K),
+                                                                           interpret))
+    fused = (delta and not save and not only_intra and segmented_forms
              and mosaic_pass(store, delta, C, K, V, BV, bool(export_chunks), None, interpret))
     row_gate = ROW_GATE and scalar and fused
     inverse_in_pass = INVERSE_IN_PASS and fused and (row_gate or not scalar)
@@ -894,10 +905,15 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
             beta_ = beta.astype(f32)
             inverse = (w, *by_row(beta_, beta_ * eG)) if row_gate else (w, *by_row(beta_), None)  # (b = a)
             w, u = u, v
+        starts = h0.astype(f32)
+        if nseg > 1:
+            starts, _ = segment_starts(k if row_gate else kg, w, u, dend, h0, C=C, nseg=nseg, BV=BV, prec="bf16",
+                                       delta=delta, interpret=interpret, kg_rows=raw_qk[1] if row_gate else None,
+                                       inverse=inverse)
         o, ends = state_mgpu.state_pass_mosaic(
-            q if row_gate else qin, k if row_gate else kg, w, u, m, jnp.swapaxes(dend, -1, -2), h0.astype(f32),
+            q if row_gate else qin, k if row_gate else kg, w, u, m, jnp.swapaxes(dend, -1, -2), starts,
             out_dtype=dt, block_v=BV, raw_qk=raw_qk, inverse=inverse, interpret=interpret)
-        return o[:, :T], ends
+        return o[:, :T], ends if nseg == 1 else ends[:, :, -1]
 
     prec = "ieee" if exact else "bf16"
     # grid (B, H, segments, V tiles): the block specs of the backward's passes (`segments`)

@@ -168,7 +168,7 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
     qin, kg, w [B, H, Tp, K], u [B, H, Tp, V], m [B, H, Tp, C] (bf16, C = 64), dend = e^(G_C) [B, H, N, K] fp32,
     h0 [B, H, K, V] fp32, or every segment's true start [B, H, nseg, K, V] (the segments of N / nseg chunks then
     run side by side, and the final state is each segment's end, [B, H, nseg, K, V]); block_v the V tile (16, 32
-    or 64). Two forms for a forward alone (one segment, no keep_dtype), each with row factors [B, H, Tp] fp32:
+    or 64). Two forms for a forward alone (no keep_dtype), each with row factors [B, H, Tp] fp32:
     - raw_qk = (scale e^G, e^(G_C - G)) for a gate equal across K: qin and kg are the raw q and k [B, Tp, H, K],
       O = Diag(scale e^G) (q S) + M E and Kg^T E = k^T (Diag(e^(G_C - G)) E): no Qin, Kg need be written;
     - inverse = (R, a, b) with R = (I + A)^-1 [B, H, Tp, C] bf16: u is the raw v [B, Tp, H, V], w is Kin = k e^G
@@ -190,8 +190,8 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
         if inverse is not None:
             want.update(v=(u.shape[:3], (B, Tp, H)), R=(inverse[0].shape, (B, H, Tp, m.shape[-1])))
         bad = {n: got for n, (got, expected) in want.items() if got != expected}
-        if keep_dtype is not None or _segmented(h0).shape[2] != 1 or bad:
-            raise ValueError(f"state_pass_mosaic: raw_qk and inverse take one segment, no keep_dtype, q and k [B, "
+        if keep_dtype is not None or bad:
+            raise ValueError(f"state_pass_mosaic: raw_qk and inverse take no keep_dtype, q and k [B, "
                              f"Tp, H, K] = {(B, Tp, H, K)} (raw_qk) or w [B, H, Tp, K] and row factors [B, H, Tp] "
                              f"(v [B, Tp, H, V], R [B, H, Tp, C] with inverse); got {bad}")
     V, C = u.shape[-1], m.shape[-1]
@@ -414,47 +414,91 @@ def reverse_pass_mosaic(qin, kg, w, m, dend, do, dht, *, ds_dtype, de_dtype, blo
     return (*chunks, starts if dht.ndim == 5 else starts[:, :, 0])
 
 
-def zero_start_pass_mosaic(kg, w, u, dend, start, *, value_tiles: int, block_v: int = BV,
-                           interpret: bool | None = None):
+def zero_start_pass_mosaic(kg, w, u, dend, start, *, value_tiles: int, block_v: int = BV, kg_rows=None,
+                           inverse=None, interpret: bool | None = None):
     """Each segment's end [B, H, nseg, K, V'] fp32 of the state recurrence S <- Diag(e^(G_C)) S + Kg^T (U - W S)
     from `start` [B, H, nseg, K, V'], writing nothing per chunk: the forward's zero-start pass of
     `chunk_fwd.segment_starts`. Column tiles j < value_tiles read U's tile j (the offsets, from a zero start); the
     tiles after run with U = 0 (the maps' columns, from the identity's).
 
     kg, w [B, H, Tp, K], u [B, H, Tp, V] (bf16, chunk 64), dend = e^(G_C) [B, H, N, K] fp32; block_v the column
-    tile (16, 32 or 64) dividing V and V'."""
-    B, H, Tp, K = kg.shape
+    tile (16, 32 or 64) dividing V and V'. The forms of `state_pass_mosaic` for a forward alone, with row factors
+    [B, H, Tp] fp32:
+    - kg_rows = e^(G_C - G) for a gate equal across K: kg is the raw k [B, Tp, H, K] and Kg^T E = k^T (Diag(kg_rows)
+      E) (raw_qk's second factor);
+    - inverse = (R, a, b) with R = (I + A)^-1 [B, H, Tp, C] bf16: u is the raw v [B, Tp, H, V], w is Kin (or None
+      with kg_rows: the raw k), and E = R (Diag(a) V - Diag(b) (w S)); b None: b = a."""
+    raw_k, inv = kg_rows is not None, inverse is not None
+    B, Tp, H, K = kg.shape if raw_k else (kg.shape[0], kg.shape[2], kg.shape[1], kg.shape[3])
     V, C, bv = u.shape[-1], 64, block_v
     N = Tp // C
     Vs = start.shape[-1]
-    nseg = _check("zero_start_pass_mosaic", C, K, Vs, bv, (kg, w, u), dend, start, B, H, N)
+    rows = ((kg_rows,) if raw_k else ()) + tuple(r for r in (inverse[1:] if inv else ()) if r is not None)
+    want = {"kg": (kg.shape, (B, Tp, H, K) if raw_k else (B, H, Tp, K)),
+            "w": (None if w is None else w.shape, None if raw_k and inv else (B, H, Tp, K)),
+            "u": (u.shape[:3], (B, Tp, H) if inv else (B, H, Tp)), "rows": ([r.shape for r in rows], [(B, H, Tp)] *
+                                                                             len(rows))}
+    if inv:
+        want["R"] = (inverse[0].shape, (B, H, Tp, C))
+    bad = {n: got for n, (got, expected) in want.items() if got != expected}
+    if bad:
+        raise ValueError(f"zero_start_pass_mosaic: kg [B, Tp, H, K] with kg_rows, else [B, H, Tp, K] (B, Tp, H, K = "
+                         f"{(B, Tp, H, K)}), w like it (None: the raw k, with kg_rows and inverse), u [B, Tp, H, V] "
+                         f"with inverse, else [B, H, Tp, V], row factors [B, H, Tp], R [B, H, Tp, C]; got {bad}")
+    matrices = (kg, u) + ((w,) if w is not None else ()) + ((inverse[0],) if inv else ())
+    nseg = _check("zero_start_pass_mosaic", C, K, Vs, bv, matrices, dend, start, B, H, N)
     if V % bv or value_tiles != V // bv:
         raise ValueError(f"zero_start_pass_mosaic: value_tiles must be V / block_v = {V // bv}, got {value_tiles}")
     Ns = N // nseg
+    with_w = w is not None
+    n_in = 1 + with_w + inv + 2 + len(rows)  # (Kg or k, [W or Kin], [R], U or v, e^(G_C), row factors)
 
-    def body(kg_g, w_g, u_g, dend_g, start_g, end_g, s_s, e_s, bar):
+    def body(*refs):
+        gmem, (start_g, end_g, s_s, e_s, bar) = refs[:n_in], refs[n_in:]
         b, sg, h, j = _where(nseg)
         first, keep = sg * Ns, (j < value_tiles).astype(f32)
 
-        def step(idx, kg_s, w_s, u_s, dend_s, S):
+        def step(idx, *ins_and_state):
+            *ins, S = ins_and_state
+            kg_s, *rest = ins
+            w_s, rest = (rest[0], rest[1:]) if with_w else (kg_s, rest)
+            r_s, rest = (rest[0], rest[1:]) if inv else (None, rest)
+            u_s, dend_s, *row_s = rest
+            factor = lambda i: _row_factor(row_s[min(i, len(row_s) - 1)], C, bv)  # (b = a: one factor, the last)
             s_s[...] = S.astype(bf16)
             plgpu.commit_smem()
-            E = _load(u_s).astype(f32) * keep - _products([(w_s, s_s)])[0]
-            e_s[...] = E.astype(bf16)
+            WS = _products([(w_s, s_s)])[0]
+            U = _load(u_s).astype(f32) * keep
+            if inv:  # e_s first holds R's right operand
+                e_s[...] = (factor(raw_k) * U - factor(raw_k + 1) * WS).astype(bf16)
+                plgpu.commit_smem()
+                E = _products([(r_s, e_s)])[0]
+            else:
+                E = U - WS
+            e_s[...] = (E * factor(0) if raw_k else E).astype(bf16)
             plgpu.commit_smem()
             return S * _decay(dend_s, K, bv) + _products([(kg_s.transpose((1, 0)), e_s)])[0]
 
         rows_k = lambda n: (first + n, 0)
-        in_specs = [_spec((C, K), rows_k, bv), _spec((C, K), rows_k, bv),
-                    _spec((C, bv), lambda n: (first + n, jnp.minimum(j, value_tiles - 1)), bv),
-                    plgpu.BlockSpec((K,), lambda n: (first + n,))]
+        kg_g, *rest = gmem
+        w_g, rest = (rest[0], rest[1:]) if with_w else (None, rest)
+        r_g, rest = (rest[0], rest[1:]) if inv else (None, rest)
+        u_g, dend_g, *row_gs = rest
+        operands = ((kg_g.at[b, :, h, :] if raw_k else kg_g.at[b, h]),) + ((w_g.at[b, h],) if with_w else ()) \
+            + ((r_g.at[b, h],) if inv else ()) + ((u_g.at[b, :, h, :] if inv else u_g.at[b, h]), dend_g.at[b, h]) \
+            + tuple(r.at[b, h] for r in row_gs)
+        in_specs = [_spec((C, K), rows_k, bv)] * (1 + with_w) + [_spec((C, C), rows_k, bv)] * inv \
+            + [_spec((C, bv), lambda n: (first + n, jnp.minimum(j, value_tiles - 1)), bv),
+               plgpu.BlockSpec((K,), lambda n: (first + n,))] + [plgpu.BlockSpec((C,), lambda n: (first + n,))] \
+            * len(rows)
         cols = pl.ds(j * bv, bv)
         S = plgpu.emit_pipeline(step, grid=(Ns,), in_specs=in_specs, max_concurrent_steps=2,
-                                init_carry=_read_state(start_g.at[b, h, sg, :, cols], bar.at[0], K, bv))(
-            kg_g.at[b, h], w_g.at[b, h], u_g.at[b, h], dend_g.at[b, h])
+                                init_carry=_read_state(start_g.at[b, h, sg, :, cols], bar.at[0], K, bv))(*operands)
         _write_state(S, end_g.at[b, h, sg, :, cols], K, bv)
 
     # SMEM at K = 128, bv = 64: two slots of (Kg, W, U, e^(G_C)) = 2 x 40.5 KB, S and E in bf16 (24 KB): 105 KB
-    return _run(body, (kg, w, u, dend.reshape(B, H, N * K), start), jax.ShapeDtypeStruct(start.shape, f32),
+    # (inverse: 16 KB more for R's slots)
+    inputs = (kg,) + ((w,) if with_w else ()) + ((inverse[0],) if inv else ()) + (u, dend.reshape(B, H, N * K))
+    return _run(body, inputs + rows + (start,), jax.ShapeDtypeStruct(start.shape, f32),
                 [_operand((K, bv), bv), _operand((C, bv), bv)], B, H, Vs, bv, nseg, "lineattn_zero_start_pass_mosaic",
                 interpret)
