@@ -98,6 +98,10 @@
 #     SKIP_BENCH=1 SHARDS=2 TEST_TIMEOUT=200 TESTS_K="in_segments" bash benchmarks/h200_issue2.sh; export
 #       PYTHONPATH=$PWD/.site:$PWD; for r in gdn kda; do python3 benchmarks/ab_pallas_kda.py --out $OUT --rule $r
 #       --shapes 1x32768,8x4096 --configs "default;chunk_fwd.PASS_SEGMENTS=always"; done
+#   Run35f: chunk_fwd.FORMS_IN_SEGMENTS (the forward alone's inverse and raw-q/k forms in segments, opt-in) passed
+#   its GPU tests; its A/B was inconclusive. Next, its kernel time beside the default's:
+#     export PYTHONPATH=$PWD/.site:$PWD; for r in gdn kda; do python3 benchmarks/profile_pallas_kda.py --out $OUT/$r
+#       --rule $r --shape 1x32768 --impls lineattn --check --configs "default;chunk_fwd.FORMS_IN_SEGMENTS=True"; done
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
 #   --rule gdn for Gated DeltaNet, e.g. PROFILE_ARGS='--rule gdn --check --configs default;api.SCALAR_GATE=1')

@@ -745,7 +745,9 @@ ROW_GATE = True
 INVERSE_IN_PASS = True
 # FORMS_IN_SEGMENTS: a forward alone in segments (PASS_SEGMENTS) takes those two forms too, its zero-start pass
 # (`state_mgpu.zero_start_pass_mosaic`'s kg_rows and inverse) and state pass alike; off, it takes the pass over Qin,
-# Kg, W and U, which its solve forms and writes. Opt-in until timed on the H200; read when traced.
+# Kg, W and U, which its solve forms and writes. Read when traced. H200, forward alone at 1 x 32768 (run35f; its GPU
+# tests passed with the plain form's errors): A/B wall clock GDN 1.358 ms against 1.240, KDA 2.076 against 2.146,
+# within the rounds' spread (GDN 1.19-1.50 ms): inconclusive, so opt-in until a kernel-time profile decides.
 FORMS_IN_SEGMENTS = False
 
 
