@@ -436,8 +436,8 @@ def zero_start_pass_mosaic(kg, w, u, dend, start, *, value_tiles: int, block_v: 
     rows = ((kg_rows,) if raw_k else ()) + tuple(r for r in (inverse[1:] if inv else ()) if r is not None)
     want = {"kg": (kg.shape, (B, Tp, H, K) if raw_k else (B, H, Tp, K)),
             "w": (None if w is None else w.shape, None if raw_k and inv else (B, H, Tp, K)),
-            "u": (u.shape[:3], (B, Tp, H) if inv else (B, H, Tp)), "rows": ([r.shape for r in rows], [(B, H, Tp)] *
-                                                                             len(rows))}
+            "u": (u.shape[:3], (B, Tp, H) if inv else (B, H, Tp)),
+            "rows": ([r.shape for r in rows], [(B, H, Tp)] * len(rows))}
     if inv:
         want["R"] = (inverse[0].shape, (B, H, Tp, C))
     bad = {n: got for n, (got, expected) in want.items() if got != expected}
