@@ -882,9 +882,9 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
 
     nseg = pass_segments(B * H, N, V, save, bool(export_chunks))
     BV = block_v or pick_block_v(B * H * nseg, V)
-    segmented_forms = nseg == 1 or (FORMS_IN_SEGMENTS and mosaic_zero_start(store, delta, C, K, V, min(BV, K),
-                                                                           interpret))
-    fused = (delta and not save and not only_intra and segmented_forms
+    # (in segments, the forms need FORMS_IN_SEGMENTS and the Mosaic zero-start pass, which alone takes them)
+    forms_fit = nseg == 1 or (FORMS_IN_SEGMENTS and mosaic_zero_start(store, delta, C, K, V, min(BV, K), interpret))
+    fused = (delta and not save and not only_intra and forms_fit
              and mosaic_pass(store, delta, C, K, V, BV, bool(export_chunks), None, interpret))
     row_gate = ROW_GATE and scalar and fused
     inverse_in_pass = INVERSE_IN_PASS and fused and (row_gate or not scalar)
