@@ -104,6 +104,13 @@ def _products(*pairs_by_acc):
     return pl.run_scoped(scoped, *[plgpu.ACC(s, f32) for s in shapes])
 
 
+def _inverse_residual(r_s, e_s, U, WS, a, b):
+    """The inverse form's E = R (Diag(a) U - Diag(b) WS) [C, bv] fp32, R's right operand staged in e_s (bf16)."""
+    e_s[...] = (a * U - b * WS).astype(bf16)
+    plgpu.commit_smem()
+    return _products([(r_s, e_s)])[0]
+
+
 def _copy_out(pairs):
     """Each (SMEM slot, GMEM slice) by TMA, after the stores into the slots (the outputs leave by hand: the
     interpreter takes no predicated copies, which emit_pipeline's out_specs make)."""
@@ -228,12 +235,8 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
             kept_s[0][...] = S.astype(keep_dtype)
         plgpu.commit_smem()
         WS, *QS = _products([(w_s, s_s)], *([[(qin_s, s_s)]] if n_qk else []))  # (raw q S: its own accumulator)
-        if inv:  # E = R (Diag(a) V - Diag(b) (w S)); e_s first holds R's right operand
-            e_s[...] = (factor(n_qk) * _load(u_s).astype(f32) - factor(n_qk + 1) * WS).astype(bf16)
-            plgpu.commit_smem()
-            E = _products([(r_s, e_s)])[0]
-        else:
-            E = _load(u_s).astype(f32) - WS
+        U = _load(u_s).astype(f32)
+        E = _inverse_residual(r_s, e_s, U, WS, factor(n_qk), factor(n_qk + 1)) if inv else U - WS
         e_s[...] = E.astype(bf16)
         if keep:
             kept_s[1][...] = E.astype(keep_dtype)
@@ -469,12 +472,7 @@ def zero_start_pass_mosaic(kg, w, u, dend, start, *, value_tiles: int, block_v: 
             plgpu.commit_smem()
             WS = _products([(w_s, s_s)])[0]
             U = _load(u_s).astype(f32) * keep
-            if inv:  # e_s first holds R's right operand
-                e_s[...] = (factor(raw_k) * U - factor(raw_k + 1) * WS).astype(bf16)
-                plgpu.commit_smem()
-                E = _products([(r_s, e_s)])[0]
-            else:
-                E = U - WS
+            E = _inverse_residual(r_s, e_s, U, WS, factor(raw_k), factor(raw_k + 1)) if inv else U - WS
             e_s[...] = (E * factor(0) if raw_k else E).astype(bf16)
             plgpu.commit_smem()
             return S * _decay(dend_s, K, bv) + _products([(kg_s.transpose((1, 0)), e_s)])[0]
