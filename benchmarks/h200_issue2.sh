@@ -98,9 +98,11 @@
 #     SKIP_BENCH=1 SHARDS=2 TEST_TIMEOUT=200 TESTS_K="in_segments" bash benchmarks/h200_issue2.sh; export
 #       PYTHONPATH=$PWD/.site:$PWD; for r in gdn kda; do python3 benchmarks/ab_pallas_kda.py --out $OUT --rule $r
 #       --shapes 1x32768,8x4096 --configs "default;chunk_fwd.PASS_SEGMENTS=always"; done
-#   Run35f: chunk_fwd.FORMS_IN_SEGMENTS (the forward alone's inverse and raw-q/k forms in segments, opt-in) passed
-#   its GPU tests; its A/B was inconclusive. Next, its kernel time beside the default's:
-#     export PYTHONPATH=$PWD/.site:$PWD; for r in gdn kda; do python3 benchmarks/profile_pallas_kda.py --out $OUT/$r
+#   Run35f: chunk_fwd.FORMS_IN_SEGMENTS (the forward alone's inverse and raw-q/k forms in segments) passed its GPU
+#   tests; its A/B was inconclusive. Run36a: its kernel time beside the default's, GDN 0.808 ms against 1.001, KDA
+#   1.657 against 1.624 ("scalar", GDN only, the default since); the one call was
+#     SKIP_BENCH=1 SHARDS=3 TEST_TIMEOUT=250 TESTS_K="in_segments or mosaic" bash benchmarks/h200_issue2.sh; export
+#       PYTHONPATH=$PWD/.site:$PWD; for r in gdn kda; do python3 benchmarks/profile_pallas_kda.py --out $OUT/$r
 #       --rule $r --shape 1x32768 --impls lineattn --check --configs "default;chunk_fwd.FORMS_IN_SEGMENTS=True"; done
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;

@@ -430,7 +430,8 @@ def test_mosaic_pass_forms_in_segments(rule, monkeypatch):
     for i, name in enumerate(("o", "ht")):
         assert _rel_rms(got["always"][i], got["never"][i]) <= 2.5e-3, name
     with tuning.override({"chunk_fwd.PASS_IMPL": "mosaic", "chunk_fwd.ZERO_START_IMPL": "mosaic"}):
-        assert "lineattn_inverse_mosaic" not in str(jax.make_jaxpr(fwd)(*args)), "opt-in"
+        # (the default, "scalar": the forms in segments for GDN's gate alone)
+        assert ("lineattn_inverse_mosaic" in str(jax.make_jaxpr(fwd)(*args))) == (rule == "gdn")
 
 
 @pytest.mark.parametrize("form", ["plain", "raw_qk", "inverse", "raw_qk+inverse"])

@@ -138,8 +138,9 @@ def test_forward_alone_in_segments_head_dim_128(rule, forms):
     # state pass in 8 segments of 8 chunks (the Mosaic zero-start pass, then the state pass from each segment's true
     # start) instead of one unsegmented pass ("save" segments only a forward that saves for the backward). T = 4093
     # (ragged), K = V = 128, bf16, a non-zero h0: o and the final state within FLA's bounds of the XLA chunk form in
-    # fp32 and within 1.5e-3 of the unsegmented forward. forms: with `chunk_fwd.FORMS_IN_SEGMENTS` (opt-in), the
-    # segments' zero-start pass and state pass in the forms of the unsegmented forward alone (no W, U written).
+    # fp32 and within 1.5e-3 of the unsegmented forward. forms: with `chunk_fwd.FORMS_IN_SEGMENTS` True (the default
+    # "scalar" takes them for GDN alone), the segments' zero-start pass and state pass in the forms of the
+    # unsegmented forward alone (no W, U written).
     bf16, rounded = _bf16_and_rounded(make_inputs(rule, B=1, T=4096 - 3, H=16, K=128, V=128, seed=15))
     fwd, want = _forward_alone(rule, rounded)
     with tuning.override({"chunk_fwd.PASS_SEGMENTS": "save"}):

@@ -92,6 +92,7 @@ def test_forward_alone_forms_in_segments_lower_for_sm90(fake_h200, monkeypatch, 
     # `chunk_fwd.FORMS_IN_SEGMENTS` on a Hopper GPU (faked): a forward alone on few long sequences (B = 1, T = 4096,
     # H = 16: 8 segments of 8 chunks, V tiles of 64) runs the zero-start and state passes in the forms that need no W,
     # U (KDA: the inverse form; GDN: that and the raw q, k), lowered for the GPU; off, the solve forms W and U.
+    # "scalar" (the default) takes them for GDN's gate alone.
     from lineattn.ops.pallas import chunk_fwd, segments
     monkeypatch.setattr(chunk_fwd, "hopper", lambda: True)
     B, T, H, K, V = 1, 4096, 16, 128, 128
@@ -99,12 +100,15 @@ def test_forward_alone_forms_in_segments_lower_for_sm90(fake_h200, monkeypatch, 
     args = (S((B, T, H, K), jnp.bfloat16), S((B, T, H, K), jnp.bfloat16), S((B, T, H, V), jnp.bfloat16),
             S((B, T, H) if head_gate else (B, T, H, K), jnp.float32), S((B, T, H), jnp.bfloat16),
             S((B, H, K, V), jnp.float32))
-    for forms in (False, True):
-        monkeypatch.setattr(chunk_fwd, "FORMS_IN_SEGMENTS", forms)
+    for setting, forms in ((False, False), (True, True), ("scalar", head_gate)):
+        monkeypatch.setattr(chunk_fwd, "FORMS_IN_SEGMENTS", setting)
         forward = jax.jit(lambda *a: chunk_pallas(*a, K**-0.5, 64, False, "kernels-saved"))  # (traced anew)
         text = forward.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "lineattn_zero_start_pass_mosaic" in text and "lineattn_state_pass_mosaic" in text
         assert ("lineattn_inverse_mosaic" in text) == forms and ("lineattn_solve_mosaic" in text) == (not forms)
+    monkeypatch.setattr(chunk_fwd, "FORMS_IN_SEGMENTS", "channel")
+    with pytest.raises(ValueError, match="FORMS_IN_SEGMENTS must be True, False or 'scalar'"):
+        jax.jit(lambda *a: chunk_pallas(*a, K**-0.5, 64, False, "kernels-saved")).trace(*args)
 
 
 @pytest.mark.parametrize("v_fastest,variant", [(False, {}), (True, {}), (True, dict(readout="updated"))])

@@ -743,12 +743,23 @@ ROW_GATE = True
 # pass 0.270 against 0.207: 1.379 against 1.381, no gain. With 32 x 32 blocks (run30b) the inverse takes 0.081
 # against the solve's 0.231: KDA forward kernels 1.324 against 1.378.
 INVERSE_IN_PASS = True
-# FORMS_IN_SEGMENTS: a forward alone in segments (PASS_SEGMENTS) takes those two forms too, its zero-start pass
-# (`state_mgpu.zero_start_pass_mosaic`'s kg_rows and inverse) and state pass alike; off, it takes the pass over Qin,
-# Kg, W and U, which its solve forms and writes. Read when traced. H200, forward alone at 1 x 32768 (run35f; its GPU
-# tests passed with the plain form's errors): A/B wall clock GDN 1.358 ms against 1.240, KDA 2.076 against 2.146,
-# within the rounds' spread (GDN 1.19-1.50 ms): inconclusive, so opt-in until a kernel-time profile decides.
-FORMS_IN_SEGMENTS = False
+# FORMS_IN_SEGMENTS: whether a forward alone in segments (PASS_SEGMENTS) takes those two forms too, its zero-start
+# pass (`state_mgpu.zero_start_pass_mosaic`'s kg_rows and inverse) and state pass alike: True, False, or "scalar" (a
+# gate equal across K only); without them it takes the pass over Qin, Kg, W and U, which its solve forms and writes.
+# Read when traced. H200, forward alone at 1 x 32768, kernel time (run36a; the GPU tests passed with the plain
+# form's errors in run35f): GDN 0.808 ms against 1.001 (the solve's 0.201 replaced by the inverse's 0.082, the
+# scalar Gram 0.146 against 0.236 with ROW_GATE, the zero-start pass 0.241 against 0.217); KDA 1.657 against 1.624
+# (its zero-start pass forming E = R (...) 0.352 against 0.215, the Gram kernel writing Kin 0.718 against 0.690).
+# (Run35f's A/B of wall clocks had been inconclusive: GDN 1.358 against 1.240 ms, rounds 1.19-1.50.)
+FORMS_IN_SEGMENTS = "scalar"
+
+
+def forms_in_segments(scalar: bool) -> bool:
+    """Whether FORMS_IN_SEGMENTS gives a forward alone in segments the raw-q/k and inverse forms, for a gate equal
+    across K (scalar) or a channel gate."""
+    if FORMS_IN_SEGMENTS not in (True, False, "scalar"):
+        raise ValueError(f"chunk_fwd.FORMS_IN_SEGMENTS must be True, False or 'scalar', got {FORMS_IN_SEGMENTS!r}")
+    return FORMS_IN_SEGMENTS is True or (FORMS_IN_SEGMENTS == "scalar" and scalar)
 
 
 def mosaic_pass(dtype, delta: bool, C: int, K: int, V: int, BV: int, exporting: bool, keep_dtype,
@@ -883,7 +894,8 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     nseg = pass_segments(B * H, N, V, save, bool(export_chunks))
     BV = block_v or pick_block_v(B * H * nseg, V)
     # (in segments, the forms need FORMS_IN_SEGMENTS and the Mosaic zero-start pass, which alone takes them)
-    forms_fit = nseg == 1 or (FORMS_IN_SEGMENTS and mosaic_zero_start(store, delta, C, K, V, min(BV, K), interpret))
+    forms_fit = nseg == 1 or (forms_in_segments(scalar)
+                              and mosaic_zero_start(store, delta, C, K, V, min(BV, K), interpret))
     fused = (delta and not save and not only_intra and forms_fit
              and mosaic_pass(store, delta, C, K, V, BV, bool(export_chunks), None, interpret))
     row_gate = ROW_GATE and scalar and fused
