@@ -179,13 +179,14 @@ def _diagonal_blocks_inverted(A, C, n=16):
 
 @pytest.mark.parametrize("with_r,gate,diag_inverse", [(False, "channel", 0), (True, "channel", 0),
                                                       (True, "scalar", 0), (False, "channel", 16),
-                                                      (False, "channel", 32)])
+                                                      (False, "channel", 32), (True, "channel", 32)])
 def test_mosaic_solve_matches_the_triton_solve(with_r, gate, diag_inverse):
     # `solve_mgpu.solve_mosaic` (Mosaic GPU wgmma kernel, run by its interpreter here) against `solve_full` on the
     # same inputs: two chunks of 64, K = V = 64, bf16; with_r: the backward's form (A the unscaled key Gram,
     # R written); a scalar gate's G [B, Tp, H] in both, and in `solve_full` equal to the same G broadcast over K;
     # diag_inverse: both solves given A with its 16 x 16 or 32 x 32 diagonal blocks inverted (the forward alone's
-    # form, the doubling from there on) against `solve_full` on the whole A.
+    # form, the doubling from there on; with with_r the saving forward's, `chunk_fwd.DIAG_INVERSE_SAVE`: A =
+    # Diag(beta) KK so inverted, R written) against `solve_full` on the whole A.
     from lineattn.ops.pallas import chunk_fwd, solve_mgpu
     rng = np.random.default_rng(21)
     B, Tp, H, K, V, C = 1, 128, 2, 64, 64, 64
@@ -198,8 +199,9 @@ def test_mosaic_solve_matches_the_triton_solve(with_r, gate, diag_inverse):
     beta = jnp.asarray(rng.uniform(0, 1, (B, Tp, H)), jnp.bfloat16)
     kc = k.astype(jnp.float32).reshape(B, Tp // C, C, H, K)
     KK = jnp.einsum("bnihk,bnjhk->bhnij", kc, kc) * np.tril(np.ones((C, C)), -1)
-    A = KK.reshape(B, H, Tp, C) * (1.0 if with_r else jnp.moveaxis(beta.astype(jnp.float32), 1, 2)[..., None])
-    kw = dict(C=C, store=jnp.bfloat16, with_r=with_r, kk=with_r)
+    kk = with_r and not diag_inverse
+    A = KK.reshape(B, H, Tp, C) * (1.0 if kk else jnp.moveaxis(beta.astype(jnp.float32), 1, 2)[..., None])
+    kw = dict(C=C, store=jnp.bfloat16, with_r=with_r, kk=kk)
     solve = lambda G, A=A, **d: chunk_fwd.solve_full(A, k, v, G, beta, prec="bf16", inv_prec="bf16x3", warps=4,
                                                       interpret=True, **kw, **d)
     want = solve(G)
@@ -226,6 +228,25 @@ def test_mosaic_solve_matches_the_triton_solve(with_r, gate, diag_inverse):
                                 **kw)
 
 
+@pytest.mark.parametrize("rule", ["kda", "gdn", "deltanet"])
+def test_saving_forward_inverts_the_diagonal_blocks(rule):
+    # `chunk_fwd.DIAG_INVERSE_SAVE`: the forward that saves for the backward keeps the unscaled key Gram KK and
+    # gives its solve Diag(beta) KK with the diagonal blocks inverted (a new array), so the solve's doubling starts
+    # from them as a forward alone's does. fp32, chunk 64, T = 80 (ragged), gates at the lower bound (-5 a token):
+    # o, the final state and every gradient match the oracle (1e-4) and the whole doubling's numbers (1e-5).
+    from lineattn.ops.pallas import tuning
+    x = make_inputs(rule, B=1, **SMALL, g_low=-5.0, g_high=-5.0, seed=12)
+    got = {}
+    for on in (True, False):
+        with tuning.override({"chunk_fwd.DIAG_INVERSE_SAVE": on}):
+            got[on] = _compare(rule, x, chunk_size=64)
+            vjp = jax.make_jaxpr(lambda q: jax.vjp(lambda q: ops.linear_attention(
+                rule, q, x["k"], x["v"], x["g"], x["beta"], chunk_size=64, backend="pallas"), q)[0])(x["q"])
+            assert ("lineattn_invert_diagonal_blocks" in str(vjp)) == on
+    (o, ht, grads), (o_, ht_, grads_) = got[True], got[False]
+    assert_close({"o": o, "ht": ht, **grads}, {"o": o_, "ht": ht_, **grads_}, 1e-5, "DIAG_INVERSE_SAVE")
+
+
 @pytest.mark.parametrize("rule,gate", [("kda", "lower_bound"), ("kda", "cut"), ("gdn", "lower_bound"), ("gdn", "cut"),
                                        ("deltanet", None)])
 def test_forward_alone_inverts_the_diagonal_blocks(rule, gate):
@@ -249,6 +270,17 @@ def test_forward_alone_inverts_the_diagonal_blocks(rule, gate):
                                        rtol=0, atol=1e-5 * float(np.max(np.abs(want))))
         with pytest.raises(ValueError, match="blocks of 16 or 32"):
             chunk_fwd.invert_diagonal_blocks(A, C=C, interpret=True, block=64)
+        # with beta (`DIAG_INVERSE_SAVE`, A the unscaled KK kept for the backward): Diag(beta) A so inverted, A kept
+        beta = jnp.asarray(rng.uniform(0, 1, (1, 128, 2)), jnp.bfloat16)
+        scaled = A * jnp.moveaxis(beta.astype(jnp.float32), 1, 2)[..., None]
+        kept = np.array(A)
+        for n in (16, 32):
+            want = _diagonal_blocks_inverted(scaled, C, n)
+            np.testing.assert_allclose(chunk_fwd.invert_diagonal_blocks(A, C=C, interpret=True, block=n, beta=beta),
+                                       want, rtol=0, atol=1e-5 * float(np.max(np.abs(want))))
+        np.testing.assert_array_equal(A, kept)
+        with pytest.raises(ValueError, match=r"beta must be \[B, Tp, H\] = \[1, 128, 2\]"):
+            chunk_fwd.invert_diagonal_blocks(A, C=C, interpret=True, block=32, beta=beta[:, :64])
     forward = jax.jit(lambda q: ops.linear_attention(rule, q, x["k"], x["v"], x["g"], x["beta"], chunk_size=C,
                                                      initial_state=x["initial_state"], output_final_state=True,
                                                      backend="pallas"))

@@ -38,26 +38,27 @@ def _lowered(T, dtype, backward, head_gate=False):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_chunk_kernels_lower_for_sm90(fake_h200, dtype, backward):
     text = _lowered(100, dtype, backward)
-    # forward: cumsum, gram, its exact fix-up, solve, state pass (no Hopper here: the Triton solve), and where it
-    # saves nothing for the backward ("xla", "kernels-mml2") the inversion of A's diagonal blocks (`chunk_fwd.
-    # DIAG_INVERSE`); backward "xla": none; "kernels-mml2": cumsum, gram, solve, states, reverse, chunk grads, WY,
-    # Gram gradients with the combine, their exact rewrite, dg; "kernels-saved": the same without the cumsum, Gram,
-    # solve and states (the forward's G, terms and states are kept)
-    expected = 5 + {"xla": 1, "kernels-mml2": 11, "kernels-saved": 6}[backward]
+    # forward: cumsum, gram, its exact fix-up, solve, state pass (no Hopper here: the Triton solve), and the
+    # inversion of A's diagonal blocks (`chunk_fwd.DIAG_INVERSE`; in the forward that saves for the backward,
+    # "kernels-saved", by `DIAG_INVERSE_SAVE`: so in every count of this file with "kernels-saved"); backward "xla":
+    # none; "kernels-mml2": cumsum, gram, solve, states, reverse, chunk grads, WY, Gram gradients with the combine,
+    # their exact rewrite, dg; "kernels-saved": the same without the cumsum, Gram, solve and states (the forward's G,
+    # terms and states are kept)
+    expected = 6 + {"xla": 0, "kernels-mml2": 10, "kernels-saved": 6}[backward]
     assert text.count("__gpu$xla.gpu.triton") == expected
 
 
 @pytest.mark.parametrize("backward", ["kernels-saved", "kernels-mml2"])
 def test_scalar_gate_kernels_lower_for_sm90(fake_h200, backward):
     # A head gate (GDN): the one-program-per-chunk Gram kernel and Gram-gradient kernel in place of the 16-row ones;
-    # the latter also gives dg (no dg kernel). The "kernels-mml2" forward saves nothing, so it inverts A's diagonal
-    # blocks before the solve (`chunk_fwd.DIAG_INVERSE`).
+    # the latter also gives dg (no dg kernel). Both forwards invert A's diagonal blocks before the solve
+    # (`chunk_fwd.DIAG_INVERSE`; the saving one, "kernels-saved", by `DIAG_INVERSE_SAVE`).
     text = _lowered(100, jnp.bfloat16, backward, head_gate=True)
     assert "lineattn_chunk_gram_scalar" in text and "lineattn_gram_bwd_scalar" in text
     assert "lineattn_chunk_gram\"" not in text and "lineattn_gram_bwd_combine" not in text
     assert "lineattn_chunk_bwd_dg" not in text
-    assert ("lineattn_invert_diagonal_blocks" in text) == (backward == "kernels-mml2")
-    assert text.count("__gpu$xla.gpu.triton") == 4 + {"kernels-saved": 5, "kernels-mml2": 1 + 8}[backward]
+    assert "lineattn_invert_diagonal_blocks" in text
+    assert text.count("__gpu$xla.gpu.triton") == 5 + {"kernels-saved": 5, "kernels-mml2": 8}[backward]
 
 
 def test_segmented_state_passes_lower_for_sm90(fake_h200, monkeypatch):
@@ -74,7 +75,7 @@ def test_segmented_state_passes_lower_for_sm90(fake_h200, monkeypatch):
     text = _lowered(1024, jnp.bfloat16, "kernels-saved")
     assert "lineattn_chunk_state_pass_local" in text and "lineattn_chunk_bwd_reverse_local" in text
     assert "lineattn_chunk_bwd_states_local" not in text
-    assert text.count("__gpu$xla.gpu.triton") == 5 + 1 + 6 + 1
+    assert text.count("__gpu$xla.gpu.triton") == 6 + 1 + 6 + 1
 
 
 def test_mosaic_zero_start_pass_lowers_for_sm90(fake_h200, monkeypatch):
@@ -84,7 +85,7 @@ def test_mosaic_zero_start_pass_lowers_for_sm90(fake_h200, monkeypatch):
     monkeypatch.setattr(chunk_fwd, "ZERO_START_IMPL", "mosaic")
     text = _lowered(1024, jnp.bfloat16, "kernels-saved")
     assert "lineattn_zero_start_pass_mosaic" in text and "lineattn_chunk_state_pass_local" not in text
-    assert text.count("__gpu$xla.gpu.triton") == 5 + 6 + 1
+    assert text.count("__gpu$xla.gpu.triton") == 6 + 6 + 1
 
 
 @pytest.mark.parametrize("head_gate", [False, True])
@@ -131,7 +132,7 @@ def test_mosaic_solve_lowers_for_sm90(fake_h200, monkeypatch, lhs_regs):
     monkeypatch.setattr(solve_mgpu, "LHS_REGS", lhs_regs)
     text = _lowered(100, jnp.bfloat16, "kernels-saved")
     assert "lineattn_solve_mosaic" in text and "lineattn_chunk_solve_full" not in text
-    assert text.count("__gpu$xla.gpu.triton") == 4 + 6
+    assert text.count("__gpu$xla.gpu.triton") == 5 + 6
     assert "lineattn_solve_mosaic" not in _lowered(100, jnp.float32, "kernels-saved")
 
 
@@ -142,7 +143,7 @@ def test_gram_with_exact_path_inside_lowers_for_sm90(fake_h200, monkeypatch):
     for dtype in (jnp.bfloat16, jnp.float32):
         text = _lowered(100, dtype, "kernels-saved")
         assert "lineattn_chunk_gram_exact" not in text  # and no split backward: GRADS_SPLIT needs its spreads
-        assert "lineattn_gram_bwd_exact" not in text and text.count("__gpu$xla.gpu.triton") == 4 + 5
+        assert "lineattn_gram_bwd_exact" not in text and text.count("__gpu$xla.gpu.triton") == 5 + 5
 
 
 @pytest.mark.parametrize("T", [100, 1024])
@@ -155,7 +156,7 @@ def test_backward_states_pass_lowers_for_sm90(fake_h200, monkeypatch, T):
     monkeypatch.setattr(chunk, "SAVE_STATES", False)
     text = _lowered(T, jnp.bfloat16, "kernels-saved")
     assert "lineattn_chunk_bwd_states" in text
-    assert text.count("__gpu$xla.gpu.triton") == 5 + 7 + 3 * (T == 1024)
+    assert text.count("__gpu$xla.gpu.triton") == 6 + 7 + 3 * (T == 1024)
 
 
 def test_gram_gradients_unsplit_lower_for_sm90(fake_h200, monkeypatch):
@@ -165,7 +166,7 @@ def test_gram_gradients_unsplit_lower_for_sm90(fake_h200, monkeypatch):
     for dtype in (jnp.bfloat16, jnp.float32):
         text = _lowered(100, dtype, "kernels-saved")
         assert "lineattn_gram_bwd_exact" not in text
-        assert text.count("__gpu$xla.gpu.triton") == 5 + 5
+        assert text.count("__gpu$xla.gpu.triton") == 6 + 5
 
 
 def _gram_outputs_of_forward(args, name):

@@ -272,18 +272,41 @@ def unit_lower_inverse_exact(L):
     return X
 
 
-def _invert_diagonal_block_kernel(a_ref, o_ref):
-    n = a_ref.shape[0]
+def _diagonal_inverse(load, n):
+    """(I + L)^-1 - I for a strictly lower diagonal block L of n = 16 or 32 rows, as {(r, c): its 16 x 16 block}
+    (r, c: row and column blocks inside it); load(r, c) gives L's 16 x 16 block (r, c) in fp32. A 32 x 32 block
+    [[L1, 0], [L21, L2]]: its halves by forward substitution, then the inverse's corner -X2 L21 X1 by two fp32
+    products."""
     eye = jnp.where(_iota((SUB, SUB), 0) == _iota((SUB, SUB), 1), 1.0, 0.0)
     if n == SUB:
-        o_ref[...] = unit_lower_inverse_exact(a_ref[...]) - eye
-        return
-    # a 32 x 32 block [[L1, 0], [L21, L2]]: its 16 x 16 halves by forward substitution, then the block inverse's
-    # corner -X2 L21 X1 by two fp32 products
-    top, bottom = pl.ds(0, SUB), pl.ds(SUB, SUB)
-    X1, X2 = unit_lower_inverse_exact(a_ref[top, top]), unit_lower_inverse_exact(a_ref[bottom, bottom])
-    o_ref[bottom, top] = -dot(dot(X2, a_ref[bottom, top], "ieee"), X1, "ieee")
-    o_ref[top, top], o_ref[bottom, bottom], o_ref[top, bottom] = X1 - eye, X2 - eye, jnp.zeros_like(eye)
+        return {(0, 0): unit_lower_inverse_exact(load(0, 0)) - eye}
+    X1, X2 = unit_lower_inverse_exact(load(0, 0)), unit_lower_inverse_exact(load(1, 1))
+    return {(1, 0): -dot(dot(X2, load(1, 0), "ieee"), X1, "ieee"), (0, 0): X1 - eye, (1, 1): X2 - eye,
+            (0, 1): jnp.zeros_like(eye)}
+
+
+def _sub(i):
+    """The i-th 16-row (or column) block."""
+    return pl.ds(i * SUB, SUB)
+
+
+def _invert_diagonal_block_kernel(a_ref, o_ref):
+    for (r, c), x in _diagonal_inverse(lambda r, c: a_ref[_sub(r), _sub(c)], a_ref.shape[0]).items():
+        o_ref[_sub(r), _sub(c)] = x
+
+
+def _scaled_diagonal_inverse_kernel(a_ref, b_ref, o_ref, *, block):
+    """One chunk: Diag(beta) A with each diagonal block of `block` rows replaced by its inverse's form (above them,
+    zeros), for a forward that keeps the unscaled A for the backward."""
+    nb, per = a_ref.shape[0] // SUB, block // SUB  # 16-row blocks in the chunk, in a diagonal block
+    scaled = lambda r, c: a_ref[_sub(r), _sub(c)] * b_ref[_sub(r)].astype(f32)[:, None]
+    for r in range(nb):
+        for c in range(nb):
+            if r // per != c // per:
+                o_ref[_sub(r), _sub(c)] = scaled(r, c) if c < r else jnp.zeros((SUB, SUB), f32)
+    for d in range(0, nb, per):
+        for (r, c), x in _diagonal_inverse(lambda r, c, d=d: scaled(d + r, d + c), block).items():
+            o_ref[_sub(d + r), _sub(d + c)] = x
 
 
 # DIAG_INVERSE: in a forward alone (nothing saved for the backward), a small kernel inverts each 16 x 16 diagonal
@@ -293,8 +316,11 @@ def _invert_diagonal_block_kernel(a_ref, o_ref):
 # 1.490; GDN's scalar-gate path (run29a) 0.239 against 0.387, forward kernels 0.759 against 0.865; errors
 # unchanged. The same inversion inside the Gram kernel took that kernel from 0.696 to 2.478 ms (run28a, history
 # 00afc93: cross-warp reductions in each 16-row program). A forward that saves for the backward keeps the
-# unscaled key Gram for it and the whole doubling.
+# unscaled key Gram for it: with DIAG_INVERSE_SAVE the kernel then writes Diag(beta) KK with its diagonal blocks
+# inverted into a new array (one program a chunk), for the solve that also writes R; without, that solve runs the
+# whole doubling from KK.
 DIAG_INVERSE = True
+DIAG_INVERSE_SAVE = True
 # DIAG_INVERSE_BLOCK: the size of those diagonal blocks, 16 or 32 (a 32 x 32 block from its two 16 x 16 halves and
 # two 16 x 16 fp32 products; the solve's doubling then runs one level). Read when traced. H200, 8 x 4096 (run30b):
 # the inversion kernel 0.062 ms against 0.041 with 16; `solve_mgpu.inverse_mosaic` 0.081 against 0.152, the Mosaic
@@ -308,19 +334,30 @@ DIAG_INVERSE_BLOCK = 32
 DIAG_INVERSE_WARPS = 1
 
 
-def invert_diagonal_blocks(A, *, C, interpret, block=SUB):
+def invert_diagonal_blocks(A, *, C, interpret, block=SUB, beta=None):
     """A [B, H, Tp, C] fp32 (strictly lower per chunk) with each `block` x `block` (16 or 32) diagonal block L
-    replaced, in place, by (I + L)^-1 - I, the form the solves take with diag_inverse = block."""
+    replaced, in place, by (I + L)^-1 - I, the form the solves take with diag_inverse = block. With beta [B, Tp, H]
+    (a forward that saves the unscaled key Gram A = KK for the backward): a new array, Diag(beta) A with its diagonal
+    blocks so replaced (A itself unchanged), one program per chunk."""
     B, H, Tp, _ = A.shape
     if block not in (SUB, 2 * SUB) or C % block:
         raise ValueError(f"invert_diagonal_blocks takes blocks of {SUB} or {2 * SUB} dividing C = {C}, got {block}")
+    if beta is not None and beta.shape != (B, Tp, H):
+        raise ValueError(f"invert_diagonal_blocks: beta must be [B, Tp, H] = {[B, Tp, H]}, got {list(beta.shape)}")
+    params = dict(out_shape=jax.ShapeDtypeStruct(A.shape, A.dtype), interpret=interpret,
+                  compiler_params=compiler_params(num_warps=DIAG_INVERSE_WARPS, num_stages=1),
+                  name="lineattn_invert_diagonal_blocks")
+    if beta is not None:
+        chunk = pl.BlockSpec((None, None, C, C), lambda b, h, n: (b, h, n, 0))
+        return pallas_call(
+            functools.partial(_scaled_diagonal_inverse_kernel, block=block), grid=(B, H, Tp // C),
+            in_specs=[chunk, pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))], out_specs=chunk, **params,
+        )(A, beta)
     nb = C // block
     spec = pl.BlockSpec((None, None, block, block), lambda b, h, i: (b, h, i, i % nb))
     return pallas_call(
         _invert_diagonal_block_kernel, grid=(B, H, Tp // block), in_specs=[spec], out_specs=spec,
-        out_shape=jax.ShapeDtypeStruct(A.shape, A.dtype), input_output_aliases={0: 0},
-        compiler_params=compiler_params(num_warps=DIAG_INVERSE_WARPS, num_stages=1), interpret=interpret,
-        name="lineattn_invert_diagonal_blocks",
+        input_output_aliases={0: 0}, **params,
     )(A)
 
 
@@ -598,20 +635,21 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
                                         interpret=interpret, bk=GRAM_BK, kin=inverse_in_pass)
     if not delta:
         return (qin, kg, None, None, m, dend) + ((None, None, *gate) if save else ())
-    # (A is final here: after the exact fix-up where there is one)
-    diag_inverse = min(DIAG_INVERSE_BLOCK, C) if DIAG_INVERSE and not save else 0
+    # (A is final here: after the exact fix-up where there is one; with save it is the unscaled KK, kept)
+    diag_inverse = min(DIAG_INVERSE_BLOCK, C) if DIAG_INVERSE and (DIAG_INVERSE_SAVE or not save) else 0
+    A_solve, kk = A, save and not diag_inverse  # (kk: the solve scales A by beta itself)
     if diag_inverse:
-        A = invert_diagonal_blocks(A, C=C, interpret=interpret, block=diag_inverse)
+        A_solve = invert_diagonal_blocks(A, C=C, interpret=interpret, block=diag_inverse, beta=beta if save else None)
     inv_prec = "ieee" if exact else SOLVE_PREC
     if inverse_in_pass:
-        R = solve_mgpu.inverse_mosaic(A, C=C, diag_inverse=diag_inverse, interpret=interpret)
+        R = solve_mgpu.inverse_mosaic(A_solve, C=C, diag_inverse=diag_inverse, interpret=interpret)
         return (qin, kg, R, kin[0] if kin else None, m, dend) + ((G,) if row_gate else ())
     if mosaic_solve(exact, C, K, v.shape[-1], interpret):
-        out = solve_mgpu.solve_mosaic(A, k, v, G, beta, C=C, store=store, with_r=save, kk=save, interpret=interpret,
-                                      diag_inverse=diag_inverse)
+        out = solve_mgpu.solve_mosaic(A_solve, k, v, G, beta, C=C, store=store, with_r=save, kk=kk,
+                                      interpret=interpret, diag_inverse=diag_inverse)
     else:
-        out = solve_full(A, k, v, G, beta, C=C, store=store, prec=prec if exact else UW_PREC, inv_prec=inv_prec,
-                         warps=SOLVE_WARPS, interpret=interpret, with_r=save, kk=save, diag_inverse=diag_inverse)
+        out = solve_full(A_solve, k, v, G, beta, C=C, store=store, prec=prec if exact else UW_PREC, inv_prec=inv_prec,
+                         warps=SOLVE_WARPS, interpret=interpret, with_r=save, kk=kk, diag_inverse=diag_inverse)
     if save:
         w, u, R = out
         return qin, kg, w, u, m, dend, A, R, *gate
