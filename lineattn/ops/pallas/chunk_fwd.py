@@ -9,10 +9,11 @@ The intra-chunk stage, parallel over (batch, head, chunk) (`_intra`):
     lie within LIMIT (40) nats of it, and is computed exactly otherwise (pair by pair, masked before the exp):
     exact for any g <= 0 (also -1000). By default (GRAM_IMPL "triton-fast") the kernel takes the fast path
     everywhere and `gram_exact_chunks` rewrites the chunks that `gate_cumsum` flags beyond LIMIT;
-  - in a forward alone (DIAG_INVERSE), `invert_diagonal_blocks`: each 32 x 32 (DIAG_INVERSE_BLOCK) diagonal
-    block of I + A inverted in place in fp32;
+  - `invert_diagonal_blocks` (DIAG_INVERSE): each 32 x 32 (DIAG_INVERSE_BLOCK) diagonal block of I + A inverted in
+    fp32, in place in a forward alone, into a new array where the forward keeps A for the backward
+    (DIAG_INVERSE_SAVE);
   - `solve_full`: R = (I + A)^-1 for the whole chunk by block doubling (the same numbers as block forward
-    substitution, 16 -> 32 -> 64; from the inverted diagonal blocks in a forward alone), then U = R Diag(b) V and
+    substitution, 16 -> 32 -> 64; from the inverted diagonal blocks), then U = R Diag(b) V and
     W = R Diag(b) Kin (on a Hopper GPU, for bf16 at chunk 64, the same algebra as a Mosaic GPU kernel:
     `solve_mgpu.solve_mosaic`, see SOLVE_IMPL).
 `state_pass`, one program per (batch, head, V tile): the sequential pass over chunks with the fp32 state in
@@ -295,18 +296,22 @@ def _invert_diagonal_block_kernel(a_ref, o_ref):
         o_ref[_sub(r), _sub(c)] = x
 
 
-def _scaled_diagonal_inverse_kernel(a_ref, b_ref, o_ref, *, block):
-    """One chunk: Diag(beta) A with each diagonal block of `block` rows replaced by its inverse's form (above them,
-    zeros), for a forward that keeps the unscaled A for the backward."""
-    nb, per = a_ref.shape[0] // SUB, block // SUB  # 16-row blocks in the chunk, in a diagonal block
+def _scaled_diagonal_inverse_kernel(a_ref, b_ref, o_ref, *, nb):
+    """The rows of one diagonal block of a chunk (a_ref, o_ref [block, C]; nb blocks a chunk): Diag(beta) A with the
+    diagonal block replaced by its inverse's form (right of it, zeros), for a forward that keeps the unscaled A for
+    the backward. The block's column position depends on the program: one static branch for each."""
+    block, C = a_ref.shape
+    per = block // SUB  # 16-row blocks in a diagonal block
     scaled = lambda r, c: a_ref[_sub(r), _sub(c)] * b_ref[_sub(r)].astype(f32)[:, None]
-    for r in range(nb):
-        for c in range(nb):
-            if r // per != c // per:
-                o_ref[_sub(r), _sub(c)] = scaled(r, c) if c < r else jnp.zeros((SUB, SUB), f32)
-    for d in range(0, nb, per):
-        for (r, c), x in _diagonal_inverse(lambda r, c, d=d: scaled(d + r, d + c), block).items():
-            o_ref[_sub(d + r), _sub(d + c)] = x
+    for d in range(nb):
+        @pl.when(pl.program_id(2) % nb == d)
+        def _(d=d):
+            for r in range(per):
+                for c in range(C // SUB):
+                    if c // per != d:
+                        o_ref[_sub(r), _sub(c)] = scaled(r, c) if c < d * per else jnp.zeros((SUB, SUB), f32)
+            for (r, c), x in _diagonal_inverse(lambda r, c: scaled(r, d * per + c), block).items():
+                o_ref[_sub(r), _sub(d * per + c)] = x
 
 
 # DIAG_INVERSE: in a forward alone (nothing saved for the backward), a small kernel inverts each 16 x 16 diagonal
@@ -317,8 +322,10 @@ def _scaled_diagonal_inverse_kernel(a_ref, b_ref, o_ref, *, block):
 # unchanged. The same inversion inside the Gram kernel took that kernel from 0.696 to 2.478 ms (run28a, history
 # 00afc93: cross-warp reductions in each 16-row program). A forward that saves for the backward keeps the
 # unscaled key Gram for it: with DIAG_INVERSE_SAVE the kernel then writes Diag(beta) KK with its diagonal blocks
-# inverted into a new array (one program a chunk), for the solve that also writes R; without, that solve runs the
-# whole doubling from KK.
+# inverted into a new array (one program for each diagonal block's rows), for the solve that also writes R; without,
+# that solve runs the whole doubling from KK. H200, 8 x 4096, forward+backward kernels (run36c): KDA 4.272 ms against
+# 4.329 (solve 0.262 against 0.425, the inversion 0.103; 0.112 with one program a chunk, run36b), GDN 2.946 against
+# 3.030; errors unchanged, and the whole GPU suite passed with it (121 tests).
 DIAG_INVERSE = True
 DIAG_INVERSE_SAVE = True
 # DIAG_INVERSE_BLOCK: the size of those diagonal blocks, 16 or 32 (a 32 x 32 block from its two 16 x 16 halves and
@@ -338,7 +345,7 @@ def invert_diagonal_blocks(A, *, C, interpret, block=SUB, beta=None):
     """A [B, H, Tp, C] fp32 (strictly lower per chunk) with each `block` x `block` (16 or 32) diagonal block L
     replaced, in place, by (I + L)^-1 - I, the form the solves take with diag_inverse = block. With beta [B, Tp, H]
     (a forward that saves the unscaled key Gram A = KK for the backward): a new array, Diag(beta) A with its diagonal
-    blocks so replaced (A itself unchanged), one program per chunk."""
+    blocks so replaced (A itself unchanged), one program per diagonal block's rows."""
     B, H, Tp, _ = A.shape
     if block not in (SUB, 2 * SUB) or C % block:
         raise ValueError(f"invert_diagonal_blocks takes blocks of {SUB} or {2 * SUB} dividing C = {C}, got {block}")
@@ -347,13 +354,13 @@ def invert_diagonal_blocks(A, *, C, interpret, block=SUB, beta=None):
     params = dict(out_shape=jax.ShapeDtypeStruct(A.shape, A.dtype), interpret=interpret,
                   compiler_params=compiler_params(num_warps=DIAG_INVERSE_WARPS, num_stages=1),
                   name="lineattn_invert_diagonal_blocks")
-    if beta is not None:
-        chunk = pl.BlockSpec((None, None, C, C), lambda b, h, n: (b, h, n, 0))
-        return pallas_call(
-            functools.partial(_scaled_diagonal_inverse_kernel, block=block), grid=(B, H, Tp // C),
-            in_specs=[chunk, pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))], out_specs=chunk, **params,
-        )(A, beta)
     nb = C // block
+    if beta is not None:
+        rows = pl.BlockSpec((None, None, block, C), lambda b, h, i: (b, h, i, 0))
+        return pallas_call(
+            functools.partial(_scaled_diagonal_inverse_kernel, nb=nb), grid=(B, H, Tp // block),
+            in_specs=[rows, pl.BlockSpec((None, block, None), lambda b, h, i: (b, i, h))], out_specs=rows, **params,
+        )(A, beta)
     spec = pl.BlockSpec((None, None, block, block), lambda b, h, i: (b, h, i, i % nb))
     return pallas_call(
         _invert_diagonal_block_kernel, grid=(B, H, Tp // block), in_specs=[spec], out_specs=spec,
