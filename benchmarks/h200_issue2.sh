@@ -104,6 +104,9 @@
 #     SKIP_BENCH=1 SHARDS=3 TEST_TIMEOUT=250 TESTS_K="in_segments or mosaic" bash benchmarks/h200_issue2.sh; export
 #       PYTHONPATH=$PWD/.site:$PWD; for r in gdn kda; do python3 benchmarks/profile_pallas_kda.py --out $OUT/$r
 #       --rule $r --shape 1x32768 --impls lineattn --check --configs "default;chunk_fwd.FORMS_IN_SEGMENTS=True"; done
+#   Run36b-d: the forward that saves for the backward inverts the diagonal blocks too (chunk_fwd.DIAG_INVERSE_SAVE):
+#   fwd+bwd kernels KDA 4.272 ms against 4.329, GDN 2.946 against 3.030 (run36c, with the whole GPU suite: 121
+#   passed); bench (run36d) KDA 0.750x / 0.771x jla's forward+backward.
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
 #   --rule gdn for Gated DeltaNet, e.g. PROFILE_ARGS='--rule gdn --check --configs default;api.SCALAR_GATE=1')
