@@ -108,8 +108,11 @@ def test_forward_alone_forms_in_segments_lower_for_sm90(fake_h200, monkeypatch, 
         assert "lineattn_zero_start_pass_mosaic" in text and "lineattn_state_pass_mosaic" in text
         assert ("lineattn_inverse_mosaic" in text) == forms and ("lineattn_solve_mosaic" in text) == (not forms)
     monkeypatch.setattr(chunk_fwd, "FORMS_IN_SEGMENTS", "channel")
-    with pytest.raises(ValueError, match="FORMS_IN_SEGMENTS must be True, False or 'scalar'"):
-        jax.jit(lambda *a: chunk_pallas(*a, K**-0.5, 64, False, "kernels-saved")).trace(*args)
+    one_chunk = tuple(S((a.shape[0], 64) + a.shape[2:], a.dtype) if a.ndim < 4 or a.shape[1] == T else a
+                      for a in args)  # (unsegmented: the value is checked there too)
+    for shapes in (args, one_chunk):
+        with pytest.raises(ValueError, match="FORMS_IN_SEGMENTS must be True, False or 'scalar'"):
+            jax.jit(lambda *a: chunk_pallas(*a, K**-0.5, 64, False, "kernels-saved")).trace(*shapes)
 
 
 @pytest.mark.parametrize("v_fastest,variant", [(False, {}), (True, {}), (True, dict(readout="updated"))])

@@ -939,8 +939,8 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     nseg = pass_segments(B * H, N, V, save, bool(export_chunks))
     BV = block_v or pick_block_v(B * H * nseg, V)
     # (in segments, the forms need FORMS_IN_SEGMENTS and the Mosaic zero-start pass, which alone takes them)
-    forms_fit = nseg == 1 or (forms_in_segments(scalar)
-                              and mosaic_zero_start(store, delta, C, K, V, min(BV, K), interpret))
+    in_segments = forms_in_segments(scalar)  # (checked at every call, segmented or not)
+    forms_fit = nseg == 1 or (in_segments and mosaic_zero_start(store, delta, C, K, V, min(BV, K), interpret))
     fused = (delta and not save and not only_intra and forms_fit
              and mosaic_pass(store, delta, C, K, V, BV, bool(export_chunks), None, interpret))
     row_gate = ROW_GATE and scalar and fused
