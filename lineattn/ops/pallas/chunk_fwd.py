@@ -302,7 +302,8 @@ def _scaled_diagonal_inverse_kernel(a_ref, b_ref, o_ref, *, nb):
     the backward. The block's column position depends on the program: one static branch for each."""
     block, C = a_ref.shape
     per = block // SUB  # 16-row blocks in a diagonal block
-    scaled = lambda r, c: a_ref[_sub(r), _sub(c)] * b_ref[_sub(r)].astype(f32)[:, None]
+    beta = [b_ref[_sub(r)].astype(f32)[:, None] for r in range(per)]  # (each row block's, loaded once)
+    scaled = lambda r, c: a_ref[_sub(r), _sub(c)] * beta[r]
     for d in range(nb):
         @pl.when(pl.program_id(2) % nb == d)
         def _(d=d):
