@@ -97,6 +97,10 @@ GRADS_ROW_SPLIT = 1
 # when a call is traced.
 GRADS_PREC = "tf32"
 GRADS_SCALAR_PREC, GRADS_SCALAR_WARPS, GRADS_SCALAR_BK = "bf16x2", 4, 16
+# GRADS_SCALAR_GRAM_DG: the scalar kernel takes dg's share of the Gram matrices from dM * M and dKK * KK, M and KK
+# formed in the kernel by exact bf16 products (`_gram_scalar_bwd_kernel`), instead of from its four products summed
+# over K; the products then only feed dq and dk. Read when a call is traced.
+GRADS_SCALAR_GRAM_DG = True
 # dq, dk and dG are formed inside the Gram-gradient kernel, row by row, and `_dg_kernel` takes dg's reverse
 # cumsum. (A separate combine kernel reading four fp32 Gram gradients back was slower on the H200, run8a: 1.62 +
 # 1.05 ms against 2.13 + 0.18; removed.)
@@ -342,16 +346,28 @@ def gram_grads_fused(q, k, G, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, inte
 
 
 def _gram_scalar_bwd_kernel(q_ref, k_ref, g_ref, dm_ref, dkk_ref, dqin_ref, dkg_ref, dkin_ref, dq_ref, dk_ref,
-                            rest_ref, kgd_ref, *, C, scale, prec, delta, bk):
+                            rest_ref, kgd_ref, *, C, scale, prec, delta, bk, gram_dg):
     """The Gram gradients for a gate equal across K (`chunk_fwd.gram_scalar`), one program per chunk, with the
     row-local combine: with D_ij = e^(G_i - G_j) (j <= i), dx = (dP * D) k and dk = (dP * D)^T x, then
     `_combine_rows` as in `_gram_bwd_kernel`; for dg, each row's sums over K of dG without its -Kg * dKg term
     (rest) and of Kg * dKg (kgd), [C] each: dg_t = sum_{s >= t} rest_s + sum_{s < t} kgd_s + the chunk-end term
     (`gram_grads_scalar`). (The kgd terms cancel in dG's reverse cumsum; summed over K first, as fp32 sums they
-    made dg 3-7x less accurate (CPU, fp32, gates at -5).)"""
+    made dg 3-7x less accurate (CPU, fp32, gates at -5).)
+    gram_dg: the Gram matrices' share of rest straight from them, rowsum(P) - colsum(P) with P = dM * M + dKK * KK
+    (M = scale (q k^T) * D and KK = (k k^T) * D formed here, exact for bf16 inputs: bf16 products, fp32 sums), so
+    dg takes nothing from the four products, which then only feed dq and dk (and may run in plain bf16)."""
     G, decay, G_end = chunk_fwd.scalar_decay(g_ref)
     dM, dKK = dm_ref[...] * decay, dkk_ref[...] * decay
     rest = kgd = jnp.zeros((k_ref.shape[0],), f32)
+    if gram_dg:  # its own pass over the K tiles first, so that its two [C, C] sums are not live beside the rest
+        gram_prec = "ieee" if prec == "ieee" else "bf16"  # (bf16 inputs: exact products, fp32 accumulation)
+        qk = kk_ = jnp.zeros((k_ref.shape[0],) * 2, f32)
+        for t in range(k_ref.shape[-1] // bk):
+            d = pl.ds(t * bk, bk)
+            qk = qk + dot(q_ref[:, d], k_ref[:, d], gram_prec, trans_b=True)
+            kk_ = kk_ + dot(k_ref[:, d], k_ref[:, d], gram_prec, trans_b=True)
+        P = scale * dM * qk + dKK * kk_
+        rest = jnp.sum(P, axis=1) - jnp.sum(P, axis=0)
     for t in range(k_ref.shape[-1] // bk):
         d = pl.ds(t * bk, bk)
         q_in, k_in = q_ref[:, d], k_ref[:, d]  # (as given: exact right operands for "bf16x2")
@@ -359,7 +375,8 @@ def _gram_scalar_bwd_kernel(q_ref, k_ref, g_ref, dm_ref, dkk_ref, dqin_ref, dkg_
         kq, kk = scale * dot(dM, q_in, prec, trans_a=True), dot(dKK, k_in, prec, trans_a=True)
         q, k = q_in.astype(f32), k_in.astype(f32)
         dq, dk, dG, kg_dkg = _combine_rows(q, k, G, G_end, dqin_ref[:, d], dkg_ref[:, d],
-                                           dkin_ref[:, d] if delta else None, xq, xk, kq, kk, scale, kg_term=False)
+                                           dkin_ref[:, d] if delta else None, xq, xk, kq, kk, scale, kg_term=False,
+                                           gram_terms=not gram_dg)
         dq_ref[:, d] = dq.astype(dq_ref.dtype)
         dk_ref[:, d] = dk.astype(dk_ref.dtype)
         rest, kgd = rest + jnp.sum(dG, axis=1), kgd + jnp.sum(kg_dkg, axis=1)
@@ -377,7 +394,7 @@ def gram_grads_scalar(q, k, g, dM, dKK, dQin, dKg, dKin, dend, ddend, *, C, scal
     row = pl.BlockSpec((None, None, C), lambda b, h, n: (b, h, n))
     dq, dk, rest, kgd = pallas_call(
         functools.partial(_gram_scalar_bwd_kernel, C=C, scale=scale, prec="ieee" if exact else GRADS_SCALAR_PREC,
-                          delta=delta, bk=min(GRADS_SCALAR_BK, K)),
+                          delta=delta, bk=min(GRADS_SCALAR_BK, K), gram_dg=GRADS_SCALAR_GRAM_DG),
         grid=(B, H, N),
         in_specs=[tok, tok, pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h)), chunk(C), chunk(C),
                   chunk(K), chunk(K), chunk(K)],
@@ -435,16 +452,20 @@ def _wy_bwd_kernel(r_ref, kk_ref, du_ref, dw_ref, v_ref, k_ref, G_ref, beta_ref,
     dkk_ref[...] = (beta * dA).astype(dkk_ref.dtype)
 
 
-def _combine_rows(q, k, G, G_end, dQin, dKg, dKin, xq, xk, kq, kk, scale, kg_term=True):
+def _combine_rows(q, k, G, G_end, dQin, dKg, dKin, xq, xk, kq, kk, scale, kg_term=True, gram_terms=True):
     """The row-local part of the combine, for rows of q, k, G (fp32) and their cotangent terms: (dq, dk, dG,
     Kg * dKg). dG is the gradient with respect to the in-chunk cumsum G, without the chunk-end term (and, without
-    kg_term, without its -Kg * dKg); dKin is None for the additive write."""
+    kg_term, without its -Kg * dKg; without gram_terms, without the Gram matrices' share, which the scalar kernel
+    then takes from the matrices themselves); dKin is None for the additive write."""
     dQin, dKg = dQin.astype(f32), dKg.astype(f32)
     eG, eGk = exp(G), exp(G_end - G)
     gq = eG * dQin + xq  # the cotangent of scale * q e^G, through Qin and M
     Kg = k * eGk
     dk = eGk * dKg + kq + xk + kk
-    dG = scale * q * gq - (Kg * dKg if kg_term else 0.0) - k * kq + k * xk - k * kk
+    if gram_terms:
+        dG = scale * q * gq - (Kg * dKg if kg_term else 0.0) - k * kq + k * xk - k * kk
+    else:
+        dG = scale * q * (eG * dQin) - (Kg * dKg if kg_term else 0.0)
     if dKin is not None:
         dKin = dKin.astype(f32)
         dk = dk + eG * dKin
