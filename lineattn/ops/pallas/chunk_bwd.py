@@ -96,7 +96,7 @@ GRADS_ROW_SPLIT = 1
 # 64: 8 warps 0.980, bf16x3 1.061. (Plain bf16 products: dg's error 1.3e-2 against 1.8e-3, CPU, T = 512.) Read
 # when a call is traced.
 GRADS_PREC = "tf32"
-GRADS_SCALAR_PREC, GRADS_SCALAR_WARPS, GRADS_SCALAR_BK = "bf16", 4, 64
+GRADS_SCALAR_PREC, GRADS_SCALAR_WARPS, GRADS_SCALAR_BK = "bf16", 8, 128
 # GRADS_SCALAR_GRAM_DG: the scalar kernel takes dg's share of the Gram matrices from dM * M and dKK * KK, M and KK
 # formed in the kernel by exact bf16 products (`_gram_scalar_bwd_kernel`), instead of from its four products summed
 # over K; the products then only feed dq and dk. Read when a call is traced.
