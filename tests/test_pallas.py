@@ -97,6 +97,31 @@ def test_pallas_scalar_gate_bf16_and_varlen(monkeypatch):
     _compare("gdn", make_inputs("gdn", B=1, T=101, H=1, K=32, V=32, num_seqs=3, seed=3), cu_seqlens=cu_seqlens)
 
 
+@pytest.mark.parametrize("rule", ["gdn", "simple_gla"])
+def test_scalar_gram_gradients_take_dg_from_the_matrices(rule):
+    # `chunk_bwd.GRADS_SCALAR_GRAM_DG` (the default): the scalar Gram-gradient kernel takes dg's share of the Gram
+    # matrices from dM * M + dKK * KK (M, KK formed in the kernel; the additive write has no KK), not from its four
+    # products summed over K. fp32, B = 1, T = 150 ragged, H = 2, K = 64, V = 32, gates in (-5, 0), chunk 64, an
+    # initial state: every output and gradient within 1e-4 of the oracle and within 2e-5 of the products' form (CPU:
+    # dg 2e-7 to 6e-7 apart, the rest equal); bf16 (plain bf16 products, the default) within FLA's tolerances of the
+    # oracle.
+    from lineattn.ops.pallas import tuning
+    x = make_inputs(rule, B=1, T=150, H=2, K=64, V=32, seed=31)
+    got = {}
+    for gram_dg in (True, False):
+        with tuning.override({"chunk_bwd.GRADS_SCALAR_GRAM_DG": gram_dg}):
+            o, ht, grads = loss_and_grads(rule, x, backend="pallas", chunk_size=64)
+            got[gram_dg] = {"o": o, "ht": ht, **grads}
+            assert "lineattn_gram_bwd_scalar" in grad_jaxpr(rule, x, backend="pallas", chunk_size=64)
+    o, ht, grads = loss_and_grads(rule, x, backend="recurrent")
+    want = {"o": o, "ht": ht, **grads}
+    assert "dg" in want
+    for name in want:
+        assert _rel_rms(got[True][name], want[name]) <= 1e-4, name
+        assert _rel_rms(got[True][name], got[False][name]) <= 2e-5, name
+    _assert_bf16_close(rule, x, chunk_size=64)
+
+
 @pytest.mark.parametrize("trans_a", [False, True])
 def test_kernel_dot_precisions(trans_a):
     # `common.dot`: "bf16x2" (a split into bf16 parts, b taken in bf16; the scalar Gram gradients' products with the

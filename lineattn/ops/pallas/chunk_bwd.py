@@ -91,15 +91,19 @@ GRADS_ROW_SPLIT = 1
 # inputs themselves: two products, the numbers of bf16x3). GRADS_SCALAR_WARPS, GRADS_SCALAR_BK: the scalar
 # kernel's warps and K tile. H200, 8 x 4096, kernel time (run29a-c): KDA's kernel 2.197 ms with bf16x3 against
 # 1.290 with tf32 (dg 2.9e-3 against 5.7e-3 from the fp32 XLA chunk form); GDN's, K tile 64 / 32 / 16 on 4 warps
-# with bf16x2: 1.090 / 0.964 / 0.823 ms (the default; 1.220 before run29, tf32 with scale * q as an operand,
+# with bf16x2: 1.090 / 0.964 / 0.823 ms (run29-37; 1.220 before run29, tf32 with scale * q as an operand,
 # dg 4.5e-3 against 2.7e-3 now); K tile 32: tf32 1.014, bf16x3 1.305, 8 warps 1.236 (bf16x3 on 8: 1.878); K tile
-# 64: 8 warps 0.980, bf16x3 1.061. (Plain bf16 products: dg's error 1.3e-2 against 1.8e-3, CPU, T = 512.) Read
-# when a call is traced.
-GRADS_PREC = "tf32"
-GRADS_SCALAR_PREC, GRADS_SCALAR_WARPS, GRADS_SCALAR_BK = "bf16", 8, 128
+# 64: 8 warps 0.980, bf16x3 1.061. (Plain bf16 products, dg from them: dg's error 1.3e-2 against 1.8e-3, CPU,
+# T = 512, before run29.) Read when a call is traced.
 # GRADS_SCALAR_GRAM_DG: the scalar kernel takes dg's share of the Gram matrices from dM * M and dKK * KK, M and KK
 # formed in the kernel by exact bf16 products (`_gram_scalar_bwd_kernel`), instead of from its four products summed
-# over K; the products then only feed dq and dk. Read when a call is traced.
+# over K; the products then only feed dq and dk, in plain bf16. H200, GDN 8 x 4096, kernel time (run37d-e): 0.635 ms
+# with one K tile of 128 on 8 warps (the default) against 0.826 for run29's form (products in bf16x2, dg from them, K
+# tiles of 16 on 4 warps); with GRAM_DG: bf16x2 on tiles of 16 0.992, bf16 on tiles of 16 / 32 / 64 0.894 / 0.759 /
+# 0.676 (on 8 warps 0.785 for 64), 128 on 4 warps 1.218. Forward+backward kernels 2.756 ms against 2.948; errors
+# against the fp32 XLA chunk form unchanged (dg 2.7e-3) but dq, dk 3.2e-3 against 3.1e-3.
+GRADS_PREC = "tf32"
+GRADS_SCALAR_PREC, GRADS_SCALAR_WARPS, GRADS_SCALAR_BK = "bf16", 8, 128
 GRADS_SCALAR_GRAM_DG = True
 # dq, dk and dG are formed inside the Gram-gradient kernel, row by row, and `_dg_kernel` takes dg's reverse
 # cumsum. (A separate combine kernel reading four fp32 Gram gradients back was slower on the H200, run8a: 1.62 +
