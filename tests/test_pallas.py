@@ -124,7 +124,7 @@ def test_scalar_gram_gradients_take_dg_from_the_matrices(rule):
 
 @pytest.mark.parametrize("trans_a", [False, True])
 def test_kernel_dot_precisions(trans_a):
-    # `common.dot`: "bf16x2" (a split into bf16 parts, b taken in bf16; the scalar Gram gradients' products with the
+    # `common.dot`: "bf16x2" (a split into bf16 parts, b taken in bf16; an option of the scalar Gram gradients, the
     # bf16 inputs as right operands) against fp64: for a bf16 b as accurate as "bf16x3" (relative max error below
     # 2e-5), where "bf16" is off by over 1e-3.
     from lineattn.ops.pallas.common import dot
