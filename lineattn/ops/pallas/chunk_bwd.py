@@ -369,8 +369,9 @@ def _gram_scalar_bwd_kernel(q_ref, k_ref, g_ref, dm_ref, dkk_ref, dqin_ref, dkg_
         for t in range(k_ref.shape[-1] // bk):
             d = pl.ds(t * bk, bk)
             qk = qk + dot(q_ref[:, d], k_ref[:, d], gram_prec, trans_b=True)
-            kk_ = kk_ + dot(k_ref[:, d], k_ref[:, d], gram_prec, trans_b=True)
-        P = scale * dM * qk + dKK * kk_
+            if delta:  # (the additive write has no KK)
+                kk_ = kk_ + dot(k_ref[:, d], k_ref[:, d], gram_prec, trans_b=True)
+        P = scale * dM * qk + (dKK * kk_ if delta else 0.0)
         rest = jnp.sum(P, axis=1) - jnp.sum(P, axis=0)
     for t in range(k_ref.shape[-1] // bk):
         d = pl.ds(t * bk, bk)
