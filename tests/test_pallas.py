@@ -522,28 +522,35 @@ def test_mosaic_pass_two_warpgroups_equal_one(form):
 
 
 def test_mosaic_pass_forms_reject_bad_arguments():
-    # `state_mgpu.state_pass_mosaic`'s raw_qk and inverse forms: a ValueError naming the shapes for kept states, a
-    # wrong number of row factors, Kin given beside raw_qk's raw k, or no Kin without raw_qk; the zero-start pass's
-    # kg_rows and inverse forms for a head-major k beside kg_rows, v head-major with inverse, or Kin beside the raw k.
+    # `state_mgpu.state_pass_mosaic`'s raw_qk and inverse forms: a ValueError for kept states, a wrong number of row
+    # factors, Kin given beside raw_qk's raw k, no Kin without raw_qk, and one naming each input of the wrong shape
+    # (head-major q with raw_qk, v head-major with inverse, row factors per token and channel); the zero-start pass's
+    # kg_rows and inverse forms likewise (a head-major k beside kg_rows, v head-major with inverse, Kin beside the
+    # raw k).
     from lineattn.ops.pallas import state_mgpu
     q = k = jnp.zeros((2, 192, 2, 64), jnp.bfloat16)
     w, u, m = (jnp.zeros((2, 2, 192, n), jnp.bfloat16) for n in (64, 128, 64))
     rows = [jnp.ones((2, 2, 192), jnp.float32)] * 2
     dend, h0 = jnp.ones((2, 2, 3, 64), jnp.float32), jnp.zeros((2, 2, 64, 128), jnp.float32)
     v = jnp.zeros((2, 192, 2, 128), jnp.bfloat16)
-    bad = [dict(raw_qk=rows, keep_dtype=jnp.bfloat16), dict(raw_qk=rows[:1]), dict(raw_qk=rows, inverse=(m, *rows)),
-           dict(inverse=(m, *rows), w=None, u=v)]  # (inverse: v [B, Tp, H, V]; w None only with raw_qk)
-    for kwargs in bad:
-        args = dict(w=w, u=u, out_dtype=jnp.bfloat16, interpret=True) | kwargs
-        with pytest.raises(ValueError, match="raw_qk and inverse take no keep_dtype"):
-            state_mgpu.state_pass_mosaic(q, k, args.pop("w"), args.pop("u"), m, dend, h0, **args)
+    shapes = "the inputs must be .B, Tp, H, D. .raw."
+    bad = [(dict(raw_qk=rows, keep_dtype=jnp.bfloat16), "raw_qk and inverse are forms of a forward alone"),
+           (dict(raw_qk=rows[:1]), "raw_qk is two row factors"),
+           (dict(raw_qk=rows, inverse=(m, *rows)), "w is None with raw_qk and inverse"),
+           (dict(inverse=(m, *rows), w=None, u=v), "w is None with raw_qk and inverse"),
+           (dict(raw_qk=rows, q=w), shapes + r".*'q': \(\(2, 2, 192, 64\), \(2, 192, 2, 64\)\)"),
+           (dict(inverse=(m, *rows)), shapes + r".*'u': \(\(2, 2, 192, 128\), \(2, 192, 2, 128\)\)"),
+           (dict(inverse=(m, rows[0], jnp.ones((2, 2, 192, 64))), u=v), shapes + ".*'b'")]
+    for kwargs, message in bad:
+        args = dict(q=q, w=w, u=u, out_dtype=jnp.bfloat16, interpret=True) | kwargs
+        with pytest.raises(ValueError, match="state_pass_mosaic: " + message):
+            state_mgpu.state_pass_mosaic(args.pop("q"), k, args.pop("w"), args.pop("u"), m, dend, h0, **args)
     start = jnp.zeros((2, 2, 1, 64, 128 + 64), jnp.float32)
-    for kg, w_, u_, kwargs in [(w, None, v, dict(kg_rows=rows[0], inverse=(m, *rows))),
-                               (k, None, u, dict(kg_rows=rows[0], inverse=(m, *rows))),
-                               (k, w, v, dict(kg_rows=rows[0], inverse=(m, *rows)))]:
-        with pytest.raises(ValueError, match="zero_start_pass_mosaic: kg .B, Tp, H, K. with kg_rows"):
+    for kg, w_, u_, message in [(w, None, v, shapes + ".*'k'"), (k, None, u, shapes + ".*'u'"),
+                                (k, w, v, "w is None with kg_rows and inverse")]:
+        with pytest.raises(ValueError, match="zero_start_pass_mosaic: " + message):
             state_mgpu.zero_start_pass_mosaic(kg, w_, u_, dend, start, value_tiles=2, block_v=64, interpret=True,
-                                              **kwargs)
+                                              kg_rows=rows[0], inverse=(m, *rows))
     # two compute warpgroups: no kept states, a bf16 o, two V tiles a CTA
     for kwargs in [dict(keep_dtype=jnp.bfloat16), dict(out_dtype=jnp.float32), dict(u=u[..., :64], h0=h0[..., :64]),
                    dict(warpgroups=3)]:

@@ -21,6 +21,8 @@ gate the raw q and k with the gate's row factors. Without a GPU they run in the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -52,19 +54,69 @@ def _spec(shape, index_map, bv):
     return plgpu.BlockSpec(shape, index_map, transforms=_operand(shape, bv).transforms)
 
 
-def _check(name, C, K, V, bv, bf16_inputs, dend, state, B, H, N):
-    """The segment count: state is [B, H, K, V] (one segment) or [B, H, nseg, K, V] with nseg dividing N."""
-    if any(x.dtype != bf16 for x in bf16_inputs):
-        raise ValueError(f"{name} takes bf16 matrices, got {[str(x.dtype) for x in bf16_inputs]}")
-    if C != 64 or K not in (64, 128) or bv not in V_TILES or V % bv:
+@dataclasses.dataclass(frozen=True)
+class _In:
+    """A pipelined input of a pass: its name (how a step finds its SMEM slot), the array, and its block each chunk:
+    "CK" a [C, K] tile, "CC" [C, C], "CV" [C, the value columns], "K" e^(G_C) [K], "C" row factors [C]; by_token: a
+    raw input [B, Tp, H, D] (else head-major, [B, H, Tp, D], or [B, H, Tp] for row factors)."""
+    name: str
+    array: jax.Array
+    block: str
+    by_token: bool = False
+
+
+def _check(name, inputs, dend, state, C, bv, value_cols):
+    """The segment count, after ValueErrors naming what does not fit: the state [B, H, K, value_cols] (one segment)
+    or [B, H, nseg, K, value_cols], value_cols V or the zero-start pass's V + K; dend = e^(G_C) [B, H, N, K] with nseg
+    dividing N; chunk_size 64, K 64 or 128, block_v in V_TILES dividing value_cols; and every input bf16 ([C, *]
+    tiles) and of its shape for Tp = N C."""
+    tiles = [x for x in inputs if x.block in ("CK", "CC", "CV")]
+    if any(x.array.dtype != bf16 for x in tiles):
+        raise ValueError(f"{name} takes bf16 matrices, got {[f'{x.name} {x.array.dtype}' for x in tiles]}")
+    B, H, K = state.shape[0], state.shape[1], state.shape[-2]
+    if C != 64 or K not in (64, 128) or bv not in V_TILES or value_cols % bv:
         raise ValueError(f"{name} takes chunk_size 64, K 64 or 128 and block_v in {V_TILES} dividing V, got {C}, "
-                         f"{K}, {bv} and V = {V}")
+                         f"{K}, {bv} and V = {value_cols}")
     nseg = state.shape[2] if state.ndim == 5 else 1
-    if dend.shape != (B, H, N, K) or state.shape not in ((B, H, K, V), (B, H, nseg, K, V)) or N % nseg:
-        raise ValueError(f"{name}: dend must be [B, H, N, K] = {(B, H, N, K)} and the state [B, H, K, V] = "
-                         f"{(B, H, K, V)} or [B, H, nseg, K, V] with nseg dividing N, got {dend.shape} and "
+    N = dend.shape[2] if dend.ndim == 4 else -1
+    if dend.shape != (B, H, N, K) or state.shape not in ((B, H, K, value_cols), (B, H, nseg, K, value_cols)) \
+            or N % nseg:
+        raise ValueError(f"{name}: dend must be [B, H, N, K] = {(B, H, 'N', K)} and the state [B, H, K, V] = "
+                         f"{(B, H, K, value_cols)} or [B, H, nseg, K, V] with nseg dividing N, got {dend.shape} and "
                          f"{state.shape}")
+    Tp = N * C
+    width = {"CK": K, "CC": C, "CV": next(x.array.shape[-1] for x in tiles if x.block == "CV")}
+    want = lambda x: (B, H, Tp) if x.block == "C" else ((B, Tp, H) if x.by_token else (B, H, Tp)) + (width[x.block],)
+    bad = {x.name: (x.array.shape, want(x)) for x in inputs if x.block != "K" and x.array.shape != want(x)}
+    if bad:
+        raise ValueError(f"{name}: the inputs must be [B, Tp, H, D] (raw), [B, H, Tp, D] (D: K, C or V) or [B, H, Tp] "
+                         f"(row factors) with B, Tp, H, K = {(B, Tp, H, K)}; (got, expected): {bad}")
     return nseg
+
+
+def _pipeline_io(inputs, gmem, b, h, chunk, value_block, C, K, bv):
+    """The pipeline's operands, this CTA's (batch, head) slices of the inputs' GMEM refs, and their block specs: step
+    n reads chunk(n); value_block: the "CV" blocks' (width, a function giving their column tile)."""
+    width, col = value_block
+
+    def spec(block):
+        if block in ("K", "C"):  # (1-D)
+            return plgpu.BlockSpec((K if block == "K" else C,), lambda n: (chunk(n),))
+        shape = {"CK": (C, K), "CC": (C, C), "CV": (C, width)}[block]
+        return _spec(shape, (lambda n: (chunk(n), col())) if block == "CV" else (lambda n: (chunk(n), 0)), bv)
+
+    operands = tuple(g.at[b, :, h, :] if x.by_token else g.at[b, h] for g, x in zip(gmem, inputs))
+    return operands, [spec(x.block) for x in inputs]
+
+
+def _row_factors(**rows):
+    """The row factors given (not None) as pipelined inputs, in the order named."""
+    return [_In(name, r, "C") for name, r in rows.items() if r is not None]
+
+
+def _named(inputs, refs):
+    """{name: ref} of a step's SMEM slots (or a body's GMEM refs), refs in the inputs' order."""
+    return dict(zip((x.name for x in inputs), refs))
 
 
 def _read_state(src, bar, K, bv, h_s=None):
@@ -185,95 +237,74 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
     warpgroups: the compute warpgroups of a CTA, each on its own V tile, sharing the loads of every [C, K] and
     [C, C] tile (a third warpgroup issues them: `plgpu.emit_pipeline_warp_specialized`); 2 takes no keep_dtype
     and a bf16 out_dtype. None: `pick_warpgroups`."""
-    B, H, Tp, K = w.shape if w is not None else qin.shape
-    if raw_qk is not None:
-        B, Tp, H, K = qin.shape
-    rows = tuple(raw_qk or ()) + tuple(r for r in (inverse[1:] if inverse is not None else ()) if r is not None)
-    if raw_qk is not None or inverse is not None:
-        n_rows = 2 * (raw_qk is not None) + (len(inverse) - 1 - (inverse[-1] is None) if inverse is not None else 0)
-        want = {"k": (kg.shape, qin.shape), "rows": ([r.shape for r in rows], [(B, H, Tp)] * n_rows),
-                "w": (None if w is None else w.shape, None if raw_qk is not None and inverse is not None else
-                      (B, H, Tp, K))}
-        if inverse is not None:
-            want.update(v=(u.shape[:3], (B, Tp, H)), R=(inverse[0].shape, (B, H, Tp, m.shape[-1])))
-        bad = {n: got for n, (got, expected) in want.items() if got != expected}
-        if keep_dtype is not None or bad:
-            raise ValueError(f"state_pass_mosaic: raw_qk and inverse take no keep_dtype, q and k [B, "
-                             f"Tp, H, K] = {(B, Tp, H, K)} (raw_qk) or w [B, H, Tp, K] and row factors [B, H, Tp] "
-                             f"(v [B, Tp, H, V], R [B, H, Tp, C] with inverse); got {bad}")
-    V, C = u.shape[-1], m.shape[-1]
-    N, bv = Tp // C, block_v
-    matrices = (qin, kg, u, m) + ((w,) if w is not None else ()) + ((inverse[0],) if inverse is not None else ())
-    nseg = _check("state_pass_mosaic", C, K, V, bv, matrices, dend, h0, B, H, N)
+    raw, inv, keep = raw_qk is not None, inverse is not None, keep_dtype is not None
+    if (raw or inv) and keep:
+        raise ValueError("state_pass_mosaic: raw_qk and inverse are forms of a forward alone: they take no keep_dtype")
+    if raw and len(raw_qk) != 2:
+        raise ValueError(f"state_pass_mosaic: raw_qk is two row factors (scale e^G, e^(G_C - G)), got {len(raw_qk)}")
+    if (w is None) != (raw and inv):
+        raise ValueError("state_pass_mosaic: w is None with raw_qk and inverse (the W S product then takes the raw "
+                         "k), and given otherwise (W, or Kin with inverse)")
+    (q_row, k_row), (R, a, b) = raw_qk or (None, None), inverse or (None, None, None)
+    # the pipelined inputs, the row factors last (each chunk's e^(G_C): a 1-D block of the flattened [B, H, N K])
+    inputs = [_In("q", qin, "CK", raw), _In("k", kg, "CK", raw)] + ([_In("w", w, "CK")] if w is not None else [])
+    inputs += [_In("R", R, "CC")] if inv else []
+    inputs += [_In("u", u, "CV", inv), _In("m", m, "CC"), _In("dend", dend.reshape(*dend.shape[:2], -1), "K")]
+    inputs += _row_factors(q_row=q_row, k_row=k_row, a=a, b=b)
+    B, H, K = dend.shape[0], dend.shape[1], dend.shape[-1]
+    V, C, bv = u.shape[-1], m.shape[-1], block_v
+    nseg = _check("state_pass_mosaic", inputs, dend, h0, C, bv, V)
+    Tp = m.shape[2]
+    N = Tp // C
     Ns = N // nseg
-    keep = keep_dtype is not None
     wgs = pick_warpgroups(B * nseg * H * (V // bv), V, bv, keep, out_dtype) if warpgroups is None else warpgroups
     if wgs not in (1, 2) or (wgs > 1 and not _warpgroups_fit(wgs, V, bv, keep, out_dtype)):
         raise ValueError(f"state_pass_mosaic: warpgroups must be 1, or 2 with no keep_dtype, a bf16 out_dtype and "
                          f"2 block_v dividing V; got {warpgroups} with keep_dtype {keep_dtype}, out_dtype "
                          f"{out_dtype}, block_v {bv}, V = {V}")
-    n_qk, inv = 2 * (raw_qk is not None), inverse is not None
-    raw_k = inv and w is None  # (the W S product's left operand: the raw k)
-    n_in = 2 + (not raw_k) + inv + 3 + len(rows)  # (the pipelined inputs: q/Qin, k/Kg, [W], [R], V/U, M, e^(G_C))
-
-    def split_inputs(refs):
-        """(qin, kg, w, r, u, m, dend, row factors) from the inputs in their order (w is k for raw_k, r None
-        without inverse)."""
-        qin_r, kg_r, *rest = refs
-        w_r, rest = (kg_r, rest) if raw_k else (rest[0], rest[1:])
-        r_r, rest = (rest[0], rest[1:]) if inv else (None, rest)
-        u_r, m_r, dend_r, *row_rs = rest
-        return qin_r, kg_r, w_r, r_r, u_r, m_r, dend_r, row_rs
+    n_in = len(inputs)
 
     def chunk(ins, S, s_s, e_s, ek_s, o_s, kept_s, copy_out, wait_o):
-        """One chunk from the state S entering it: O into o_s, then copy_out(); the next state. wait_o() comes before
-        the chunk's first write into o_s (which may be ek_s: free once the products have read it)."""
-        qin_s, kg_s, w_s, r_s, u_s, m_s, dend_s, row_s = ins
-        factor = lambda i: _row_factor(row_s[min(i, len(row_s) - 1)], C, bv)  # (b = a: one factor, the last)
+        """One chunk from the state S entering it, ins its SMEM slots by name: O into o_s, then copy_out(); the next
+        state. wait_o() comes before the chunk's first write into o_s (which may be ek_s: free once the products
+        have read it)."""
+        row = lambda name: _row_factor(ins[name], C, bv)
         s_s[...] = S.astype(bf16)
         if keep:
             kept_s[0][...] = S.astype(keep_dtype)
         plgpu.commit_smem()
-        WS, *QS = _products([(w_s, s_s)], *([[(qin_s, s_s)]] if n_qk else []))  # (raw q S: its own accumulator)
-        U = _load(u_s).astype(f32)
-        E = _inverse_residual(r_s, e_s, U, WS, factor(n_qk), factor(n_qk + 1)) if inv else U - WS
+        # (W S: the raw k's with raw_qk and inverse; raw q S: its own accumulator)
+        WS, *QS = _products([(ins.get("w", ins["k"]), s_s)], *([[(ins["q"], s_s)]] if raw else []))
+        U = _load(ins["u"]).astype(f32)
+        E = _inverse_residual(ins["R"], e_s, U, WS, row("a"), row("b" if "b" in ins else "a")) if inv else U - WS
         e_s[...] = E.astype(bf16)
         if keep:
             kept_s[1][...] = E.astype(keep_dtype)
-        if n_qk:  # (the right operand of k^T: E's rows scaled by e^(G_C - G); it may hold O too)
+        if raw:  # (the right operand of k^T: E's rows scaled by e^(G_C - G); it may hold O too)
             if o_s is ek_s:
                 wait_o()
-            ek_s[...] = (E * factor(1)).astype(bf16)
+            ek_s[...] = (E * row("k_row")).astype(bf16)
         plgpu.commit_smem()
-        if n_qk:
-            ME, KgE = _products([(m_s, e_s)], [(kg_s.transpose((1, 0)), ek_s)])
-            O = QS[0] * factor(0) + ME
+        if raw:
+            ME, KgE = _products([(ins["m"], e_s)], [(ins["k"].transpose((1, 0)), ek_s)])
+            O = QS[0] * row("q_row") + ME
         else:
-            O, KgE = _products([(qin_s, s_s), (m_s, e_s)], [(kg_s.transpose((1, 0)), e_s)])
+            O, KgE = _products([(ins["q"], s_s), (ins["m"], e_s)], [(ins["k"].transpose((1, 0)), e_s)])
         if o_s is not ek_s:
             wait_o()
         o_s[...] = O.astype(out_dtype)
         copy_out()
-        return S * _decay(dend_s, K, bv) + KgE
+        return S * _decay(ins["dend"], K, bv) + KgE
 
-    def operands_and_specs(gmem, b, sg, h, j, first):
-        """The pipeline's inputs (GMEM slices of this CTA's batch, head and V tile j of wgs bv columns) and specs."""
-        qin_g, kg_g, w_g, r_g, u_g, m_g, dend_g, row_gs = split_inputs(gmem)
-        rows_k = lambda n: (first + n, 0)
-        by_token = lambda x_g: x_g.at[b, :, h, :]  # (a raw [B, Tp, H, D] input)
-        qk = (by_token(qin_g), by_token(kg_g)) if n_qk else (qin_g.at[b, h], kg_g.at[b, h])
-        in_specs = [_spec((C, K), rows_k, bv)] * (2 if raw_k else 3) + [_spec((C, C), rows_k, bv)] * inv
-        operands = qk + (() if raw_k else (w_g.at[b, h],)) + ((r_g.at[b, h],) if inv else ())
-        in_specs += [_spec((C, wgs * bv), lambda n: (first + n, j), bv), _spec((C, C), rows_k, bv),
-                     plgpu.BlockSpec((K,), lambda n: (first + n,))] + [plgpu.BlockSpec((C,), lambda n: (first + n,))] \
-            * len(rows)
-        operands += (by_token(u_g) if inv else u_g.at[b, h], m_g.at[b, h], dend_g.at[b, h])
-        return operands + tuple(r_g.at[b, h] for r_g in row_gs), in_specs
+    def pipeline_io(gmem, b, h, j, first):
+        """The pipeline's operands and specs for this CTA's batch and head, its V tile j of wgs bv columns, from the
+        segment's first chunk."""
+        return _pipeline_io(inputs, gmem, b, h, lambda n: first + n, (wgs * bv, lambda: j), C, K, bv)
 
     def body(*refs):
         gmem, (h0_g, o_g, ht_g, *rest) = refs[:n_in], refs[n_in:]
         keep_g, (s_s, e_s, *outs_s, bar) = rest[:2 * keep], rest[2 * keep:]
-        ek_s, outs_s = (outs_s[0], outs_s[1:]) if n_qk else (None, outs_s)
+        ek_s, outs_s = (outs_s[0], outs_s[1:]) if raw else (None, outs_s)
         b, sg, h, j = _where(nseg)
         cols, first = pl.ds(j * bv, bv), sg * Ns  # (this segment's first chunk)
 
@@ -288,9 +319,10 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
                 [(outs_s[0].at[slot], o_g.at[b, tok, h, cols])]
                 + ([(kept_s[0], keep_g[0].at[b, h, pl.ds(n * K, K), cols]),
                     (kept_s[1], keep_g[1].at[b, h, tok, cols])] if keep else []))
-            return chunk(split_inputs(ins), S, s_s, e_s, ek_s, outs_s[0].at[slot], kept_s, copy_out, lambda: None)
+            return chunk(_named(inputs, ins), S, s_s, e_s, ek_s, outs_s[0].at[slot], kept_s, copy_out,
+                         lambda: None)
 
-        operands, in_specs = operands_and_specs(gmem, b, sg, h, j, first)
+        operands, in_specs = pipeline_io(gmem, b, h, j, first)
         S = plgpu.emit_pipeline(step, grid=(Ns,), in_specs=in_specs, max_concurrent_steps=2,
                                 init_carry=_read_state(h0_g.at[b, h, sg, :, cols], bar.at[0], K, bv))(*operands)
         _write_state(S, ht_g.at[b, h, sg, :, cols], K, bv)
@@ -303,12 +335,12 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
         # this warpgroup's bf16 buffers, rows of bufs[wg]: S, E and the O slot (with raw_qk also E's rows scaled,
         # in O's slot: the products have read them before O is stored)
         s_s, e_s, o_s = bufs.at[wg, pl.ds(0, K)], bufs.at[wg, pl.ds(K, C)], bufs.at[wg, pl.ds(K + C, C)]
-        ek_s = o_s if n_qk else None
+        ek_s = o_s if raw else None
 
         def step(idx, *ins_and_state):
             *ins, S = ins_and_state
-            ins = split_inputs(ins)
-            ins = ins[:4] + (ins[4].at[:, pl.ds(wg * bv, bv)],) + ins[5:]  # (this warpgroup's V columns)
+            ins = _named(inputs, ins)
+            ins["u"] = ins["u"].at[:, pl.ds(wg * bv, bv)]  # (this warpgroup's V columns)
             tok = pl.ds((first + idx[0]) * C, C)
             copy_out = lambda: _copy_out([(o_s, o_g.at[b, tok, h, cols])])
             # one O slot: the last chunk's copy out of it must have read it
@@ -324,7 +356,7 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # (the last O copy has read its slot, inside st)
             _write_state(S, ht_g.at[b, h, sg, :, cols], K, bv, h_s=st)
 
-        operands, in_specs = operands_and_specs(gmem, b, sg, h, j, first)
+        operands, in_specs = pipeline_io(gmem, b, h, j, first)
         plgpu.emit_pipeline_warp_specialized(step, grid=(Ns,), in_specs=in_specs, max_concurrent_steps=2,
                                              memory_registers=MEMORY_REGISTERS, wg_axis="wg", num_compute_wgs=wgs,
                                              compute_context=compute)(*operands)
@@ -342,15 +374,14 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
         scratch = [plgpu.RefUnion(_smem((wgs, n_rows // 2, bv), f32), _operand((wgs, n_rows, bv), bv)),
                    plgpu.Barrier(num_arrivals=1, num_barriers=wgs)]
     else:
-        scratch = [_operand((K, bv), bv), _operand((C, bv), bv)] + [_operand((C, bv), bv)] * (n_qk > 0)
+        scratch = [_operand((K, bv), bv), _operand((C, bv), bv)] + [_operand((C, bv), bv)] * raw
         scratch += [_smem((2, C, bv), out_dtype)]
     if keep:
         out += [jax.ShapeDtypeStruct((B, H, N * K, V), keep_dtype), jax.ShapeDtypeStruct((B, H, Tp, V), keep_dtype)]
         scratch += [_smem((2, K, bv), keep_dtype), _smem((2, C, bv), keep_dtype)]
-    # (each chunk's e^(G_C) is a 1-D block of the flattened [B, H, N K])
-    inputs = (qin, kg) + (() if raw_k else (w,)) + ((inverse[0],) if inv else ()) + (u, m, dend.reshape(B, H, N * K))
-    o, ends, *kept = _run(body if wgs == 1 else body_warpgroups, inputs + rows + (_segmented(h0),), out, scratch,
-                          B, H, V, bv * wgs, nseg, "lineattn_state_pass_mosaic", interpret, warpgroups=wgs)
+    o, ends, *kept = _run(body if wgs == 1 else body_warpgroups, tuple(x.array for x in inputs) + (_segmented(h0),),
+                          out, scratch, B, H, V, bv * wgs, nseg, "lineattn_state_pass_mosaic", interpret,
+                          warpgroups=wgs)
     return (o, ends if h0.ndim == 5 else ends[:, :, 0], *kept)
 
 
@@ -368,7 +399,9 @@ def reverse_pass_mosaic(qin, kg, w, m, dend, do, dht, *, ds_dtype, de_dtype, blo
     B, H, Tp, K = qin.shape
     V, C = do.shape[-1], m.shape[-1]
     N, bv = Tp // C, block_v
-    nseg = _check("reverse_pass_mosaic", C, K, V, bv, (qin, kg, w, m, do), dend, dht, B, H, N)
+    inputs = [_In("qin", qin, "CK"), _In("kg", kg, "CK"), _In("w", w, "CK"), _In("m", m, "CC"),
+              _In("dend", dend.reshape(*dend.shape[:2], -1), "K"), _In("do", do, "CV", by_token=True)]
+    nseg = _check("reverse_pass_mosaic", inputs, dend, dht, C, bv, V)
     Ns = N // nseg
 
     def body(qin_g, kg_g, w_g, m_g, dend_g, do_g, dht_g, *rest):
@@ -396,13 +429,10 @@ def reverse_pass_mosaic(qin, kg, w, m, dend, do, dht, *, ds_dtype, de_dtype, blo
                            (de_out.at[slot], de_g.at[b, h, pl.ds(n * C, C), cols])])
             return dS * _decay(dend_s, K, bv) + dS_in
 
-        back = lambda n: (last - n, 0)
-        in_specs = [_spec((C, K), back, bv), _spec((C, K), back, bv), _spec((C, K), back, bv),
-                    _spec((C, C), back, bv), plgpu.BlockSpec((K,), lambda n: (last - n,)),
-                    _spec((C, bv), lambda n: (last - n, j), bv)]
+        operands, in_specs = _pipeline_io(inputs, (qin_g, kg_g, w_g, m_g, dend_g, do_g), b, h, lambda n: last - n,
+                                          (bv, lambda: j), C, K, bv)
         dS = plgpu.emit_pipeline(step, grid=(Ns,), in_specs=in_specs, max_concurrent_steps=2,
-                                 init_carry=_read_state(dht_g.at[b, h, sg, :, cols], bar.at[0], K, bv))(
-            qin_g.at[b, h], kg_g.at[b, h], w_g.at[b, h], m_g.at[b, h], dend_g.at[b, h], do_g.at[b, :, h, :])
+                                 init_carry=_read_state(dht_g.at[b, h, sg, :, cols], bar.at[0], K, bv))(*operands)
         _write_state(dS, dh0_g.at[b, h, sg, :, cols], K, bv)
 
     out = [jax.ShapeDtypeStruct((B, H, N * K, V), ds_dtype), jax.ShapeDtypeStruct((B, H, Tp, V), de_dtype)]
@@ -411,7 +441,7 @@ def reverse_pass_mosaic(qin, kg, w, m, dend, do, dht, *, ds_dtype, de_dtype, blo
     scratch = [_operand((K, bv), bv), _operand((C, bv), bv), _smem((2, K, bv), ds_dtype), _smem((2, C, bv), de_dtype)]
     if not chunk_outputs:
         out, scratch = [], scratch[:2]
-    *chunks, starts = _run(body, (qin, kg, w, m, dend.reshape(B, H, N * K), do, _segmented(dht)),
+    *chunks, starts = _run(body, tuple(x.array for x in inputs) + (_segmented(dht),),
                            out + [jax.ShapeDtypeStruct((B, H, nseg, K, V), f32)], scratch, B, H, V, bv, nseg,
                            "lineattn_reverse_pass_mosaic", interpret)
     return (*chunks, starts if dht.ndim == 5 else starts[:, :, 0])
@@ -431,30 +461,22 @@ def zero_start_pass_mosaic(kg, w, u, dend, start, *, value_tiles: int, block_v: 
       E) (raw_qk's second factor);
     - inverse = (R, a, b) with R = (I + A)^-1 [B, H, Tp, C] bf16: u is the raw v [B, Tp, H, V], w is Kin (or None
       with kg_rows: the raw k), and E = R (Diag(a) V - Diag(b) (w S)); b None: b = a."""
-    raw_k, inv = kg_rows is not None, inverse is not None
-    B, Tp, H, K = kg.shape if raw_k else (kg.shape[0], kg.shape[2], kg.shape[1], kg.shape[3])
-    V, C, bv = u.shape[-1], 64, block_v
-    N = Tp // C
-    Vs = start.shape[-1]
-    rows = ((kg_rows,) if raw_k else ()) + tuple(r for r in (inverse[1:] if inv else ()) if r is not None)
-    want = {"kg": (kg.shape, (B, Tp, H, K) if raw_k else (B, H, Tp, K)),
-            "w": (None if w is None else w.shape, None if raw_k and inv else (B, H, Tp, K)),
-            "u": (u.shape[:3], (B, Tp, H) if inv else (B, H, Tp)),
-            "rows": ([r.shape for r in rows], [(B, H, Tp)] * len(rows))}
-    if inv:
-        want["R"] = (inverse[0].shape, (B, H, Tp, C))
-    bad = {n: got for n, (got, expected) in want.items() if got != expected}
-    if bad:
-        raise ValueError(f"zero_start_pass_mosaic: kg [B, Tp, H, K] with kg_rows, else [B, H, Tp, K] (B, Tp, H, K = "
-                         f"{(B, Tp, H, K)}), w like it (None: the raw k, with kg_rows and inverse), u [B, Tp, H, V] "
-                         f"with inverse, else [B, H, Tp, V], row factors [B, H, Tp], R [B, H, Tp, C]; got {bad}")
-    matrices = (kg, u) + ((w,) if w is not None else ()) + ((inverse[0],) if inv else ())
-    nseg = _check("zero_start_pass_mosaic", C, K, Vs, bv, matrices, dend, start, B, H, N)
+    raw, inv = kg_rows is not None, inverse is not None
+    if (w is None) != (raw and inv):
+        raise ValueError("zero_start_pass_mosaic: w is None with kg_rows and inverse (the W S product then takes the "
+                         "raw k), and given otherwise (W, or Kin with inverse)")
+    R, a, b = inverse or (None, None, None)
+    # the pipelined inputs, the row factors last
+    inputs = [_In("k", kg, "CK", raw)] + ([_In("w", w, "CK")] if w is not None else [])
+    inputs += [_In("R", R, "CC")] if inv else []
+    inputs += [_In("u", u, "CV", inv), _In("dend", dend.reshape(*dend.shape[:2], -1), "K")]
+    inputs += _row_factors(k_row=kg_rows, a=a, b=b)
+    V, C, bv, K = u.shape[-1], 64, block_v, dend.shape[-1]
+    nseg = _check("zero_start_pass_mosaic", inputs, dend, start, C, bv, start.shape[-1])
     if V % bv or value_tiles != V // bv:
         raise ValueError(f"zero_start_pass_mosaic: value_tiles must be V / block_v = {V // bv}, got {value_tiles}")
-    Ns = N // nseg
-    with_w = w is not None
-    n_in = 1 + with_w + inv + 2 + len(rows)  # (Kg or k, [W or Kin], [R], U or v, e^(G_C), row factors)
+    Ns = dend.shape[2] // nseg
+    n_in = len(inputs)
 
     def body(*refs):
         gmem, (start_g, end_g, s_s, e_s, bar) = refs[:n_in], refs[n_in:]
@@ -463,32 +485,20 @@ def zero_start_pass_mosaic(kg, w, u, dend, start, *, value_tiles: int, block_v: 
 
         def step(idx, *ins_and_state):
             *ins, S = ins_and_state
-            kg_s, *rest = ins
-            w_s, rest = (rest[0], rest[1:]) if with_w else (kg_s, rest)
-            r_s, rest = (rest[0], rest[1:]) if inv else (None, rest)
-            u_s, dend_s, *row_s = rest
-            factor = lambda i: _row_factor(row_s[min(i, len(row_s) - 1)], C, bv)  # (b = a: one factor, the last)
+            ins = _named(inputs, ins)
+            row = lambda name: _row_factor(ins[name], C, bv)
             s_s[...] = S.astype(bf16)
             plgpu.commit_smem()
-            WS = _products([(w_s, s_s)])[0]
-            U = _load(u_s).astype(f32) * keep
-            E = _inverse_residual(r_s, e_s, U, WS, factor(raw_k), factor(raw_k + 1)) if inv else U - WS
-            e_s[...] = (E * factor(0) if raw_k else E).astype(bf16)
+            WS = _products([(ins.get("w", ins["k"]), s_s)])[0]  # (the raw k's with kg_rows and inverse)
+            U = _load(ins["u"]).astype(f32) * keep
+            E = _inverse_residual(ins["R"], e_s, U, WS, row("a"), row("b" if "b" in ins else "a")) if inv else U - WS
+            e_s[...] = (E * row("k_row") if raw else E).astype(bf16)
             plgpu.commit_smem()
-            return S * _decay(dend_s, K, bv) + _products([(kg_s.transpose((1, 0)), e_s)])[0]
+            return S * _decay(ins["dend"], K, bv) + _products([(ins["k"].transpose((1, 0)), e_s)])[0]
 
-        rows_k = lambda n: (first + n, 0)
-        kg_g, *rest = gmem
-        w_g, rest = (rest[0], rest[1:]) if with_w else (None, rest)
-        r_g, rest = (rest[0], rest[1:]) if inv else (None, rest)
-        u_g, dend_g, *row_gs = rest
-        operands = ((kg_g.at[b, :, h, :] if raw_k else kg_g.at[b, h]),) + ((w_g.at[b, h],) if with_w else ()) \
-            + ((r_g.at[b, h],) if inv else ()) + ((u_g.at[b, :, h, :] if inv else u_g.at[b, h]), dend_g.at[b, h]) \
-            + tuple(r.at[b, h] for r in row_gs)
-        in_specs = [_spec((C, K), rows_k, bv)] * (1 + with_w) + [_spec((C, C), rows_k, bv)] * inv \
-            + [_spec((C, bv), lambda n: (first + n, jnp.minimum(j, value_tiles - 1)), bv),
-               plgpu.BlockSpec((K,), lambda n: (first + n,))] + [plgpu.BlockSpec((C,), lambda n: (first + n,))] \
-            * len(rows)
+        # (a map's column tile reads U's last tile, and zeroes it)
+        operands, in_specs = _pipeline_io(inputs, gmem, b, h, lambda n: first + n,
+                                          (bv, lambda: jnp.minimum(j, value_tiles - 1)), C, K, bv)
         cols = pl.ds(j * bv, bv)
         S = plgpu.emit_pipeline(step, grid=(Ns,), in_specs=in_specs, max_concurrent_steps=2,
                                 init_carry=_read_state(start_g.at[b, h, sg, :, cols], bar.at[0], K, bv))(*operands)
@@ -496,7 +506,6 @@ def zero_start_pass_mosaic(kg, w, u, dend, start, *, value_tiles: int, block_v: 
 
     # SMEM at K = 128, bv = 64: two slots of (Kg, W, U, e^(G_C)) = 2 x 40.5 KB, S and E in bf16 (24 KB): 105 KB
     # (inverse: 16 KB more for R's slots)
-    inputs = (kg,) + ((w,) if with_w else ()) + ((inverse[0],) if inv else ()) + (u, dend.reshape(B, H, N * K))
-    return _run(body, inputs + rows + (start,), jax.ShapeDtypeStruct(start.shape, f32),
-                [_operand((K, bv), bv), _operand((C, bv), bv)], B, H, Vs, bv, nseg, "lineattn_zero_start_pass_mosaic",
-                interpret)
+    return _run(body, tuple(x.array for x in inputs) + (start,), jax.ShapeDtypeStruct(start.shape, f32),
+                [_operand((K, bv), bv), _operand((C, bv), bv)], dend.shape[0], dend.shape[1], start.shape[-1], bv, nseg,
+                "lineattn_zero_start_pass_mosaic", interpret)
