@@ -467,10 +467,9 @@ def _combine_rows(q, k, G, G_end, dQin, dKg, dKin, xq, xk, kq, kk, scale, kg_ter
     gq = eG * dQin + xq  # the cotangent of scale * q e^G, through Qin and M
     Kg = k * eGk
     dk = eGk * dKg + kq + xk + kk
+    dG = scale * q * (gq if gram_terms else eG * dQin) - (Kg * dKg if kg_term else 0.0)
     if gram_terms:
-        dG = scale * q * gq - (Kg * dKg if kg_term else 0.0) - k * kq + k * xk - k * kk
-    else:
-        dG = scale * q * (eG * dQin) - (Kg * dKg if kg_term else 0.0)
+        dG = dG - k * kq + k * xk - k * kk
     if dKin is not None:
         dKin = dKin.astype(f32)
         dk = dk + eG * dKin
