@@ -535,7 +535,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
                                                    delta=delta, interpret=interpret)
         else:
             M, KK, Qin, Kg = gram_rows(qp, kp, G, ones, C=C, scale=scale, store=f32,
-                                       **chunk_fwd.gram_precisions(exact), delta=delta, warps=gram_warps,
+                                       prec=prec if exact else chunk_fwd.GRAM_PREC, delta=delta, warps=gram_warps,
                                        interpret=interpret)
         if delta:
             W, U, R = solve_full(KK, kp, vp, G, bp, C=C, store=f32, prec=prec if exact else chunk_fwd.UW_PREC,

@@ -103,10 +103,9 @@ def keys_toward(k, G, Gr, limit=LIMIT):
 GRAM_TILE_LOOP, GRAM_STAGES = True, 2
 
 
-def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, a_prec, delta, bk, q0=0, loop=False):
+def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delta, bk, q0=0, loop=False):
     """[16, C] rows of (scale q) and k against all keys, factored through the reference row ref_row (the block's
-    queries at rows q0.. of q_ref: 0 for a 16-row block, r0 for a whole chunk), M's products at prec and A's at
-    a_prec; loop: the K tiles in a `fori_loop`."""
+    queries at rows q0.. of q_ref: 0 for a 16-row block, r0 for a whole chunk); loop: the K tiles in a `fori_loop`."""
     s, C, K = SUB, k_ref.shape[0], k_ref.shape[-1]
     blk = pl.ds(r0, s)
 
@@ -117,20 +116,19 @@ def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, a_pr
         kc = keys_toward(k_ref[:, d], G_ref[:, d], Gr, limit)
         Mx = Mx + dot(q_ref[pl.ds(q0, s), d].astype(f32) * (scale * xr), kc, prec, trans_b=True)
         if delta:
-            Ax = Ax + dot(k_ref[blk, d].astype(f32) * xr, kc, a_prec, trans_b=True)
+            Ax = Ax + dot(k_ref[blk, d].astype(f32) * xr, kc, prec, trans_b=True)
         return Mx, Ax
 
     return common.over_tiles(K // bk, bk, tile, (jnp.zeros((s, C), f32), jnp.zeros((s, C), f32)), loop)
 
 
-def _gram_exact(q_ref, k_ref, G_ref, r0, *, scale, prec, a_prec, delta, bk, q0=0):
+def _gram_exact(q_ref, k_ref, G_ref, r0, *, scale, prec, delta, bk, q0=0):
     """The exact path: off-diagonal columns through the block's first row, the diagonal block by a 16-step column
     loop on [16, bk] tiles (few registers)."""
     s, C, K = SUB, k_ref.shape[0], k_ref.shape[-1]
     blk = pl.ds(r0, s)
     cols = _iota((s, C), 1)
-    Mx, Ax = _gram_products(q_ref, k_ref, G_ref, r0, r0, 0.0, scale=scale, prec=prec, a_prec=a_prec, delta=delta,
-                            bk=bk, q0=q0)
+    Mx, Ax = _gram_products(q_ref, k_ref, G_ref, r0, r0, 0.0, scale=scale, prec=prec, delta=delta, bk=bk, q0=q0)
     Mx, Ax = jnp.where(cols < r0, Mx, 0.0), jnp.where(cols < r0, Ax, 0.0)
     rows_s1 = _iota((s, 1), 0)
     for t in range(K // bk):
@@ -160,8 +158,8 @@ def _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, o0=0):
         a_ref[out, :] = jnp.where(cols < rows, beta_ref[out].astype(f32)[:, None] * Ax, 0.0)
 
 
-def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *kin_ref, C, scale, prec, a_prec,
-                      delta, bk, fast_only=False):
+def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *kin_ref, C, scale, prec, delta,
+                      bk, fast_only=False):
     """One 16-row block: Qin, Kg (and Kin = k e^G: kin_ref) and the rows of M and A, the exact path taken by a
     block-uniform `lax.cond` (or left to `gram_exact_chunks`: fast_only)."""
     s = SUB
@@ -179,7 +177,7 @@ def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_r
 
     loop = fast_only and GRAM_TILE_LOOP
     common.over_tiles(K // bk, bk, gated, 0, loop)
-    kw = dict(scale=scale, prec=prec, a_prec=a_prec, delta=delta, bk=bk)
+    kw = dict(scale=scale, prec=prec, delta=delta, bk=bk)
     fast = lambda: _gram_products(q_ref, k_ref, G_ref, r0, r0 + s // 2, LIMIT, **kw, loop=loop)
     if fast_only:
         Mx, Ax = fast()
@@ -195,7 +193,7 @@ def _gram_outputs(B, H, Tp, C, K, store, a_dtype):
     return [mat(C, store), mat(C, a_dtype), mat(K, store), mat(K, store)]
 
 
-def gram_rows(q, k, G, beta, *, C, scale, store, prec, a_prec, delta, warps, interpret, a_dtype=f32, bk=64,
+def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, a_dtype=f32, bk=64,
               fast_only=False, kin=False):
     """M, A (= Diag(beta) KK, strictly lower), Qin, Kg (and with kin Kin = k e^G) as [B, H, Tp, .] from q, k [B,
     Tp, H, K], the in-chunk cumsum G (fp32) and beta [B, Tp, H] (see `_gram_rows_kernel`; fast_only: without the
@@ -206,7 +204,7 @@ def gram_rows(q, k, G, beta, *, C, scale, store, prec, a_prec, delta, warps, int
     whole = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
     row_out = lambda D: pl.BlockSpec((None, None, SUB, D), lambda b, h, i: (b, h, i, 0))
     return pallas_call(
-        functools.partial(_gram_rows_kernel, C=C, scale=scale, prec=prec, a_prec=a_prec, delta=delta, bk=min(bk, K),
+        functools.partial(_gram_rows_kernel, C=C, scale=scale, prec=prec, delta=delta, bk=min(bk, K),
                           fast_only=fast_only),
         grid=(B, H, N * nb),
         in_specs=[sub(K), whole(K), whole(K), pl.BlockSpec((None, SUB, None), lambda b, h, i: (b, i, h))],
@@ -219,7 +217,7 @@ def gram_rows(q, k, G, beta, *, C, scale, store, prec, a_prec, delta, warps, int
 
 
 def _gram_exact_chunk_kernel(flag_ref, q_ref, k_ref, G_ref, beta_ref, m_in_ref, a_in_ref, m_ref, a_ref, *, C,
-                             scale, prec, a_prec, bk):
+                             scale, prec, bk):
     """One chunk: when flagged, rewrites all of M's and A's rows by the exact path (in place: m_in, a_in alias m,
     a); the other programs read their flag only."""
     del m_in_ref, a_in_ref
@@ -228,8 +226,7 @@ def _gram_exact_chunk_kernel(flag_ref, q_ref, k_ref, G_ref, beta_ref, m_in_ref, 
     def _():
         def block(a, carry):
             r0 = a * SUB
-            Mx, Ax = _gram_exact(q_ref, k_ref, G_ref, r0, scale=scale, prec=prec, a_prec=a_prec, delta=True, bk=bk,
-                                 q0=r0)
+            Mx, Ax = _gram_exact(q_ref, k_ref, G_ref, r0, scale=scale, prec=prec, delta=True, bk=bk, q0=r0)
             _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, True, o0=r0)
             return carry
 
@@ -242,10 +239,9 @@ def chunk_flags(spreads, nb: int):
     return jnp.broadcast_to((jnp.max(spreads, axis=(3, 4)) > LIMIT).astype(f32)[..., None], spreads.shape[:3] + (nb,))
 
 
-def gram_exact_chunks(spreads, q, k, G, beta, m, A, *, C, scale, interpret, prec, a_prec, bk=64):
+def gram_exact_chunks(spreads, q, k, G, beta, m, A, *, C, scale, interpret, prec, bk=64):
     """M, A [B, H, Tp, C] with the chunks that hold a 16-row block of spread > LIMIT (from `gate_cumsum`'s
-    spreads [B, H, N, K tiles, C / 16]) recomputed exactly (`_gram_exact`, M's products at `prec`, A's at
-    `a_prec`), after a fast path
+    spreads [B, H, N, K tiles, C / 16]) recomputed exactly (`_gram_exact`, products at `prec`), after a fast path
     that has no exact path of its own (`gram_rows(fast_only=True)`); q, k, G [B, Tp, H, K], beta [B, Tp, H]."""
     B, Tp, H, K = q.shape
     nb = C // SUB
@@ -253,7 +249,7 @@ def gram_exact_chunks(spreads, q, k, G, beta, m, A, *, C, scale, interpret, prec
     tok = pl.BlockSpec((None, C, None, K), lambda b, h, n: (b, n, h, 0))
     mat = pl.BlockSpec((None, None, C, C), lambda b, h, n: (b, h, n, 0))
     return pallas_call(
-        functools.partial(_gram_exact_chunk_kernel, C=C, scale=scale, prec=prec, a_prec=a_prec, bk=min(bk, K)),
+        functools.partial(_gram_exact_chunk_kernel, C=C, scale=scale, prec=prec, bk=min(bk, K)),
         grid=(B, H, Tp // C),
         in_specs=[pl.BlockSpec((None, None, None, nb), lambda b, h, n: (b, h, n, 0)), tok, tok, tok,
                   pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h)), mat, mat],
@@ -496,18 +492,7 @@ SOLVE_PREC = "bf16x3"
 # U, W in bf16 0.54 ms for the solve against 0.81 in tf32, o's relative RMS error against the fp32 XLA chunk form
 # 3.3e-3 against 2.9e-3 (FLA's chunk_kda: 3.3e-3 in the same comparison, jla 4.0e-3), the gradients' at most
 # +4e-4; the Gram products in bf16 as well: Gram 0.90 ms against 0.97, o 4.0e-3 (not taken).
-# GRAM_A_PREC: A's products in the Gram kernels (GRAM_PREC: M's). A reaches o through R = (I + A)^-1, which is
-# stored in bf16 anyway, so A's products in bf16 cost no accuracy where M's do (CPU, KDA, bf16, K = V = 128, relative
-# RMS against the fp32 forms: with A's in bf16 o 3.28e-3 as with fp32 products and every gradient within 2e-5 of it;
-# with M's in bf16 too o 4.04e-3; `test_gram_a_products_in_bf16_cost_no_accuracy`). H200, 8 x 4096 (run38b): both
-# in bf16, the Gram kernel 0.580 ms against 0.705, o 4.0e-3 against 3.3e-3 (dv, dbeta 3.7e-3 against 2.9e-3).
-GRAM_PREC, GRAM_A_PREC, UW_PREC = "tf32", "bf16", "bf16"
-
-
-def gram_precisions(exact: bool) -> dict[str, str]:
-    """The Gram kernels' product precisions, M's (prec) and A's (a_prec): "ieee" for fp32 inputs, else GRAM_PREC
-    and GRAM_A_PREC."""
-    return dict(prec="ieee", a_prec="ieee") if exact else dict(prec=GRAM_PREC, a_prec=GRAM_A_PREC)
+GRAM_PREC, UW_PREC = "tf32", "bf16"
 # The solve's implementation: "triton" (`solve_full`), "mosaic" (`solve_mgpu.solve_mosaic`: the same algebra as a
 # Mosaic GPU wgmma kernel, Hopper only; bf16 inputs, chunk 64, K and V multiples of 64, SOLVE_PREC "bf16x3" with
 # UW_PREC "bf16") or "auto": "mosaic" where it applies and the kernels are compiled for a Hopper GPU, else
@@ -643,18 +628,19 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     gate = (None, None) if scalar else (G, spreads[0] if split else None)
     gram_beta = jnp.ones_like(beta) if save else beta
     if split:
-        m, A, qin, kg, *kin = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, **gram_precisions(exact),
-                                        delta=True, warps=warps, interpret=interpret, bk=GRAM_BK, fast_only=True,
-                                        kin=inverse_in_pass)
+        m, A, qin, kg, *kin = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store,
+                                        prec=prec if exact else GRAM_PREC, delta=True, warps=warps,
+                                        interpret=interpret, bk=GRAM_BK, fast_only=True, kin=inverse_in_pass)
         m, A = gram_exact_chunks(spreads[0], q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret,
-                                 **gram_precisions(exact))
+                                 prec=prec if exact else GRAM_PREC)
     elif scalar:
         m, A, qin, kg = gram_scalar(q, k, g, gram_beta, C=C, scale=scale, store=store, exact=exact,
                                     delta=delta, interpret=interpret, gated=not row_gate)
         kin = []
     else:
-        m, A, qin, kg, *kin = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, **gram_precisions(exact),
-                                        delta=delta, warps=warps, interpret=interpret, bk=GRAM_BK, kin=inverse_in_pass)
+        m, A, qin, kg, *kin = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store,
+                                        prec=prec if exact else GRAM_PREC, delta=delta, warps=warps,
+                                        interpret=interpret, bk=GRAM_BK, kin=inverse_in_pass)
     if not delta:
         return (qin, kg, None, None, m, dend) + ((None, None, *gate) if save else ())
     # (A is final here: after the exact fix-up where there is one; with save it is the unscaled KK, kept)
