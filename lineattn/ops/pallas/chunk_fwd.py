@@ -491,7 +491,13 @@ SOLVE_PREC = "bf16x3"
 # U = R Diag(b) V, W = R Diag(b) Kin (stored in bf16 either way). H200, 8 x 4096 x 16 x 128 (run8a/b profiles):
 # U, W in bf16 0.54 ms for the solve against 0.81 in tf32, o's relative RMS error against the fp32 XLA chunk form
 # 3.3e-3 against 2.9e-3 (FLA's chunk_kda: 3.3e-3 in the same comparison, jla 4.0e-3), the gradients' at most
-# +4e-4; the Gram products in bf16 as well: Gram 0.90 ms against 0.97, o 4.0e-3 (not taken).
+# +4e-4; the Gram products in bf16 as well: Gram 0.90 ms against 0.97, o 4.0e-3 (not taken). Again in run38b, with
+# today's kernel: the Gram kernel 0.580 ms against 0.705, forward kernels 1.108 against 1.236, o 4.0e-3 against 3.3e-3
+# (jla's 4.0e-3, FLA's 3.3e-3), dv and dbeta 3.7e-3 against 2.9e-3; still not taken: the 1.2 ms forward target stays
+# out of reach, and M's bf16 products cost o its accuracy. A's products alone in bf16 cost no accuracy (CPU: o and
+# every gradient within 1.5 % of tf32's; A reaches o through R, stored in bf16) but were slower, 0.718 ms against
+# 0.706 in run38c: M's and A's products share the key operand, which is then needed in two precisions (history
+# c17ba2a).
 GRAM_PREC, UW_PREC = "tf32", "bf16"
 # The solve's implementation: "triton" (`solve_full`), "mosaic" (`solve_mgpu.solve_mosaic`: the same algebra as a
 # Mosaic GPU wgmma kernel, Hopper only; bf16 inputs, chunk 64, K and V multiples of 64, SOLVE_PREC "bf16x3" with
