@@ -497,7 +497,9 @@ SOLVE_PREC = "bf16x3"
 # out of reach, and M's bf16 products cost o its accuracy. A's products alone in bf16 cost no accuracy (CPU: o and
 # every gradient within 1.5 % of tf32's; A reaches o through R, stored in bf16) but were slower, 0.718 ms against
 # 0.706 in run38c: M's and A's products share the key operand, which is then needed in two precisions (history
-# c17ba2a).
+# c17ba2a). Splitting one of M's operands into two bf16 parts, the other and A's products in bf16 (three bf16
+# products where tf32 takes the issue slots of four), halves the loss (CPU, K = 128: o 3.48e-3 with the query side
+# split, 3.60e-3 with the key side, against 3.22e-3 in fp32 and 3.78e-3 in bf16); not timed.
 GRAM_PREC, UW_PREC = "tf32", "bf16"
 # The solve's implementation: "triton" (`solve_full`), "mosaic" (`solve_mgpu.solve_mosaic`: the same algebra as a
 # Mosaic GPU wgmma kernel, Hopper only; bf16 inputs, chunk 64, K and V multiples of 64, SOLVE_PREC "bf16x3" with
