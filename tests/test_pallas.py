@@ -866,6 +866,40 @@ def test_auto_takes_the_kernels_only_where_the_gpu_tests_ran(monkeypatch):
     assert not ok("kda", dtype=jnp.float16)
 
 
+def test_pallas_takes_q_k_v_in_one_dtype(monkeypatch):
+    # The kernels take q, k and v in one dtype: a mix is a ValueError under backend="pallas" (casting one to
+    # another's dtype would round it silently), and `auto` takes the XLA chunk form (fp32) for it, as on a GPU.
+    monkeypatch.setattr(pallas_api, "on_gpu", lambda: True)
+    x = make_inputs("kda", B=1, T=70, H=2, K=128, V=128, seed=28)
+    args = lambda **kw: [kw.get(n, x[n]) for n in ("q", "k", "v", "g", "beta")]
+    mixed = args(q=x["q"].astype(jnp.bfloat16))  # (k, v fp32)
+    with pytest.raises(ValueError, match="q, k and v must share one dtype, got q bfloat16, k float32, v float32"):
+        ops.chunk_kda(*mixed, backend="pallas")
+    kernels = lambda a: [n for n in ("lineattn_chunk_gram", "lineattn_chunk_cumsum")
+                         if n in str(jax.make_jaxpr(lambda *a: ops.chunk_kda(*a, backend="auto")[0])(*a))]
+    assert kernels(mixed) == [] and kernels(args(**{n: x[n].astype(jnp.bfloat16) for n in ("q", "k", "v")}))
+
+
+@pytest.mark.parametrize("rule", ["kda", "gdn"])
+def test_pallas_takes_fp32_beta_as_given(rule):
+    # beta in fp32 beside bf16 q, k, v (the layers' sigmoid output) reaches the kernels unrounded (until 2026-12-04
+    # it was cast to q's dtype): o, the state and every gradient within FLA's bf16 tolerances of the fp32 XLA chunk
+    # form on the same inputs, beta's gradient in fp32, and o apart from the kernels' o with beta rounded to bf16.
+    # CPU, T = 150 ragged, K = V = 64: KDA o 3.20e-3 (3.38e-3 with beta rounded, against the same reference), GDN
+    # 3.11e-3 (3.45e-3); the two o 3.1e-3 / 2.9e-3 apart.
+    x = make_inputs(rule, B=1, T=150, H=2, K=64, V=64, seed=27)
+    mixed = {n: v.astype(jnp.bfloat16) if n in ("q", "k", "v") else v for n, v in x.items()}  # (beta fp32)
+    o_ref, ht_ref, g_ref = loss_and_grads(rule, {n: v if v is None else v.astype(jnp.float32)
+                                                 for n, v in mixed.items()}, backend="chunk")
+    o, ht, grads = loss_and_grads(rule, mixed, backend="pallas", chunk_size=64)
+    errors = {"o": _rel_rms(o, o_ref), "ht": _rel_rms(ht, ht_ref), **{n: _rel_rms(grads[n], g_ref[n]) for n in g_ref}}
+    assert all(errors[n] <= BF16_RMS[n] for n in errors), errors
+    assert grads["dbeta"].dtype == jnp.float32
+    o_rounded = loss_and_grads(rule, dict(mixed, beta=x["beta"].astype(jnp.bfloat16)), backend="pallas",
+                               chunk_size=64)[0]
+    assert _rel_rms(o, o_rounded) >= 2e-4, _rel_rms(o, o_rounded)
+
+
 @pytest.mark.parametrize("backward", ["passes", "kernels", "kernels-mm2"])
 def test_pallas_unknown_variants_raise(backward, monkeypatch):
     # A backward name that does not exist (or a removed one) is an error, never a silent fallback.

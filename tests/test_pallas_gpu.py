@@ -77,6 +77,23 @@ def test_pallas_long_bf16_head_dim_128(rule, variant):
     assert all(errors[n] <= RMS[n] for n in errors), errors
 
 
+@pytest.mark.parametrize("rule", ["kda", "gdn"])
+def test_pallas_fp32_beta_head_dim_128(rule):
+    # bf16 q, k, v with beta in fp32, which the kernels take as given (`test_pallas_takes_fp32_beta_as_given`):
+    # B = 2, T = 4096 - 3, K = V = 128 against the XLA chunk form in fp32 on the same inputs, the forward that saves
+    # for the backward and the forward alone (its own forms); dbeta in fp32.
+    x = make_inputs(rule, B=2, T=4096 - 3, H=2, K=128, V=128, seed=12)
+    mixed = {n: v.astype(jnp.bfloat16) if n in ("q", "k", "v") else v for n, v in x.items()}
+    got = _run(rule, mixed, "pallas")
+    want = _run(rule, {n: v if v is None else v.astype(jnp.float32) for n, v in mixed.items()}, "chunk")
+    alone = jax.jit(lambda *a: ops.linear_attention(rule, *a, backend="pallas", initial_state=x["initial_state"])[0])
+    got["o alone"], want["o alone"] = alone(*(mixed[n] for n in ("q", "k", "v", "g", "beta"))), want["o"]
+    errors = {n: _rel_rms(got[n], want[n]) for n in want}
+    print(rule, "fp32 beta", {n: f"{e:.1e}" for n, e in errors.items()})
+    assert got["dbeta"].dtype == jnp.float32 and set(got) == set(want) and len(got) >= 6
+    assert all(errors[n] <= RMS[n.split()[0]] for n in errors), errors
+
+
 @pytest.mark.parametrize("rule,B,T", [("kda", 4, 1024 - 3), ("gdn", 4, 1024 - 3), ("kda", 1, 4096 - 3)])
 def test_pallas_mosaic_state_passes_head_dim_128(rule, B, T):
     # Enough (batch, head) pairs for V tiles of 64 (B * H = 128: 256 programs; B = 1, T = 4093: 4 segments of 16

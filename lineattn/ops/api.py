@@ -87,10 +87,18 @@ def _validate(rule: Rule, q, k, v, g, beta, initial_state, cu_seqlens, backend, 
         reason = pallas_api.unsupported(rule, q.dtype, K, V, chunk_size)
         if reason:
             raise ValueError(f"backend='pallas': {reason}; use 'chunk'")
+        if not _one_dtype(q, k, v):  # (casting one to another's would round it silently)
+            raise ValueError(f"backend='pallas': q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, "
+                             f"v {v.dtype}; cast them, or use 'chunk' (fp32)")
     blocks = chunk_size // SUB_CHUNK if isinstance(chunk_size, int) else 0
     if not (blocks > 0 and chunk_size % SUB_CHUNK == 0 and blocks & (blocks - 1) == 0):
         raise ValueError(f"chunk_size must be {SUB_CHUNK} * 2^m (16, 32, 64, 128, ...), got {chunk_size!r}")
     return cu
+
+
+def _one_dtype(q, k, v) -> bool:
+    """Whether q, k and v share a dtype (the Pallas kernels take them in one)."""
+    return q.dtype == k.dtype == v.dtype
 
 
 def select_backend(rule: Rule, backend: str, *, dtype=None, K=None, V=None, chunk_size=64) -> str:
@@ -152,7 +160,9 @@ def linear_attention(
     out_dtype = q.dtype
     if scale is None:
         scale = K**-0.5
-    name = select_backend(rule, backend, dtype=q.dtype, K=K, V=V, chunk_size=chunk_size)
+    # (auto: no kernels for q, k, v of mixed dtypes, dtype None)
+    name = select_backend(rule, backend, dtype=q.dtype if _one_dtype(q, k, v) else None, K=K, V=V,
+                          chunk_size=chunk_size)
     positions = None
     if checkpoint_positions is not None:
         if cu is not None:
@@ -164,8 +174,9 @@ def linear_attention(
             raise ValueError(f"checkpoint_positions: backend {name!r} cannot export states; use 'chunk', 'pallas' "
                              "or 'recurrent'")
     f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
-    if name == "pallas":  # the kernels take q, k, v, beta in one dtype (bf16 or fp32) and an fp32 gate
-        q, k, v, beta = (None if x is None else jnp.asarray(x, out_dtype) for x in (q, k, v, beta))
+    if name == "pallas":  # the kernels take q, k, v in one dtype (bf16 or fp32), beta bf16 or fp32, an fp32 gate
+        if beta is not None and beta.dtype not in pallas_api.DTYPES:
+            beta = f32(beta)
         g = f32(g)
     else:
         q, k, v, g, beta = map(f32, (q, k, v, g, beta))

@@ -66,7 +66,7 @@ def _kernel_gate(g, shape, scalar=None):
 
 
 def run(q, k, v, g, beta, *, scale: float, initial_state, chunk_size: int = 64):
-    """Backend entry (`lineattn.ops.common` shapes; q, k, v, beta in one dtype, g fp32 or None)."""
+    """Backend entry (`lineattn.ops.common` shapes; q, k, v in one dtype, beta bf16 or fp32, g fp32 or None)."""
     from lineattn.ops.pallas.chunk import chunk_pallas
 
     return chunk_pallas(q, k, v, _kernel_gate(g, q.shape), beta, initial_state, float(scale), chunk_size, None,
