@@ -160,7 +160,7 @@ def linear_attention(
     out_dtype = q.dtype
     if scale is None:
         scale = K**-0.5
-    # (auto: no kernels for q, k, v of mixed dtypes, dtype None)
+    # (dtype None: auto takes no kernels for q, k, v of mixed dtypes)
     name = select_backend(rule, backend, dtype=q.dtype if _one_dtype(q, k, v) else None, K=K, V=V,
                           chunk_size=chunk_size)
     positions = None
