@@ -251,11 +251,10 @@ def state_pass_mosaic(qin, kg, w, u, m, dend, h0, *, out_dtype, keep_dtype=None,
     inputs += [_In("R", R, "CC")] if inv else []
     inputs += [_In("u", u, "CV", inv), _In("m", m, "CC"), _In("dend", dend.reshape(*dend.shape[:2], -1), "K")]
     inputs += _row_factors(q_row=q_row, k_row=k_row, a=a, b=b)
-    B, H, K = dend.shape[0], dend.shape[1], dend.shape[-1]
     V, C, bv = u.shape[-1], m.shape[-1], block_v
     nseg = _check("state_pass_mosaic", inputs, dend, h0, C, bv, V)
-    Tp = m.shape[2]
-    N = Tp // C
+    B, H, N, K = dend.shape
+    Tp = N * C
     Ns = N // nseg
     wgs = pick_warpgroups(B * nseg * H * (V // bv), V, bv, keep, out_dtype) if warpgroups is None else warpgroups
     if wgs not in (1, 2) or (wgs > 1 and not _warpgroups_fit(wgs, V, bv, keep, out_dtype)):
