@@ -839,6 +839,18 @@ def test_decode_step_matches_oracle(rule):
         decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), x["initial_state"], readout="after")
 
 
+def test_decode_step_rejects_inputs_of_other_shapes():
+    # decode_step reads fixed blocks of its inputs: one of another shape (a gate per value column, another T or H)
+    # would be read silently wrong, so each is a ValueError naming it.
+    x = make_inputs("kda", B=2, T=1, H=2, K=32, V=32, seed=29)
+    args = lambda **kw: [kw.get(n, x[n]) for n in ("q", "k", "v", "g", "beta")] + [x["initial_state"]]
+    for name, bad in [("q", x["q"].reshape(2, 1, 64)), ("k", jnp.concatenate([x["k"]] * 2, axis=1)),
+                      ("v", x["v"][:, :, :1]), ("g", jnp.concatenate([x["g"]] * 2, axis=-1)),
+                      ("beta", x["beta"][..., None])]:
+        with pytest.raises(ValueError, match=f"decode_step: {name} must be"):
+            decode_step(*args(**{name: bad}))
+
+
 def test_pallas_backend_selection_and_errors():
     kda = ops.RULES["kda"]
     if not on_gpu():

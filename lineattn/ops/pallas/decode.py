@@ -55,6 +55,21 @@ def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref
     s_out_ref[...] = S
 
 
+def _check_inputs(q, k, v, g, beta):
+    """A ValueError naming the first of q, k [B, T, H, K], v [B, T, H, V], g [B, T, H, K] or [B, T, H] (or None)
+    and beta [B, T, H] (or None) of another shape (a block read from a wider array would be silently wrong)."""
+    if q.ndim != 4:
+        raise ValueError(f"decode_step: q must be [B, T, H, K], got {q.dtype} {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    want = {"k": [(B, T, H, K)], "v": [(B, T, H, v.shape[-1])], "g": [(B, T, H, K), (B, T, H), None],
+            "beta": [(B, T, H), None]}
+    for name, x in (("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if (None if x is None else tuple(x.shape)) not in want[name]:
+            expected = " or ".join("None" if w is None else str(list(w)) for w in want[name])
+            got = "None" if x is None else f"{x.dtype} {tuple(x.shape)}"
+            raise ValueError(f"decode_step: {name} must be {expected} (B, T, H, K = {B}, {T}, {H}, {K}), got {got}")
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "output_states", "interpret", "block_v", "num_warps",
                                              "v_fastest", "readout"))
 def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_states: bool = False,
@@ -88,6 +103,7 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
     Returns:
       (o [B, T, H, V] in q's dtype, new state [B, H, K, V] fp32[, states [B, T, H, K, V]]).
     """
+    _check_inputs(q, k, v, g, beta)
     B, T, H, K = q.shape
     V = v.shape[-1]
     if readout not in ("updated", "decayed"):
