@@ -744,6 +744,29 @@ def test_gram_tile_loop_gives_the_unrolled_numbers():
                                           err_msg=f"{name}, K tile {bk}")
 
 
+def test_gram_bf16x2_splits_the_query_side_only():
+    # `chunk_fwd.GRAM_PREC = "bf16x2"`: M's products take the query side in two bf16 parts against bf16 keys, A's
+    # take the same bf16 keys once. So A equals the all-bf16 kernel's bit for bit, and M's error against the exact
+    # products is about 1/sqrt(2) of bf16's (0.71 here: the keys' rounding alone is left). Two chunks, K = 128, gates
+    # in (-5, 0).
+    from lineattn.ops.pallas import chunk_fwd
+    rng = np.random.default_rng(29)
+    B, Tp, H, K, C = 1, 128, 2, 128, 64
+    q, k = (jnp.asarray(rng.standard_normal((B, Tp, H, K)) / np.sqrt(K), jnp.bfloat16) for _ in range(2))
+    G, _ = chunk_fwd.gate_cumsum(-jnp.asarray(rng.uniform(0, 5, (B, Tp, H, K)), jnp.float32), C=C, K=K,
+                                 interpret=True)
+    beta = jnp.asarray(rng.uniform(0, 1, (B, Tp, H)), jnp.bfloat16)
+    M, A = {}, {}
+    for prec in ("ieee", "bf16", "bf16x2"):
+        M[prec], A[prec] = chunk_fwd.gram_rows(q, k, G, beta, C=C, scale=K**-0.5, store=jnp.float32, prec=prec,
+                                               delta=True, warps=2, interpret=True, fast_only=True)[:2]
+    np.testing.assert_array_equal(np.asarray(A["bf16x2"]), np.asarray(A["bf16"]))
+    exact = np.asarray(M["ieee"], np.float64)
+    err = {p: float(np.sqrt(np.mean((np.asarray(M[p], np.float64) - exact) ** 2) / np.mean(exact**2)))
+           for p in ("bf16", "bf16x2")}
+    assert err["bf16x2"] < 0.8 * err["bf16"] and err["bf16"] > 1e-3, err
+
+
 def test_wy_backward_tile_loop_gives_the_unrolled_numbers():
     # `chunk_bwd.WY_TILE_LOOP` (the default since run34a): the WY backward's V and K tiles (WY_BT = 32 of 64 here) in
     # `fori_loop`s give the unrolled kernel's gradients bit for bit (KDA, bf16, T = 100 ragged, a non-zero h0).

@@ -103,6 +103,12 @@ def keys_toward(k, G, Gr, limit=LIMIT):
 GRAM_TILE_LOOP, GRAM_STAGES = True, 2
 
 
+def _a_prec(prec):
+    """A's products' precision beside M's `prec`: with M's at "bf16x2" (the query side split into two bf16 parts, the
+    keys in bf16: `common.dot`) A's take the same bf16 keys once (see GRAM_PREC)."""
+    return "bf16" if prec == "bf16x2" else prec
+
+
 def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delta, bk, q0=0, loop=False):
     """[16, C] rows of (scale q) and k against all keys, factored through the reference row ref_row (the block's
     queries at rows q0.. of q_ref: 0 for a 16-row block, r0 for a whole chunk); loop: the K tiles in a `fori_loop`."""
@@ -116,7 +122,7 @@ def _gram_products(q_ref, k_ref, G_ref, r0, ref_row, limit, *, scale, prec, delt
         kc = keys_toward(k_ref[:, d], G_ref[:, d], Gr, limit)
         Mx = Mx + dot(q_ref[pl.ds(q0, s), d].astype(f32) * (scale * xr), kc, prec, trans_b=True)
         if delta:
-            Ax = Ax + dot(k_ref[blk, d].astype(f32) * xr, kc, prec, trans_b=True)
+            Ax = Ax + dot(k_ref[blk, d].astype(f32) * xr, kc, _a_prec(prec), trans_b=True)
         return Mx, Ax
 
     return common.over_tiles(K // bk, bk, tile, (jnp.zeros((s, C), f32), jnp.zeros((s, C), f32)), loop)
@@ -499,7 +505,12 @@ SOLVE_PREC = "bf16x3"
 # 0.706 in run38c: M's and A's products share the key operand, which is then needed in two precisions (history
 # c17ba2a). Splitting one of M's operands into two bf16 parts, the other and A's products in bf16 (three bf16
 # products where tf32 takes the issue slots of four), halves the loss (CPU, K = 128: o 3.48e-3 with the query side
-# split, 3.60e-3 with the key side, against 3.22e-3 in fp32 and 3.78e-3 in bf16); not timed.
+# split, 3.60e-3 with the key side, against 3.22e-3 in fp32 and 3.78e-3 in bf16). That is GRAM_PREC "bf16x2" (M's
+# products with the query side split, A's in bf16: `_a_prec`). H200, KDA 8 x 4096 (run39c, one profile, --check):
+# the Gram kernel 0.599 ms against 0.700 (tf32) and 0.578 (bf16); forward kernels 1.127 against 1.229 and 1.107,
+# forward+backward 4.166 against 4.262 and 4.150; o 3.6e-3 against 3.3e-3 and 4.0e-3, dv and dbeta 3.3e-3 against
+# 2.9e-3 and 3.7e-3, dq, dk, dg unchanged. Not the default either: the target stays out of reach and o loses a tenth
+# of its accuracy; of the two faster settings it is the one to take.
 GRAM_PREC, UW_PREC = "tf32", "bf16"
 # The solve's implementation: "triton" (`solve_full`), "mosaic" (`solve_mgpu.solve_mosaic`: the same algebra as a
 # Mosaic GPU wgmma kernel, Hopper only; bf16 inputs, chunk 64, K and V multiples of 64, SOLVE_PREC "bf16x3" with
