@@ -109,6 +109,8 @@ def main():
     p.add_argument("--decode", type=int, default=0, help="with --ncu: also one decode step of this batch")
     p.add_argument("--modes", default="fwd,fwdbwd", help="with --ncu: the modes run")
     p.add_argument("--readouts", default="decayed,updated", help="with --decode: the decode kernel's read-outs")
+    p.add_argument("--decode-tiles", default="default",
+                   help="with --decode: the decode kernel's V tile x warps, e.g. 64x4,32x4 ('default': its own)")
     a = p.parse_args()
     if a.ncu:
         return run_once_for_ncu(a)
@@ -215,11 +217,14 @@ def run_once_for_ncu(a):
         step_args = [jnp.asarray(x[n], jnp.bfloat16) for n in ("q", "k", "v")] + [jnp.asarray(x["g"]),
                                                                               jnp.asarray(x["beta"], jnp.bfloat16)]
         state = jnp.zeros((a.decode, H, K, K), f32)
+        tiles = [{}] if a.decode_tiles == "default" else [
+            dict(block_v=int(bv), num_warps=int(w)) for bv, w in (t.split("x") for t in a.decode_tiles.split(","))]
         for readout in a.readouts.split(","):
-            step = jax.jit(lambda *xs, r=readout: decode_step(*xs, readout=r))
-            compiled = step.lower(*step_args, state).compile()
-            print(f"ncu: decode readout={readout}", flush=True)
-            jax.block_until_ready(compiled(*step_args, state))
+            for tile in tiles:
+                step = jax.jit(lambda *xs, r=readout, t=tile: decode_step(*xs, readout=r, **t))
+                compiled = step.lower(*step_args, state).compile()
+                print(f"ncu: decode readout={readout} {tile or 'default tile'}", flush=True)
+                jax.block_until_ready(compiled(*step_args, state))
         try:
             import torch
             from fla.ops.kda import fused_recurrent_kda
