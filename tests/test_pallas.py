@@ -860,11 +860,6 @@ def test_decode_step_matches_oracle(rule):
     assert_close({"o": o3, "s": s3}, {"o": o_ref, "s": ht_ref}, TOL, rule)
     with pytest.raises(ValueError, match="readout"):
         decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), x["initial_state"], readout="after")
-    # One token in two passes over slabs of 8 rows of the state (slab_rows): the same step; a few tokens refused.
-    o4, s4 = decode_step(*(first(x[n]) for n in ("q", "k", "v", "g", "beta")), x["initial_state"], slab_rows=8)
-    assert_close({"o": o4, "s": s4}, {"o": o_ref[:, :1], "s": states[:, 0]}, TOL, rule)
-    with pytest.raises(ValueError, match="slab_rows"):
-        decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), x["initial_state"], slab_rows=8)
 
 
 def test_decode_step_rejects_inputs_of_other_shapes():

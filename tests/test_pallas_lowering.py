@@ -125,15 +125,6 @@ def test_decode_kernel_lowers_for_sm90(fake_h200, v_fastest, variant):
     assert "__gpu$xla.gpu.triton" in jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def test_decode_slabs_kernel_lowers_for_sm90(fake_h200):
-    # One token in two passes over slabs of the state (`slab_rows`), the slab loops pipelined three deep.
-    B, H, K, V = 4, 2, 128, 128
-    args = (S((B, 1, H, K), jnp.bfloat16), S((B, 1, H, K), jnp.bfloat16), S((B, 1, H, V), jnp.bfloat16),
-            S((B, 1, H, K), jnp.float32), S((B, 1, H), jnp.bfloat16), S((B, H, K, V), jnp.float32))
-    step = lambda *a: decode_step(*a, interpret=False, slab_rows=32, num_stages=3)
-    assert "__gpu$xla.gpu.triton" in jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 @pytest.mark.parametrize("lhs_regs", [False, True])
 def test_mosaic_solve_lowers_for_sm90(fake_h200, monkeypatch, lhs_regs):
     # `chunk_fwd.SOLVE_IMPL = "auto"` on a Hopper GPU (faked here): the solve as a Mosaic GPU kernel (wgmma)

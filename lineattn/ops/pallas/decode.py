@@ -13,7 +13,12 @@ copy on its grid: removed; it is in the history at 0f60cc7, whose CTAs take equa
 CTA its own, a traced `emit_pipeline` grid. A persistent Triton form, a fixed number of programs each looping over
 its tiles with the next tile's state loaded before the current tile's math, was slower too, run23a: 2.64-3.35 TB/s
 on 132-1056 programs, V tiles of 32-128, Triton pipelining depth 1 or 2, against 3.72 for this kernel in the same run;
-a persistent plain copy reached 3.95-3.98 against 4.10 on this grid: in the history at b2bbd38.)
+a persistent plain copy reached 3.95-3.98 against 4.10 on this grid: in the history at b2bbd38. A form with few
+registers, one token in two passes over slabs of the state's rows, the first for the read-outs and the second reading
+each slab again, from L2, to write it, was slower too, run39f: 2.94-3.16 TB/s for slabs of 16-64 rows, V tiles of
+32-128, 2-8 warps and Triton pipelining 1-3 deep, against 3.77 for this kernel; in the history at 18e5373. Nsight
+Compute, run39e: this kernel 140 us for one step against 145 for FLA's `fused_recurrent_kda` on the same inputs, DRAM
+throughput 76.6 % of peak and L2 84.2 %; V tiles of 32 take 72 registers, not 128, but 149 us.)
 """
 
 from __future__ import annotations
@@ -55,34 +60,6 @@ def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref
     s_out_ref[...] = S
 
 
-def _decode_slabs_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *, scale, delta, slab):
-    """One token in two passes over the state's [K, BV] slice in slabs of `slab` rows, so that no program holds the
-    slice in registers: the first reads each slab (decayed) for q^T S' and k^T S', the second reads it again (from
-    L2, just read) and writes S' + k r^T. Few registers a program: more programs in flight, each loading slabs
-    ahead (Triton's pipelining of the loops, `num_stages`)."""
-    K = s_ref.shape[0]
-    rows = lambda i: pl.ds(pl.multiple_of(i * slab, slab), slab)
-    column = lambda ref, i: ref[0, rows(i)].astype(f32)[:, None]  # [slab, 1]
-    decayed = lambda i: s_ref[rows(i), :] * jnp.exp(column(g_ref, i))
-
-    def reduce(i, acc):
-        S, q, k = decayed(i), column(q_ref, i), column(k_ref, i)
-        return (acc[0] + jnp.sum(S * q, axis=0, keepdims=True), acc[1] + jnp.sum(S * k, axis=0, keepdims=True),
-                acc[2] + jnp.sum(q * k, axis=0, keepdims=True))
-
-    zeros = jnp.zeros((1, s_ref.shape[1]), f32)
-    qS, kS, qk = jax.lax.fori_loop(0, K // slab, reduce, (zeros, zeros, jnp.zeros((1, 1), f32)))
-    v = v_ref[pl.ds(0, 1), :].astype(f32)
-    write = beta_ref[pl.ds(0, 1)].astype(f32)[:, None] * (v - kS) if delta else v
-    o_ref[pl.ds(0, 1), :] = (scale * (qS + qk * write)).astype(o_ref.dtype)
-
-    def update(i, carry):
-        s_out_ref[rows(i), :] = decayed(i) + column(k_ref, i) * write
-        return carry
-
-    jax.lax.fori_loop(0, K // slab, update, 0)
-
-
 def _check_inputs(q, k, v, g, beta):
     """A ValueError naming the first of q, k [B, T, H, K], v [B, T, H, V], g [B, T, H, K] or [B, T, H] (or None)
     and beta [B, T, H] (or None) of another shape (a block read from a wider array would be silently wrong)."""
@@ -99,11 +76,10 @@ def _check_inputs(q, k, v, g, beta):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_states", "interpret", "block_v", "num_warps",
-                                             "v_fastest", "readout", "slab_rows", "num_stages"))
+                                             "v_fastest", "readout"))
 def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_states: bool = False,
                 interpret: bool | None = None, block_v: int | None = None, num_warps: int = 4,
-                v_fastest: bool = True, readout: str = "decayed", slab_rows: int | None = None,
-                num_stages: int = 1):
+                v_fastest: bool = True, readout: str = "decayed"):
     """T new tokens per request through the recurrence, from `state`.
 
     Args:
@@ -129,10 +105,6 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
         removed. Nsight Compute, same run: this kernel 128 registers, 4 blocks of 4 warps an SM, DRAM throughput
         75.7 % of peak; FLA's `fused_recurrent_kda` 80 registers, V tiles of 32, 76.2 %, 141 us against 142.)
 
-      slab_rows, num_stages: one token (T = 1, no output_states) in two passes over each program's state slice
-        in slabs of `slab_rows` rows (`_decode_slabs_kernel`), Triton pipelining the slabs' loads `num_stages`
-        deep; None: the slice held whole in registers (one pass).
-
     Returns:
       (o [B, T, H, V] in q's dtype, new state [B, H, K, V] fp32[, states [B, T, H, K, V]]).
     """
@@ -152,9 +124,6 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
     delta = beta is not None
     if not delta:
         beta = jnp.zeros((B, T, H), f32)
-    if slab_rows is not None and (T != 1 or output_states or not is_pow2(slab_rows) or K % slab_rows):
-        raise ValueError(f"decode_step's slab_rows takes one token (T = 1) without output_states, a power of two "
-                         f"dividing K = {K}; got slab_rows={slab_rows}, T={T}, output_states={output_states}")
     if block_v is None:
         block_v = 64 if B * H * max(V // 64, 1) >= 128 else 32
     BV = min(block_v, V)
@@ -172,18 +141,14 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
     if output_states:
         out_specs.append(pl.BlockSpec((None, None, T, K, BV), at(lambda b, h, j: (b, h, 0, 0, j))))
         out_shape.append(jax.ShapeDtypeStruct((B, H, T, K, V), f32))
-    if slab_rows is None:
-        kernel = functools.partial(_decode_kernel, T=T, scale=float(scale), delta=delta, readout=readout)
-    else:
-        kernel = functools.partial(_decode_slabs_kernel, scale=float(scale), delta=delta, slab=slab_rows)
     outs = pl.pallas_call(
-        kernel,
+        functools.partial(_decode_kernel, T=T, scale=float(scale), delta=delta, readout=readout),
         grid=grid,
         in_specs=[tok(K), tok(K), vtok, tok(K), pl.BlockSpec((None, T, None), at(lambda b, h, j: (b, 0, h))), st],
         out_specs=out_specs,
         out_shape=out_shape,
         input_output_aliases={5: 1},
-        compiler_params=compiler_params(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=compiler_params(num_warps=num_warps, num_stages=1),
         interpret=interpret_mode(interpret),
         name="lineattn_decode_step",
     )(q, k, v, g, beta, state)
