@@ -94,7 +94,8 @@ GRADS_ROW_SPLIT = 1
 # with bf16x2: 1.090 / 0.964 / 0.823 ms (run29-37; 1.220 before run29, tf32 with scale * q as an operand,
 # dg 4.5e-3 against 2.7e-3 now); K tile 32: tf32 1.014, bf16x3 1.305, 8 warps 1.236 (bf16x3 on 8: 1.878); K tile
 # 64: 8 warps 0.980, bf16x3 1.061. (Plain bf16 products, dg from them: dg's error 1.3e-2 against 1.8e-3, CPU,
-# T = 512, before run29.) Read when a call is traced.
+# T = 512, before run29.) KDA's kernel with bf16x2 (its right operands the gated keys, which bf16 does not hold): 1.392
+# ms against 1.289 and dg's error 4.0e-2 against 5.7e-3 (run39h). Read when a call is traced.
 # GRADS_SCALAR_GRAM_DG: the scalar kernel takes dg's share of the Gram matrices from dM * M and dKK * KK, M and KK
 # formed in the kernel by exact bf16 products (`_gram_scalar_bwd_kernel`), instead of from its four products summed
 # over K; the products then only feed dq and dk, in plain bf16. H200, GDN 8 x 4096, kernel time (run37d-e): 0.635 ms
