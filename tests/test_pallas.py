@@ -718,17 +718,25 @@ def test_pallas_kernel_tiles(monkeypatch):
     _compare("kda", make_inputs("kda", B=1, T=80, H=2, K=32, V=128, seed=20))
 
 
+def _gram_inputs(seed):
+    """Inputs of `chunk_fwd.gram_rows`: two chunks of bf16 q, k (K = 128, rows of norm ~1), the in-chunk cumsum G of
+    gates in (-5, 0), and beta in (0, 1); B = 1, H = 2."""
+    from lineattn.ops.pallas import chunk_fwd
+    rng = np.random.default_rng(seed)
+    B, Tp, H, K, C = 1, 128, 2, 128, 64
+    q, k = (jnp.asarray(rng.standard_normal((B, Tp, H, K)) / np.sqrt(K), jnp.bfloat16) for _ in range(2))
+    G, _ = chunk_fwd.gate_cumsum(-jnp.asarray(rng.uniform(0, 5, (B, Tp, H, K)), jnp.float32), C=C, K=K,
+                                 interpret=True)
+    return q, k, G, jnp.asarray(rng.uniform(0, 1, (B, Tp, H)), jnp.bfloat16)
+
+
 def test_gram_tile_loop_gives_the_unrolled_numbers():
     # `chunk_fwd.GRAM_TILE_LOOP` (the default): the fast-path Gram kernel takes its K tiles in a `fori_loop` (pipelined
     # on a GPU, GRAM_STAGES) instead of unrolled. M, A, Qin, Kg and Kin equal the unrolled kernel's bit for bit: two
     # chunks, K = 128 in two tiles of 64 (and four of 32), bf16, gates in (-5, 0).
     from lineattn.ops.pallas import chunk_fwd, tuning
-    rng = np.random.default_rng(23)
-    B, Tp, H, K, C = 1, 128, 2, 128, 64
-    q, k = (jnp.asarray(rng.standard_normal((B, Tp, H, K)) / np.sqrt(K), jnp.bfloat16) for _ in range(2))
-    G, _ = chunk_fwd.gate_cumsum(-jnp.asarray(rng.uniform(0, 5, (B, Tp, H, K)), jnp.float32), C=C, K=K,
-                                 interpret=True)
-    beta = jnp.asarray(rng.uniform(0, 1, (B, Tp, H)), jnp.bfloat16)
+    q, k, G, beta = _gram_inputs(seed=23)
+    K, C = q.shape[-1], 64  # (two chunks of 64)
     for bk in (64, 32):
         gram = lambda: chunk_fwd.gram_rows(q, k, G, beta, C=C, scale=K**-0.5, store=jnp.bfloat16, prec="tf32",
                                            delta=True, warps=2, interpret=True, bk=bk, fast_only=True, kin=True)
@@ -750,12 +758,8 @@ def test_gram_bf16x2_splits_the_query_side_only():
     # products is about 1/sqrt(2) of bf16's (0.71 here: the keys' rounding alone is left). Two chunks, K = 128, gates
     # in (-5, 0).
     from lineattn.ops.pallas import chunk_fwd
-    rng = np.random.default_rng(29)
-    B, Tp, H, K, C = 1, 128, 2, 128, 64
-    q, k = (jnp.asarray(rng.standard_normal((B, Tp, H, K)) / np.sqrt(K), jnp.bfloat16) for _ in range(2))
-    G, _ = chunk_fwd.gate_cumsum(-jnp.asarray(rng.uniform(0, 5, (B, Tp, H, K)), jnp.float32), C=C, K=K,
-                                 interpret=True)
-    beta = jnp.asarray(rng.uniform(0, 1, (B, Tp, H)), jnp.bfloat16)
+    q, k, G, beta = _gram_inputs(seed=29)
+    K, C = q.shape[-1], 64  # (two chunks of 64)
     M, A = {}, {}
     for prec in ("ieee", "bf16", "bf16x2"):
         M[prec], A[prec] = chunk_fwd.gram_rows(q, k, G, beta, C=C, scale=K**-0.5, store=jnp.float32, prec=prec,
