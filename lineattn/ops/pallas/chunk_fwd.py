@@ -245,13 +245,12 @@ def chunk_flags(spreads, nb: int):
     return jnp.broadcast_to((jnp.max(spreads, axis=(3, 4)) > LIMIT).astype(f32)[..., None], spreads.shape[:3] + (nb,))
 
 
-def gram_exact_chunks(spreads, q, k, G, beta, m, A, *, C, scale, interpret, prec, bk=64):
-    """M, A [B, H, Tp, C] with the chunks that hold a 16-row block of spread > LIMIT (from `gate_cumsum`'s
-    spreads [B, H, N, K tiles, C / 16]) recomputed exactly (`_gram_exact`, products at `prec`), after a fast path
-    that has no exact path of its own (`gram_rows(fast_only=True)`); q, k, G [B, Tp, H, K], beta [B, Tp, H]."""
+def gram_exact_chunks(flags, q, k, G, beta, m, A, *, C, scale, interpret, prec, bk=64):
+    """M, A [B, H, Tp, C] with the chunks flagged in flags [B, H, N, C / 16] (`chunk_flags`; those that hold a 16-row
+    block of spread > LIMIT) recomputed exactly (`_gram_exact`, products at `prec`), after a fast path that has no
+    exact path of its own (`gram_rows(fast_only=True)`, `gram_chunks`); q, k, G [B, Tp, H, K], beta [B, Tp, H]."""
     B, Tp, H, K = q.shape
     nb = C // SUB
-    flags = chunk_flags(spreads, nb)
     tok = pl.BlockSpec((None, C, None, K), lambda b, h, n: (b, n, h, 0))
     mat = pl.BlockSpec((None, None, C, C), lambda b, h, n: (b, h, n, 0))
     return pallas_call(
@@ -264,6 +263,107 @@ def gram_exact_chunks(spreads, q, k, G, beta, m, A, *, C, scale, interpret, prec
         input_output_aliases={5: 0, 6: 1}, compiler_params=compiler_params(num_warps=GRAM_WARPS, num_stages=1),
         interpret=interpret, name="lineattn_chunk_gram_exact",
     )(flags, q, k, G, beta, m, A)
+
+
+# GRAM_FORMS_G: in a forward alone (the Mosaic pass forming E from R), one program per chunk forms the gate's
+# in-chunk cumsum G itself, by a product with the lower triangle of ones (`chunk_cumsum`), and then the Gram rows of
+# its four 16-row blocks, e^(G_C), Qin, Kg, Kin and the chunk's flag for `gram_exact_chunks`: no gate-cumsum kernel,
+# and G is written only for the flagged chunks (`gram_chunks`). Read when traced.
+GRAM_FORMS_G = True
+# GRAM_CHUNK_BK, GRAM_CHUNK_WARPS: that kernel's K tile and warps (read when traced).
+GRAM_CHUNK_BK, GRAM_CHUNK_WARPS = 64, 4
+
+
+def chunk_cumsum(g):
+    """The in-chunk cumsum of g [C, n] fp32 along its rows as tensor-core products: the lower triangle of ones (exact
+    in bf16) against g in three bf16 parts (whose sum is g exactly), fp32 sums, smallest part first."""
+    C = g.shape[0]
+    ones = jnp.where(_iota((C, C), 1) <= _iota((C, C), 0), 1.0, 0.0).astype(jnp.bfloat16)
+    hi = g.astype(jnp.bfloat16)
+    rest = g - hi.astype(f32)
+    mid = rest.astype(jnp.bfloat16)
+    lo = (rest - mid.astype(f32)).astype(jnp.bfloat16)
+    return dot(ones, lo, "bf16") + dot(ones, mid, "bf16") + dot(ones, hi, "bf16")
+
+
+def _gram_chunk_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, kin_ref, dend_ref, flag_ref,
+                       G_ref, *, scale, prec, bk):
+    """One chunk from the raw gate: per K tile, G by `chunk_cumsum`, e^(G_C), Qin, Kg, Kin for all its rows, and each
+    16-row block's products through its middle row (the fast path of `_gram_rows_kernel`, the left operands of the
+    four blocks formed together and split by rows); then M, A, the chunk's flag (a block beyond LIMIT of its middle
+    row: `gram_exact_chunks` rewrites it), and for a flagged chunk G, recomputed, for that rewrite."""
+    C, K = k_ref.shape
+    nb = C // SUB
+    rows = _iota((C, bk), 0)
+    block_of_row = rows // SUB
+
+    def gate(d):
+        G = chunk_cumsum(g_ref[:, d].astype(f32))
+        return G, jnp.sum(jnp.where(rows == C - 1, G, 0.0), axis=0, keepdims=True)
+
+    def tile(d, carry):
+        spread, acc = carry
+        G, G_C = gate(d)
+        dend_ref[d] = exp(G_C[0])
+        q, k = q_ref[:, d].astype(f32), k_ref[:, d].astype(f32)
+        eG = exp(G)
+        qin_ref[:, d] = (q * scale * eG).astype(qin_ref.dtype)
+        kin_ref[:, d] = (k * eG).astype(kin_ref.dtype)
+        kg_ref[:, d] = (k * exp(G_C - G)).astype(kg_ref.dtype)
+        mids = [jnp.sum(jnp.where(rows == a * SUB + SUB // 2, G, 0.0), axis=0, keepdims=True) for a in range(nb)]
+        G_mid = mids[0]
+        for a in range(1, nb):
+            G_mid = jnp.where(block_of_row == a, mids[a], G_mid)
+        spread = jnp.maximum(spread, jnp.max(jnp.abs(G - G_mid)))
+        x = exp(G - G_mid)  # each row toward its block's middle row
+        left_q, left_k = jnp.split(q * (scale * x), nb, axis=0), jnp.split(k * x, nb, axis=0)
+        new = []
+        for a in range(nb):
+            kc = k * exp(jnp.minimum(mids[a] - G, LIMIT))
+            new.append((acc[a][0] + dot(left_q[a], kc, prec, trans_b=True),
+                        acc[a][1] + dot(left_k[a], kc, _a_prec(prec), trans_b=True)))
+        return spread, new
+
+    zeros = jnp.zeros((SUB, C), f32)
+    spread, acc = common.over_tiles(K // bk, bk, tile, (jnp.float32(0.0), [(zeros, zeros)] * nb), GRAM_TILE_LOOP)
+    for a, (Mx, Ax) in enumerate(acc):
+        _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, a * SUB, True, o0=a * SUB)
+    flagged = spread > LIMIT
+    flag_ref[...] = jnp.broadcast_to(jnp.where(flagged, 1.0, 0.0), flag_ref.shape)
+
+    @pl.when(flagged)
+    def _():
+        def write(d, carry):
+            G_ref[:, d] = gate(d)[0]
+            return carry
+
+        common.over_tiles(K // bk, bk, write, 0)
+
+
+def gram_chunks(q, k, g, beta, *, C, scale, store, prec, interpret, warps=None, bk=None):
+    """From the raw per-channel log gate g [B, Tp, H, K] fp32 (no gate-cumsum kernel before it; see GRAM_FORMS_G):
+    M, A, Qin, Kg, Kin [B, H, Tp, .] (`gram_rows(fast_only=True, kin=True)`'s), e^(G_C) [B, H, K, N], the chunks'
+    flags [B, H, N, C / 16] (1.0 where `gram_exact_chunks` must rewrite the chunk) and G [B, Tp, H, K] fp32, written
+    in the flagged chunks only (elsewhere unset). q, k [B, Tp, H, K], beta [B, Tp, H]."""
+    B, Tp, H, K = q.shape
+    N, nb = Tp // C, C // SUB
+    bk = min(bk or GRAM_CHUNK_BK, K)
+    tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
+    rows = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
+    return pallas_call(
+        functools.partial(_gram_chunk_kernel, scale=scale, prec=prec, bk=bk),
+        grid=(B, H, N),
+        in_specs=[tok(K), tok(K), tok(K), pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))],
+        out_specs=[rows(C), rows(C), rows(K), rows(K), rows(K),
+                   pl.BlockSpec((None, None, K, None), lambda b, h, n: (b, h, 0, n)),
+                   pl.BlockSpec((None, None, None, nb), lambda b, h, n: (b, h, n, 0)), tok(K)],
+        out_shape=_gram_outputs(B, H, Tp, C, K, store, f32) + [
+            jax.ShapeDtypeStruct((B, H, Tp, K), store), jax.ShapeDtypeStruct((B, H, K, N), f32),
+            jax.ShapeDtypeStruct((B, H, N, nb), f32), jax.ShapeDtypeStruct((B, Tp, H, K), f32)],
+        compiler_params=compiler_params(num_warps=warps or GRAM_CHUNK_WARPS, num_stages=GRAM_STAGES),
+        interpret=interpret,
+        name="lineattn_chunk_gram_g",
+    )(q, k, g, beta)
 
 
 def unit_lower_inverse_exact(L):
@@ -642,24 +742,30 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     K = q.shape[-1]
     exact = prec == "ieee"
     split = split_gram(scalar, delta)
-    G, dend, *spreads = gate_cumsum(g, C=C, K=K, interpret=interpret, spreads=split)
-    # saved for the backward: a channel gate's G and block spreads (a scalar gate's G is K times its g: recomputed)
-    gate = (None, None) if scalar else (G, spreads[0] if split else None)
+    forms_g = split and inverse_in_pass and GRAM_FORMS_G  # (a forward alone: G is not kept)
+    gram_prec = prec if exact else GRAM_PREC
     gram_beta = jnp.ones_like(beta) if save else beta
-    if split:
-        m, A, qin, kg, *kin = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store,
-                                        prec=prec if exact else GRAM_PREC, delta=True, warps=warps,
-                                        interpret=interpret, bk=GRAM_BK, fast_only=True, kin=inverse_in_pass)
-        m, A = gram_exact_chunks(spreads[0], q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret,
-                                 prec=prec if exact else GRAM_PREC)
+    if not forms_g:
+        G, dend, *spreads = gate_cumsum(g, C=C, K=K, interpret=interpret, spreads=split)
+    # saved for the backward: a channel gate's G and block spreads (a scalar gate's G is K times its g: recomputed)
+    gate = (None, None) if scalar or forms_g else (G, spreads[0] if split else None)
+    if forms_g:
+        m, A, qin, kg, *kin, dend, flags, G = gram_chunks(q, k, g, beta, C=C, scale=scale, store=store,
+                                                          prec=gram_prec, interpret=interpret)
+        m, A = gram_exact_chunks(flags, q, k, G, beta, m, A, C=C, scale=scale, interpret=interpret, prec=gram_prec)
+    elif split:
+        m, A, qin, kg, *kin = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=gram_prec, delta=True,
+                                        warps=warps, interpret=interpret, bk=GRAM_BK, fast_only=True,
+                                        kin=inverse_in_pass)
+        m, A = gram_exact_chunks(chunk_flags(spreads[0], C // SUB), q, k, G, gram_beta, m, A, C=C, scale=scale,
+                                 interpret=interpret, prec=gram_prec)
     elif scalar:
         m, A, qin, kg = gram_scalar(q, k, g, gram_beta, C=C, scale=scale, store=store, exact=exact,
                                     delta=delta, interpret=interpret, gated=not row_gate)
         kin = []
     else:
-        m, A, qin, kg, *kin = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store,
-                                        prec=prec if exact else GRAM_PREC, delta=delta, warps=warps,
-                                        interpret=interpret, bk=GRAM_BK, kin=inverse_in_pass)
+        m, A, qin, kg, *kin = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=gram_prec,
+                                        delta=delta, warps=warps, interpret=interpret, bk=GRAM_BK, kin=inverse_in_pass)
     if not delta:
         return (qin, kg, None, None, m, dend) + ((None, None, *gate) if save else ())
     # (A is final here: after the exact fix-up where there is one; with save it is the unscaled KK, kept)
