@@ -424,14 +424,14 @@ def _out_avals(jaxpr_text, name):
 
 @pytest.mark.parametrize("rule", ["gdn", "kda"])
 def test_mosaic_pass_forms_of_a_forward_alone(rule):
-    # A forward alone through the Mosaic state pass (its interpreter here). `chunk_fwd.ROW_GATE` (GDN): the pass
-    # reads the raw q and k and applies the gate's row factors, and the scalar Gram kernel writes M and A only (no
-    # Qin, Kg). INVERSE_IN_PASS: the solve writes R = (I + A)^-1 alone (`solve_mgpu.inverse_mosaic`) and the pass
-    # forms E from R, the raw v and Kin (KDA: a fifth output of the Gram kernel; GDN: the raw k). bf16, B = 1 (the
-    # interpreter's time grows with the CTAs), T = 150 (3 chunks of 64, ragged), H = 2, K = 64, V = 128, a non-zero
-    # h0: o and the final state equal those of the pass over Qin, Kg, W and U to rounding (CPU, GDN: o 1.9e-4 /
-    # 4.2e-4, the state 6.0e-4 / 7.6e-4 relative RMS; KDA: o 7.1e-4; the bf16 operands differ) and the fp32 form's
-    # within FLA's 5e-3 (CPU: 3.2e-3 / 2.1e-3 for GDN, 3.3e-3 / 2.5e-3 for KDA, each way).
+    # A forward alone through the Mosaic state pass (its interpreter here). `chunk_fwd.ROW_GATE` (GDN): the pass reads
+    # the raw q and k and applies the gate's row factors, and the scalar Gram kernel writes M and A only (no Qin, Kg).
+    # INVERSE_IN_PASS: the solve writes R = (I + A)^-1 alone (`solve_mgpu.inverse_mosaic`) and the pass forms E from R,
+    # the raw v and Kin (KDA: an output of the Gram kernel, which then forms G itself, `chunk_fwd.GRAM_FORMS_G`; GDN:
+    # the raw k). bf16, B = 1 (the interpreter's time grows with the CTAs), T = 150 (3 chunks of 64, ragged), H = 2, K =
+    # 64, V = 128, a non-zero h0: o and the final state equal those of the pass over Qin, Kg, W and U to rounding (CPU,
+    # GDN: o 1.9e-4 / 4.2e-4, the state 6.0e-4 / 7.6e-4 relative RMS; KDA: o 7.1e-4; the bf16 operands differ) and the
+    # fp32 form's within FLA's 5e-3 (CPU: 3.2e-3 / 2.1e-3 for GDN, 3.3e-3 / 2.5e-3 for KDA, each way).
     from lineattn.ops.pallas import chunk_fwd, tuning
     x = make_inputs(rule, B=1, T=150, H=2, K=64, V=128, seed=22)
     args = tuple(x[n].astype(jnp.bfloat16) for n in ("q", "k", "v")) + (x["g"], x["beta"].astype(jnp.bfloat16),
@@ -447,8 +447,10 @@ def test_mosaic_pass_forms_of_a_forward_alone(rule):
             text = str(jax.make_jaxpr(fwd)(*args))
         if rule == "gdn":
             assert _out_avals(text, "lineattn_chunk_gram_scalar") == (2 if row_gate else 4)
+        elif inverse:  # (the Gram kernel forms G itself, GRAM_FORMS_G: no gate-cumsum kernel)
+            assert _out_avals(text, "lineattn_chunk_gram_g") == 8 and "lineattn_chunk_cumsum" not in text
         else:
-            assert _out_avals(text, "lineattn_chunk_gram") == (5 if inverse else 4)
+            assert _out_avals(text, "lineattn_chunk_gram") == 4
         assert "lineattn_state_pass_mosaic" in text
         assert ("lineattn_inverse_mosaic" in text) == inverse
         assert ("lineattn_chunk_solve_full" in text) == (not inverse)
@@ -769,6 +771,47 @@ def test_gram_bf16x2_splits_the_query_side_only():
     err = {p: float(np.sqrt(np.mean((np.asarray(M[p], np.float64) - exact) ** 2) / np.mean(exact**2)))
            for p in ("bf16", "bf16x2")}
     assert err["bf16x2"] < 0.8 * err["bf16"] and err["bf16"] > 1e-3, err
+
+
+@pytest.mark.parametrize("dtype,gates", [(jnp.float32, "uniform"), (jnp.float32, "cut"), (jnp.bfloat16, "uniform"),
+                                         (jnp.bfloat16, "lower_bound"), (jnp.bfloat16, "zero"),
+                                         (jnp.bfloat16, "cut")])
+def test_gram_chunks_form_the_gate_cumsum_themselves(dtype, gates):
+    # `chunk_fwd.GRAM_FORMS_G` (a forward alone's default): `gram_chunks`, one program a chunk, forms the in-chunk
+    # cumsum G from the raw g itself (a product with the triangle of ones, g in three bf16 parts) and, with
+    # `gram_exact_chunks` after it, gives the M, A, Qin, Kg, Kin, e^(G_C) and chunk flags of the gate-cumsum kernel
+    # followed by the 16-row Gram kernel: relative RMS <= 3e-4 (CPU: <= 6e-5, the sums rounding in another order),
+    # the flags equal. Gates uniform in (-5, 0), all at the lower bound -5, all 0, and uniform with a -1000 cut at row
+    # 70, which flags the second chunk: the G it writes there for the exact rewrite is the cumsum kernel's to fp32
+    # rounding. B = 1, two chunks, H = 2, K = 64 in tiles of 16.
+    from lineattn.ops.pallas import chunk_fwd
+    from lineattn.ops.pallas.common import SUB
+    rng = np.random.default_rng(31)
+    B, Tp, H, K, C = 1, 128, 2, 64, 64
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+    q, k = (jnp.asarray(unit(rng.standard_normal((B, Tp, H, K))), dtype) for _ in range(2))
+    g = {"uniform": rng.uniform(-5, 0, (B, Tp, H, K)), "lower_bound": np.full((B, Tp, H, K), -5.0),
+         "zero": np.zeros((B, Tp, H, K)), "cut": rng.uniform(-5, 0, (B, Tp, H, K))}[gates]
+    if gates == "cut":
+        g[:, 70] = -1000.0
+    g, beta = jnp.asarray(g, jnp.float32), jnp.asarray(rng.uniform(0, 1, (B, Tp, H)), dtype)
+    prec = "ieee" if dtype == jnp.float32 else "tf32"
+    kw = dict(C=C, scale=K**-0.5, store=jnp.float32 if dtype == jnp.float32 else dtype, prec=prec, interpret=True)
+    exact = lambda flags, G, m, A: chunk_fwd.gram_exact_chunks(flags, q, k, G, beta, m, A, C=C, scale=K**-0.5,
+                                                               interpret=True, prec=prec)
+    G, dend, spreads = chunk_fwd.gate_cumsum(g, C=C, K=K, interpret=True, spreads=True)
+    m, A, *rest = chunk_fwd.gram_rows(q, k, G, beta, delta=True, warps=2, fast_only=True, kin=True, **kw)
+    flags = chunk_fwd.chunk_flags(spreads, C // SUB)
+    want = (*exact(flags, G, m, A), *rest, dend)
+    m, A, qin, kg, kin, dend, got_flags, got_G = chunk_fwd.gram_chunks(q, k, g, beta, bk=16, **kw)
+    got = (*exact(got_flags, got_G, m, A), qin, kg, kin, dend)
+    np.testing.assert_array_equal(np.asarray(got_flags), np.asarray(flags))
+    assert float(jnp.max(flags)) == (1.0 if gates == "cut" else 0.0)
+    for name, x, y in zip(("M", "A", "Qin", "Kg", "Kin", "e^(G_C)"), got, want):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        assert np.sqrt(np.mean((x - y) ** 2) / max(np.mean(y**2), 1e-30)) <= 3e-4, name
+    if gates == "cut":  # (G is written in the flagged chunk only)
+        np.testing.assert_allclose(np.asarray(got_G[:, C:]), np.asarray(G[:, C:]), rtol=2e-6, atol=1e-5)
 
 
 def test_wy_backward_tile_loop_gives_the_unrolled_numbers():

@@ -189,9 +189,11 @@ def test_forward_alone_forms_lower_for_sm90(fake_h200, monkeypatch, warpgroups):
     # factors to the raw q and k (`chunk_fwd.ROW_GATE`), so the scalar Gram kernel has two outputs (M, A), not four;
     # with INVERSE_IN_PASS (the default) the solve is `solve_mgpu.inverse_mosaic` (R alone; its left operands from
     # registers, which the CPU interpreter cannot run) and the pass applies it. KDA: with INVERSE_IN_PASS the Gram
-    # kernel also writes Kin (five outputs) and the solve is the inverse alone. The state pass as CTAs of one or two
-    # compute warpgroups (`state_mgpu.PASS_WARPGROUPS`; two set the registers of the memory warpgroup's threads apart
-    # by setmaxnreg) fits the shared memory in every form (KDA's inverse form: 464 bytes to spare).
+    # kernel forms G itself and writes Kin, e^(G_C), the chunks' flags and (flagged chunks only) G beside M, A, Qin, Kg
+    # (`chunk_fwd.gram_chunks`: eight outputs, no gate-cumsum kernel), and the solve is the inverse alone. The state
+    # pass as CTAs of one or two compute warpgroups (`state_mgpu.PASS_WARPGROUPS`; two set the registers of the memory
+    # warpgroup's threads apart by setmaxnreg) fits the shared memory in every form (KDA's inverse form: 464 bytes to
+    # spare).
     from lineattn.ops.pallas import chunk_fwd, state_mgpu
     monkeypatch.setattr(chunk_fwd, "hopper", lambda: True)
     monkeypatch.setattr(state_mgpu, "PASS_MIN_CTAS", 1)  # (B H = 2 here)
@@ -202,13 +204,15 @@ def test_forward_alone_forms_lower_for_sm90(fake_h200, monkeypatch, warpgroups):
             S((B, T, H), jnp.float32), S((B, T, H), jnp.bfloat16), S((B, H, K, V), jnp.float32))
     channel_gate = args[:3] + (S((B, T, H, K), jnp.float32),) + args[4:]
     cases = [(args, "lineattn_chunk_gram_scalar", True, True, 2), (args, "lineattn_chunk_gram_scalar", True, False, 2),
-             (args, "lineattn_chunk_gram_scalar", False, True, 4), (channel_gate, "lineattn_chunk_gram", True, True, 5),
+             (args, "lineattn_chunk_gram_scalar", False, True, 4),
+             (channel_gate, "lineattn_chunk_gram_g", True, True, 8),
              (channel_gate, "lineattn_chunk_gram", True, False, 4)]
     for x, gram, row_gate, inverse, outputs in cases:
         monkeypatch.setattr(chunk_fwd, "ROW_GATE", row_gate)
         monkeypatch.setattr(chunk_fwd, "INVERSE_IN_PASS", inverse)
         text, n = _gram_outputs_of_forward(x, gram)
-        applied = inverse and (row_gate or gram == "lineattn_chunk_gram")  # (a scalar gate's needs ROW_GATE)
+        applied = inverse and (row_gate or not gram.endswith("scalar"))  # (a scalar gate's needs ROW_GATE)
         assert n == outputs and "lineattn_state_pass_mosaic" in text
+        assert ("lineattn_chunk_cumsum" in text) == (gram != "lineattn_chunk_gram_g")
         assert ("lineattn_inverse_mosaic" in text) == applied and ("lineattn_solve_mosaic" in text) != applied
         assert ("setmaxnreg" in text) == (warpgroups == 2)

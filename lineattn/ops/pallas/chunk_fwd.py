@@ -155,18 +155,13 @@ def _gram_exact(q_ref, k_ref, G_ref, r0, *, scale, prec, delta, bk, q0=0):
 
 
 def _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, r0, delta, o0=0):
-    """The block's rows of M (j <= i) and A (j < i, times beta_i), from its products Mx, Ax [16, w] (the first w
-    columns, w a power of two; zeros right of them), into rows o0.. of m_ref, a_ref (beta_ref's rows o0..)."""
+    """The block's rows of M (j <= i) and A (j < i, times beta_i), from its products Mx, Ax [16, C], into rows
+    o0.. of m_ref, a_ref (beta_ref's rows o0..)."""
     rows, cols = _iota(Mx.shape, 0) + r0, _iota(Mx.shape, 1)
     out = pl.ds(o0, SUB)
-    w, C = Mx.shape[1], m_ref.shape[-1]
-    m_ref[out, pl.ds(0, w)] = jnp.where(cols <= rows, Mx, 0.0).astype(m_ref.dtype)
+    m_ref[out, :] = jnp.where(cols <= rows, Mx, 0.0).astype(m_ref.dtype)
     if delta:
-        a_ref[out, pl.ds(0, w)] = jnp.where(cols < rows, beta_ref[out].astype(f32)[:, None] * Ax, 0.0)
-    while w < C:  # (products narrower than the chunk: zeros to their right, in power-of-two blocks)
-        for ref in (m_ref, a_ref) if delta else (m_ref,):
-            ref[out, pl.ds(w, w)] = jnp.zeros((SUB, w), ref.dtype)
-        w *= 2
+        a_ref[out, :] = jnp.where(cols < rows, beta_ref[out].astype(f32)[:, None] * Ax, 0.0)
 
 
 def _gram_rows_kernel(q_ref, k_ref, G_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *kin_ref, C, scale, prec, delta,
@@ -275,13 +270,13 @@ def gram_exact_chunks(flags, q, k, G, beta, m, A, *, C, scale, interpret, prec, 
 # its four 16-row blocks, e^(G_C), Qin, Kg, Kin and the chunk's flag for `gram_exact_chunks`: no gate-cumsum kernel,
 # and G is written only for the flagged chunks (`gram_chunks`). Read when traced.
 GRAM_FORMS_G = True
-# GRAM_CHUNK_BK, GRAM_CHUNK_WARPS: that kernel's K tile and warps (read when traced). H200, KDA 8 x 4096 (run40a-b):
-# 0.685 ms with K tiles of 16 on 2 warps, 0.893 with 32 on 2, 0.956 / 0.964 / 2.015 / 5.440 with 16 / 32 / 64 / 128
-# on 4 (against 0.703 + 0.163 for the Gram and cumsum kernels it replaces).
-GRAM_CHUNK_BK, GRAM_CHUNK_WARPS = 16, 2
-# GRAM_CHUNK_TRIANGLE: each 16-row block's products against the keys up to its end only, in power-of-two row counts
-# (16, 32, 64, 64 of the chunk's 64): fewer exps, products and accumulators (read when traced).
-GRAM_CHUNK_TRIANGLE = True
+# GRAM_CHUNK_BK, GRAM_CHUNK_WARPS, GRAM_CHUNK_STAGES: that kernel's K tile, warps and the depth to which Triton
+# pipelines its loop over the K tiles (read when traced). H200, KDA 8 x 4096 (run40a-c, two deep unless said): 0.684
+# ms with K tiles of 16 on 2 warps, 0.654 three deep, 2.163 on 1 warp; 0.893 with 32 on 2 warps; 0.956 / 0.964 /
+# 2.015 / 5.440 with 16 / 32 / 64 / 128 on 4 warps (three deep with 16: 0.877); against 0.703 + 0.163 for the Gram
+# and cumsum kernels it replaces. (Each row block's products against the keys up to its end only, 16, 32, 64 and 64
+# rows split from the chunk's, took 0.706 ms against 0.684: run40c, history ff1450c.)
+GRAM_CHUNK_BK, GRAM_CHUNK_WARPS, GRAM_CHUNK_STAGES = 16, 2, 3
 
 
 def chunk_cumsum(g):
@@ -327,22 +322,15 @@ def _gram_chunk_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_
         spread = jnp.maximum(spread, jnp.max(jnp.abs(G - G_mid)))
         x = exp(G - G_mid)  # each row toward its block's middle row
         left_q, left_k = jnp.split(q * (scale * x), nb, axis=0), jnp.split(k * x, nb, axis=0)
-        # the keys up to each block's end, in power-of-two row counts (GRAM_CHUNK_TRIANGLE; else all C)
-        firsts = {C: (k, G)}
-        while GRAM_CHUNK_TRIANGLE and min(firsts) > SUB:
-            n = min(firsts)
-            firsts[n // 2] = (jnp.split(firsts[n][0], 2, axis=0)[0], jnp.split(firsts[n][1], 2, axis=0)[0])
         new = []
         for a in range(nb):
-            k_a, G_a = firsts[min(n for n in firsts if n >= (a + 1) * SUB)]
-            kc = k_a * exp(jnp.minimum(mids[a] - G_a, LIMIT))
+            kc = k * exp(jnp.minimum(mids[a] - G, LIMIT))
             new.append((acc[a][0] + dot(left_q[a], kc, prec, trans_b=True),
                         acc[a][1] + dot(left_k[a], kc, _a_prec(prec), trans_b=True)))
         return spread, new
 
-    width = lambda a: C if not GRAM_CHUNK_TRIANGLE else min(C, SUB * pl.next_power_of_2(a + 1))
-    zeros = [(jnp.zeros((SUB, width(a)), f32),) * 2 for a in range(nb)]
-    spread, acc = common.over_tiles(K // bk, bk, tile, (jnp.float32(0.0), zeros), GRAM_TILE_LOOP)
+    zeros = jnp.zeros((SUB, C), f32)
+    spread, acc = common.over_tiles(K // bk, bk, tile, (jnp.float32(0.0), [(zeros, zeros)] * nb), GRAM_TILE_LOOP)
     for a, (Mx, Ax) in enumerate(acc):
         _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, a * SUB, True, o0=a * SUB)
     flagged = spread > LIMIT
@@ -377,7 +365,7 @@ def gram_chunks(q, k, g, beta, *, C, scale, store, prec, interpret, warps=None, 
         out_shape=_gram_outputs(B, H, Tp, C, K, store, f32) + [
             jax.ShapeDtypeStruct((B, H, Tp, K), store), jax.ShapeDtypeStruct((B, H, K, N), f32),
             jax.ShapeDtypeStruct((B, H, N, nb), f32), jax.ShapeDtypeStruct((B, Tp, H, K), f32)],
-        compiler_params=compiler_params(num_warps=warps or GRAM_CHUNK_WARPS, num_stages=GRAM_STAGES),
+        compiler_params=compiler_params(num_warps=warps or GRAM_CHUNK_WARPS, num_stages=GRAM_CHUNK_STAGES),
         interpret=interpret,
         name="lineattn_chunk_gram_g",
     )(q, k, g, beta)
