@@ -279,20 +279,13 @@ GRAM_FORMS_G = True
 GRAM_CHUNK_BK, GRAM_CHUNK_WARPS, GRAM_CHUNK_STAGES = 16, 2, 3
 
 
-def _bf16_head(x):
-    """fp32 x truncated to its first 8 significant bits (a bf16 number, as fp32) by clearing its low 16 bits: no
-    rounding convert, which XLA may drop as excess precision (the interpreter on a GPU)."""
-    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
-    return jax.lax.bitcast_convert_type(bits & jnp.int32(-65536), f32)
-
-
 def chunk_cumsum(g):
     """The in-chunk cumsum of g [C, n] fp32 along its rows as tensor-core products: the lower triangle of ones (exact
     in bf16) against g in three bf16 parts (24 bits: their sum is g exactly), fp32 sums, smallest part first."""
     C = g.shape[0]
     ones = jnp.where(_iota((C, C), 1) <= _iota((C, C), 0), 1.0, 0.0).astype(jnp.bfloat16)
-    hi = _bf16_head(g)
-    mid = _bf16_head(g - hi)
+    hi = common.bf16_head(g)
+    mid = common.bf16_head(g - hi)
     lo = g - hi - mid
     return dot(ones, lo, "bf16") + dot(ones, mid, "bf16") + dot(ones, hi, "bf16")
 

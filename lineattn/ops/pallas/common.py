@@ -122,10 +122,20 @@ def compiler_params(num_warps: int = 4, num_stages: int = 1):
     return pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+def bf16_head(x, rounded: bool = False):
+    """fp32 x cut to bf16's 8 significant bits, as fp32 (its low 16 bits cleared: truncated, or rounded to nearest
+    even), by integer operations: a convert to bf16 and back is one that XLA may drop as excess precision (in the
+    interpreter on a GPU), leaving x - head zero."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+    if rounded:
+        bits = bits + jnp.int32(0x7FFF) + ((bits >> 16) & 1)
+    return jax.lax.bitcast_convert_type(bits & jnp.int32(-65536), jnp.float32)
+
+
 def split_bf16(x):
-    """fp32 x as bf16 parts (hi, lo) with hi + lo = x to about 16 mantissa bits."""
-    hi = x.astype(jnp.bfloat16)
-    return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    """fp32 x as bf16 parts (hi, lo) with hi + lo = x to about 16 mantissa bits (hi: x rounded to bf16)."""
+    hi = bf16_head(x, rounded=True)
+    return hi.astype(jnp.bfloat16), (x - hi).astype(jnp.bfloat16)
 
 
 def dot(a, b, precision, *, trans_a: bool = False, trans_b: bool = False):
