@@ -107,6 +107,10 @@
 #   Run36b-d: the forward that saves for the backward inverts the diagonal blocks too (chunk_fwd.DIAG_INVERSE_SAVE):
 #   fwd+bwd kernels KDA 4.272 ms against 4.329, GDN 2.946 against 3.030 (run36c, with the whole GPU suite: 121
 #   passed); bench (run36d) KDA 0.750x / 0.771x jla's forward+backward.
+#   Run40 (session 38): a forward alone's Gram kernel forms the gate's cumsum itself (chunk_fwd.GRAM_FORMS_G) and the
+#   Gram products take bf16x2 (GRAM_PREC): forward kernels 0.917 ms against 1.226 (run40d); the whole GPU suite 137 of
+#   138 (run40e; the one failure, an interpreted test, mended and passed in run40g); bench KDA (8, 4096) forward 1.152
+#   ms against jla's 1.499 (run40g), 1.389 against 1.827 on a slower host (run40f).
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
 #   --rule gdn for Gated DeltaNet, e.g. PROFILE_ARGS='--rule gdn --check --configs default;api.SCALAR_GATE=1')

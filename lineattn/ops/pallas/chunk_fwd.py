@@ -1,7 +1,8 @@
 """Chunkwise delta-rule forward as Pallas kernels (see ../shared/CHUNK_ALGORITHM.md for the algebra).
 
 The intra-chunk stage, parallel over (batch, head, chunk) (`_intra`):
-  - `gate_cumsum`: G, the cumsum of the log gate inside each chunk, and e^(G_C);
+  - `gate_cumsum`: G, the cumsum of the log gate inside each chunk, and e^(G_C) (in a forward alone the Gram kernel
+    forms G itself instead: `gram_chunks`, one program per chunk, GRAM_FORMS_G);
   - `gram_rows`: one program per (chunk, 16-row block a) for the gated Gram matrices M (queries x keys, j <= i)
     and A (keys x keys, j < i, times beta_i), and Qin = scale q e^G, Kg = k e^(G_C - G). Off-diagonal sub-blocks
     (a > b) factor the decay through a reference row of block a, `(x_a e^(G_a - G_r)) (k_b e^(G_r - G_b))^T`, so
@@ -27,8 +28,8 @@ A forward alone on the Mosaic pass writes fewer intermediates: the solve writes 
 the gate as row factors, so its Gram kernel writes M and A only (ROW_GATE).
 
 Precision: bf16 inputs keep bf16 intermediates (Qin, Kg, W, U, M) and run the state pass's products on bf16
-tensor cores with fp32 accumulation; the Gram products take TF32, the solve's doubling bf16x3 and its U, W
-products bf16 (see GRAM_PREC, UW_PREC). fp32 inputs run
+tensor cores with fp32 accumulation; the Gram products take bf16x2 (M's query side in two bf16 parts, A's in bf16),
+the solve's doubling bf16x3 and its U, W products bf16 (see GRAM_PREC, UW_PREC). fp32 inputs run
 everything in exact fp32. Intermediate memory: (3 K + V + C) values per token and head in the input dtype, plus
 K fp32 per chunk.
 """
@@ -268,7 +269,12 @@ def gram_exact_chunks(flags, q, k, G, beta, m, A, *, C, scale, interpret, prec, 
 # GRAM_FORMS_G: in a forward alone (the Mosaic pass forming E from R), one program per chunk forms the gate's
 # in-chunk cumsum G itself, by a product with the lower triangle of ones (`chunk_cumsum`), and then the Gram rows of
 # its four 16-row blocks, e^(G_C), Qin, Kg, Kin and the chunk's flag for `gram_exact_chunks`: no gate-cumsum kernel,
-# and G is written only for the flagged chunks (`gram_chunks`). Read when traced.
+# and G is written only for the flagged chunks (`gram_chunks`). Read when traced. H200, KDA 8 x 4096 (run40d, one
+# profile): the kernel 0.666 ms against 0.701 + 0.162 for the Gram and gate-cumsum kernels, forward kernels 1.032
+# against 1.226 (0.917 against 1.127 with GRAM_PREC "bf16x2"), errors against the fp32 XLA chunk form unchanged (o
+# 3.3e-3); interleaved wall clock 1.852 ms a call against 2.035 (a slow host that run: jla's forward took 1.83 ms in
+# the next). (Run27's form of the same fusion, each 16-row program forming the chunk's G by Triton scans, took 2.17
+# ms, history 12059fe: the product with the triangle is cheap on the tensor cores, a scan across warps is not.)
 GRAM_FORMS_G = True
 # GRAM_CHUNK_BK, GRAM_CHUNK_WARPS, GRAM_CHUNK_STAGES: that kernel's K tile, warps and the depth to which Triton
 # pipelines its loop over the K tiles (read when traced). H200, KDA 8 x 4096 (run40a-c, two deep unless said): 0.684
@@ -613,8 +619,11 @@ SOLVE_PREC = "bf16x3"
 # products with the query side split, A's in bf16: `_a_prec`). H200, KDA 8 x 4096 (run39c, one profile, --check):
 # the Gram kernel 0.599 ms against 0.700 (tf32) and 0.578 (bf16); forward kernels 1.127 against 1.229 and 1.107,
 # forward+backward 4.166 against 4.262 and 4.150; o 3.6e-3 against 3.3e-3 and 4.0e-3, dv and dbeta 3.3e-3 against
-# 2.9e-3 and 3.7e-3, dq, dk, dg unchanged. Not the default either: the target stays out of reach and o loses a tenth
-# of its accuracy; of the two faster settings it is the one to take.
+# 2.9e-3 and 3.7e-3, dq, dk, dg unchanged. Not the default then: the target stayed out of reach and o loses a tenth
+# of its accuracy. The default since run40: with the Gram kernel forming G itself (GRAM_FORMS_G) it takes the forward
+# alone's kernels to 0.917 ms against 1.032 in tf32 (run40d) and the bench's forward to 1.152 ms (run40g), under the
+# 1.2 ms target; the whole GPU suite passed with it (run40e: bf16, T = 16381, KDA o 3.7e-3 against 3.3e-3 in tf32,
+# dbeta 3.4e-3 against 2.2e-3, the rest within 1e-4; GLA o 2.8e-3 against 2.4e-3), all within FLA's bounds.
 GRAM_PREC, UW_PREC = "bf16x2", "bf16"
 # The solve's implementation: "triton" (`solve_full`), "mosaic" (`solve_mgpu.solve_mosaic`: the same algebra as a
 # Mosaic GPU wgmma kernel, Hopper only; bf16 inputs, chunk 64, K and V multiples of 64, SOLVE_PREC "bf16x3" with
