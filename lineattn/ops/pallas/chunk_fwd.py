@@ -746,9 +746,10 @@ def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, 
 def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, save=False, scalar=False,
            row_gate=False, inverse_in_pass=False):
     """The intra-chunk stage's outputs (qin, kg, w, u, m, e^(G_C) as [B, H, K, N]): the gate-cumsum kernel, the
-    Gram rows (or `gram_scalar`) and the whole-chunk solve. save: also the unscaled key Gram KK and
-    R = (I + A)^-1 (fp32 [B, H, Tp, C]) for the backward (the Gram kernel then writes KK and the solve scales it
-    by beta), G and the block spreads (see `forward`'s save). row_gate (a scalar gate, not with save): qin and kg
+    Gram rows (or `gram_scalar`; in a forward alone with a per-channel gate `gram_chunks`, which forms G itself, in
+    place of both: GRAM_FORMS_G) and the whole-chunk solve. save: also the unscaled key Gram KK and R = (I + A)^-1
+    (fp32 [B, H, Tp, C]) for the backward (the Gram kernel then writes KK and the solve scales it by beta), G and the
+    block spreads (see `forward`'s save). row_gate (a scalar gate, not with save): qin and kg
     None, and the scalar gate's G [B, Tp, H] last (see ROW_GATE). inverse_in_pass (not with save): R = (I + A)^-1
     [B, H, Tp, C] bf16 in w's place and Kin = k e^G [B, H, Tp, K] in u's (None for a scalar gate; see
     INVERSE_IN_PASS)."""
