@@ -88,6 +88,13 @@ def _gram_block_spread(G_ref, r0, K, bk):
     return spread
 
 
+def middle_rows(G):
+    """Each 16-row block's middle row of G [C, n] (its reference row), [1, n] each, picked out by masked sums."""
+    rows = _iota(G.shape, 0)
+    return [jnp.sum(jnp.where(rows == a * SUB + SUB // 2, G, 0.0), axis=0, keepdims=True)
+            for a in range(G.shape[0] // SUB)]
+
+
 def keys_toward(k, G, Gr, limit=LIMIT):
     """Keys k [n, |d|] (rows with in-chunk cumsum G) scaled by e^(min(G_r - G, limit)) toward a reference row's
     G_r [1, |d|]: the clamp keeps every factor <= e^limit (rows after the reference block only meet masked
@@ -320,7 +327,7 @@ def _gram_chunk_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_
         qin_ref[:, d] = (q * scale * eG).astype(qin_ref.dtype)
         kin_ref[:, d] = (k * eG).astype(kin_ref.dtype)
         kg_ref[:, d] = (k * exp(G_C - G)).astype(kg_ref.dtype)
-        mids = [jnp.sum(jnp.where(rows == a * SUB + SUB // 2, G, 0.0), axis=0, keepdims=True) for a in range(nb)]
+        mids = middle_rows(G)
         G_mid = mids[0]
         for a in range(1, nb):
             G_mid = jnp.where(block_of_row == a, mids[a], G_mid)
@@ -329,7 +336,7 @@ def _gram_chunk_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_
         left_q, left_k = jnp.split(q * (scale * x), nb, axis=0), jnp.split(k * x, nb, axis=0)
         new = []
         for a in range(nb):
-            kc = k * exp(jnp.minimum(mids[a] - G, LIMIT))
+            kc = keys_toward(k, G, mids[a])
             new.append((acc[a][0] + dot(left_q[a], kc, prec, trans_b=True),
                         acc[a][1] + dot(left_k[a], kc, _a_prec(prec), trans_b=True)))
         return spread, new
@@ -560,8 +567,7 @@ def _cumsum_kernel(g_ref, G_ref, dend_ref, *spread_ref):
     if spread_ref:  # each 16-row block's max |G - G_r| over this K tile (r: the block's middle row)
         rows, nb = _iota(G.shape, 0), G.shape[0] // SUB
         spreads = jnp.zeros((nb,), f32)
-        for a in range(nb):
-            mid = jnp.sum(jnp.where(rows == a * SUB + SUB // 2, G, 0.0), axis=0, keepdims=True)
+        for a, mid in enumerate(middle_rows(G)):
             spread = jnp.max(jnp.where(rows // SUB == a, jnp.abs(G - mid), 0.0))
             spreads = jnp.where(_iota((nb,), 0) == a, spread, spreads)
         spread_ref[0][...] = spreads
