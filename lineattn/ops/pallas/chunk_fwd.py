@@ -357,7 +357,7 @@ def _gram_chunk_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_
         common.over_tiles(K // bk, bk, write, 0)
 
 
-def gram_chunks(q, k, g, beta, *, C, scale, store, prec, interpret, warps=None, bk=None):
+def gram_chunks(q, k, g, beta, *, C, scale, store, prec, interpret, bk=None):
     """From the raw per-channel log gate g [B, Tp, H, K] fp32 (no gate-cumsum kernel before it; see GRAM_FORMS_G):
     M, A, Qin, Kg, Kin [B, H, Tp, .] (`gram_rows(fast_only=True, kin=True)`'s), e^(G_C) [B, H, N, K], the chunks'
     flags [B, H, N, C / 16] (1.0 where `gram_exact_chunks` must rewrite the chunk) and G [B, Tp, H, K] fp32, written
@@ -377,7 +377,7 @@ def gram_chunks(q, k, g, beta, *, C, scale, store, prec, interpret, warps=None, 
         out_shape=_gram_outputs(B, H, Tp, C, K, store, f32) + [
             jax.ShapeDtypeStruct((B, H, Tp, K), store), jax.ShapeDtypeStruct((B, H, N, K), f32),
             jax.ShapeDtypeStruct((B, H, N, nb), f32), jax.ShapeDtypeStruct((B, Tp, H, K), f32)],
-        compiler_params=compiler_params(num_warps=warps or GRAM_CHUNK_WARPS, num_stages=GRAM_CHUNK_STAGES),
+        compiler_params=compiler_params(num_warps=GRAM_CHUNK_WARPS, num_stages=GRAM_CHUNK_STAGES),
         interpret=interpret,
         name="lineattn_chunk_gram_g",
     )(q, k, g, beta)
