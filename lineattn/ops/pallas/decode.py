@@ -18,7 +18,12 @@ registers, one token in two passes over slabs of the state's rows, the first for
 each slab again, from L2, to write it, was slower too, run39f: 2.94-3.16 TB/s for slabs of 16-64 rows, V tiles of
 32-128, 2-8 warps and Triton pipelining 1-3 deep, against 3.77 for this kernel; in the history at 18e5373. Nsight
 Compute, run39e: this kernel 140 us for one step against 145 for FLA's `fused_recurrent_kda` on the same inputs, DRAM
-throughput 76.6 % of peak and L2 84.2 %; V tiles of 32 take 72 registers, not 128, but 149 us.)
+throughput 76.6 % of peak and L2 84.2 %; V tiles of 32 take 72 registers, not 128, but 149 us. Run41: one Mosaic GPU
+CTA per tile, the tile brought into SMEM by TMA (SMEM, not registers, to hold more of the state in flight), computed
+from SMEM in column pieces, was slower too: 147.7-154.6 us for V tiles of 64 in pieces of 32 (121 registers: each
+row factor broadcast takes a register per value), 164.6-211.2 us in pieces of 16 or 8 (87-88 and 61-63 registers, more serial
+steps), against 142.8-144.5 us for this kernel; this kernel with its tile's columns in slices of 32 or 16 took
+166-208 us. Both are in the history at e2bd8aa.)
 """
 
 from __future__ import annotations
@@ -35,32 +40,29 @@ f32 = jnp.float32
 
 
 def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *states_ref, T, scale, delta,
-                   readout, sub):
-    # the tile's columns in slices of `sub`, each its own array: fewer of the tile's rows a thread
-    cols = [pl.ds(c, sub) for c in range(0, s_ref.shape[-1], sub)]
-    tiles = [s_ref[:, at].astype(f32) for at in cols]  # (all loads first: the whole tile in flight)
-    for at, S in zip(cols, tiles):
-        for t in range(T):  # T is small (1 token, or a few draft tokens)
-            q_t = q_ref[t, :].astype(f32)[:, None]
-            k_t = k_ref[t, :].astype(f32)[:, None]
-            v_t = v_ref[t, at].astype(f32)[None, :]
-            S = S * jnp.exp(g_ref[t, :].astype(f32))[:, None]
-            if readout == "decayed":  # o = q^T (S + k r^T) = q^T S + (q . k) r: both reductions on the decayed S
-                qS = jnp.sum(S * q_t, axis=0, keepdims=True)
-            if delta:
-                residual = v_t - jnp.sum(S * k_t, axis=0, keepdims=True)
-                write = beta_ref[pl.ds(t, 1)].astype(f32)[:, None] * residual
-            else:
-                write = v_t
-            S = S + k_t * write
-            if readout == "decayed":
-                o = qS + jnp.sum(q_t * k_t) * write
-            else:
-                o = jnp.sum(S * q_t, axis=0, keepdims=True)
-            o_ref[pl.ds(t, 1), at] = (scale * o).astype(o_ref.dtype)
-            if states_ref:
-                states_ref[0][t, :, at] = S
-        s_out_ref[:, at] = S
+                   readout):
+    S = s_ref[...].astype(f32)
+    for t in range(T):  # T is small (1 token, or a few draft tokens)
+        q_t = q_ref[t, :].astype(f32)[:, None]
+        k_t = k_ref[t, :].astype(f32)[:, None]
+        v_t = v_ref[t, :].astype(f32)[None, :]
+        S = S * jnp.exp(g_ref[t, :].astype(f32))[:, None]
+        if readout == "decayed":  # o = q^T (S + k r^T) = q^T S + (q . k) r: both reductions on the decayed S
+            qS = jnp.sum(S * q_t, axis=0, keepdims=True)
+        if delta:
+            residual = v_t - jnp.sum(S * k_t, axis=0, keepdims=True)
+            write = beta_ref[pl.ds(t, 1)].astype(f32)[:, None] * residual
+        else:
+            write = v_t
+        S = S + k_t * write
+        if readout == "decayed":
+            o = qS + jnp.sum(q_t * k_t) * write
+        else:
+            o = jnp.sum(S * q_t, axis=0, keepdims=True)
+        o_ref[pl.ds(t, 1), :] = (scale * o).astype(o_ref.dtype)
+        if states_ref:
+            states_ref[0][t, :, :] = S
+    s_out_ref[...] = S
 
 
 def _check_inputs(q, k, v, g, beta):
@@ -79,10 +81,10 @@ def _check_inputs(q, k, v, g, beta):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_states", "interpret", "block_v", "num_warps",
-                                             "v_fastest", "readout", "sub_v"))
+                                             "v_fastest", "readout"))
 def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_states: bool = False,
                 interpret: bool | None = None, block_v: int | None = None, num_warps: int = 4,
-                v_fastest: bool = True, readout: str = "decayed", sub_v: int | None = None):
+                v_fastest: bool = True, readout: str = "decayed"):
     """T new tokens per request through the recurrence, from `state`.
 
     Args:
@@ -145,8 +147,7 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
         out_specs.append(pl.BlockSpec((None, None, T, K, BV), at(lambda b, h, j: (b, h, 0, 0, j))))
         out_shape.append(jax.ShapeDtypeStruct((B, H, T, K, V), f32))
     outs = pl.pallas_call(
-        functools.partial(_decode_kernel, T=T, scale=float(scale), delta=delta, readout=readout,
-                          sub=min(sub_v or BV, BV)),
+        functools.partial(_decode_kernel, T=T, scale=float(scale), delta=delta, readout=readout),
         grid=grid,
         in_specs=[tok(K), tok(K), vtok, tok(K), pl.BlockSpec((None, T, None), at(lambda b, h, j: (b, 0, h))), st],
         out_specs=out_specs,
