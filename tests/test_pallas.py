@@ -150,7 +150,7 @@ def test_pallas_head_gate_broadcast_and_retrace(monkeypatch):
     trace = lambda: str(jax.make_jaxpr(lambda q: ops.linear_attention("gdn", q, x["k"], x["v"], x["g"], x["beta"],
                                                                       backend="pallas")[0])(x["q"]))
     jaxpr = trace()
-    assert "lineattn_chunk_gram\n" in jaxpr or "lineattn_chunk_gram " in jaxpr
+    assert "lineattn_chunk_gram_g" in jaxpr  # (the per-channel Gram kernel, forming G itself: GRAM_FORMS_G)
     assert "lineattn_chunk_gram_scalar" not in jaxpr
     grid = lambda text: text.split("lineattn_chunk_state_pass")[0].rsplit("grid=", 1)[-1].split(")")[0] + ")"
     assert grid(jaxpr).replace(" ", "").startswith("(2,2,1,2)")
@@ -447,10 +447,9 @@ def test_mosaic_pass_forms_of_a_forward_alone(rule):
             text = str(jax.make_jaxpr(fwd)(*args))
         if rule == "gdn":
             assert _out_avals(text, "lineattn_chunk_gram_scalar") == (2 if row_gate else 4)
-        elif inverse:  # (the Gram kernel forms G itself, GRAM_FORMS_G: no gate-cumsum kernel)
-            assert _out_avals(text, "lineattn_chunk_gram_g") == 8 and "lineattn_chunk_cumsum" not in text
-        else:
-            assert _out_avals(text, "lineattn_chunk_gram") == 4
+        else:  # (the Gram kernel forms G itself, GRAM_FORMS_G: no gate-cumsum kernel; Kin for the inverse's form)
+            assert _out_avals(text, "lineattn_chunk_gram_g") == (8 if inverse else 7)
+            assert "lineattn_chunk_cumsum" not in text
         assert "lineattn_state_pass_mosaic" in text
         assert ("lineattn_inverse_mosaic" in text) == inverse
         assert ("lineattn_chunk_solve_full" in text) == (not inverse)
@@ -681,7 +680,8 @@ def test_pallas_saved_states(rule, segmented, monkeypatch):
     # backward, which then runs no states pass of its own; False: the backward's own states pass (segmented: 4
     # segments of 2 chunks at chunk 16, T = 120 ragged). fp32: the same gradients both ways (the same products in
     # the same order) and the oracle's to 1e-4; then bf16 within FLA's bounds without saved states. A channel
-    # gate's cumsum G is saved too: one gate-cumsum kernel in the forward+backward (GDN's runs again).
+    # gate's cumsum G is formed by the forward's Gram kernel (`chunk_fwd.GRAM_FORMS_G`) and saved: no gate-cumsum
+    # kernel in the forward+backward (GDN's runs in both).
     from lineattn.ops.pallas import chunk, segments
     monkeypatch.setattr(segments, "MIN_SEGMENT_CHUNKS", 2 if segmented else 64)
     inputs = make_inputs(rule, B=1, T=120, H=2, K=32, V=32, seed=18)
@@ -693,7 +693,7 @@ def test_pallas_saved_states(rule, segmented, monkeypatch):
         jaxpr = grad_jaxpr(rule, inputs, chunk_size=C, backend="pallas")
         assert ("lineattn_chunk_bwd_states" in jaxpr) == (not save)
         assert ("lineattn_chunk_bwd_reverse_local" in jaxpr) == segmented
-        assert jaxpr.count("name=lineattn_chunk_cumsum") == (1 if rule == "kda" else 2)
+        assert jaxpr.count("name=lineattn_chunk_cumsum") == (0 if rule == "kda" else 2)
     (o1, ht1, grads1), (o0, ht0, grads0) = results[True], results[False]
     assert_close({"o": o1, "ht": ht1, **grads1}, {"o": o0, "ht": ht0, **grads0}, 1e-6, f"{rule}/saved states")
     _compare(rule, inputs, chunk_size=C, got=results[False])  # (SAVE_STATES is False now)
@@ -777,7 +777,7 @@ def test_gram_bf16x2_splits_the_query_side_only():
                                          (jnp.bfloat16, "lower_bound"), (jnp.bfloat16, "zero"),
                                          (jnp.bfloat16, "cut")])
 def test_gram_chunks_form_the_gate_cumsum_themselves(dtype, gates):
-    # `chunk_fwd.GRAM_FORMS_G` (a forward alone's default): `gram_chunks`, one program a chunk, forms the in-chunk
+    # `chunk_fwd.GRAM_FORMS_G` (the default for a channel gate): `gram_chunks`, one program a chunk, forms the in-chunk
     # cumsum G from the raw g itself (a product with the triangle of ones, g in three bf16 parts) and, with
     # `gram_exact_chunks` after it, gives the M, A, Qin, Kg, Kin, e^(G_C) and chunk flags of the gate-cumsum kernel
     # followed by the 16-row Gram kernel: relative RMS <= 3e-4 (CPU: <= 6e-5, the sums rounding in another order),
@@ -812,6 +812,12 @@ def test_gram_chunks_form_the_gate_cumsum_themselves(dtype, gates):
         assert np.sqrt(np.mean((x - y) ** 2) / max(np.mean(y**2), 1e-30)) <= 3e-4, name
     if gates == "cut":  # (G is written in the flagged chunk only)
         np.testing.assert_allclose(np.asarray(got_G[:, C:]), np.asarray(G[:, C:]), rtol=2e-6, atol=1e-5)
+    # keep_g (the saving forward and the solve's forms: G in every chunk for them) and without Kin: the same M, A,
+    # Qin, Kg, e^(G_C) and flags, bit for bit, and G in both chunks to fp32 rounding
+    *kept, kept_G = chunk_fwd.gram_chunks(q, k, g, beta, bk=16, kin=False, keep_g=True, **kw)
+    for x, y in zip(kept, (m, A, qin, kg, dend, got_flags)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    np.testing.assert_allclose(np.asarray(kept_G), np.asarray(G), rtol=2e-6, atol=1e-5)
 
 
 def test_chunk_cumsum_is_exact_to_fp32():

@@ -38,13 +38,14 @@ def _lowered(T, dtype, backward, head_gate=False):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_chunk_kernels_lower_for_sm90(fake_h200, dtype, backward):
     text = _lowered(100, dtype, backward)
-    # forward: cumsum, gram, its exact fix-up, solve, state pass (no Hopper here: the Triton solve), and the
+    # forward: gram (forming the gate's cumsum itself, `chunk_fwd.GRAM_FORMS_G`), its exact fix-up, solve, state pass
+    # (no Hopper here: the Triton solve), and the
     # inversion of A's diagonal blocks (`chunk_fwd.DIAG_INVERSE`; in the forward that saves for the backward,
     # "kernels-saved", by `DIAG_INVERSE_SAVE`: so in every count of this file with "kernels-saved"); backward "xla":
     # none; "kernels-mml2": cumsum, gram, solve, states, reverse, chunk grads, WY, Gram gradients with the combine,
     # their exact rewrite, dg; "kernels-saved": the same without the cumsum, Gram, solve and states (the forward's G,
     # terms and states are kept)
-    expected = 6 + {"xla": 0, "kernels-mml2": 10, "kernels-saved": 6}[backward]
+    expected = 5 + {"xla": 0, "kernels-mml2": 10, "kernels-saved": 6}[backward]
     assert text.count("__gpu$xla.gpu.triton") == expected
 
 
@@ -75,7 +76,7 @@ def test_segmented_state_passes_lower_for_sm90(fake_h200, monkeypatch):
     text = _lowered(1024, jnp.bfloat16, "kernels-saved")
     assert "lineattn_chunk_state_pass_local" in text and "lineattn_chunk_bwd_reverse_local" in text
     assert "lineattn_chunk_bwd_states_local" not in text
-    assert text.count("__gpu$xla.gpu.triton") == 6 + 1 + 6 + 1
+    assert text.count("__gpu$xla.gpu.triton") == 5 + 1 + 6 + 1
 
 
 def test_mosaic_zero_start_pass_lowers_for_sm90(fake_h200, monkeypatch):
@@ -85,7 +86,7 @@ def test_mosaic_zero_start_pass_lowers_for_sm90(fake_h200, monkeypatch):
     monkeypatch.setattr(chunk_fwd, "ZERO_START_IMPL", "mosaic")
     text = _lowered(1024, jnp.bfloat16, "kernels-saved")
     assert "lineattn_zero_start_pass_mosaic" in text and "lineattn_chunk_state_pass_local" not in text
-    assert text.count("__gpu$xla.gpu.triton") == 6 + 6 + 1
+    assert text.count("__gpu$xla.gpu.triton") == 5 + 6 + 1
 
 
 @pytest.mark.parametrize("head_gate", [False, True])
@@ -135,7 +136,7 @@ def test_mosaic_solve_lowers_for_sm90(fake_h200, monkeypatch, lhs_regs):
     monkeypatch.setattr(solve_mgpu, "LHS_REGS", lhs_regs)
     text = _lowered(100, jnp.bfloat16, "kernels-saved")
     assert "lineattn_solve_mosaic" in text and "lineattn_chunk_solve_full" not in text
-    assert text.count("__gpu$xla.gpu.triton") == 5 + 6
+    assert text.count("__gpu$xla.gpu.triton") == 4 + 6
     assert "lineattn_solve_mosaic" not in _lowered(100, jnp.float32, "kernels-saved")
 
 
@@ -159,7 +160,7 @@ def test_backward_states_pass_lowers_for_sm90(fake_h200, monkeypatch, T):
     monkeypatch.setattr(chunk, "SAVE_STATES", False)
     text = _lowered(T, jnp.bfloat16, "kernels-saved")
     assert "lineattn_chunk_bwd_states" in text
-    assert text.count("__gpu$xla.gpu.triton") == 6 + 7 + 3 * (T == 1024)
+    assert text.count("__gpu$xla.gpu.triton") == 5 + 7 + 3 * (T == 1024)
 
 
 def test_gram_gradients_unsplit_lower_for_sm90(fake_h200, monkeypatch):
@@ -169,7 +170,7 @@ def test_gram_gradients_unsplit_lower_for_sm90(fake_h200, monkeypatch):
     for dtype in (jnp.bfloat16, jnp.float32):
         text = _lowered(100, dtype, "kernels-saved")
         assert "lineattn_gram_bwd_exact" not in text
-        assert text.count("__gpu$xla.gpu.triton") == 6 + 5
+        assert text.count("__gpu$xla.gpu.triton") == 5 + 5
 
 
 def _gram_outputs_of_forward(args, name):
@@ -188,9 +189,10 @@ def test_forward_alone_forms_lower_for_sm90(fake_h200, monkeypatch, warpgroups):
     # A forward alone on a Hopper GPU (faked) with V tiles of 64. GDN: the Mosaic state pass applies the gate's row
     # factors to the raw q and k (`chunk_fwd.ROW_GATE`), so the scalar Gram kernel has two outputs (M, A), not four;
     # with INVERSE_IN_PASS (the default) the solve is `solve_mgpu.inverse_mosaic` (R alone; its left operands from
-    # registers, which the CPU interpreter cannot run) and the pass applies it. KDA: with INVERSE_IN_PASS the Gram
-    # kernel forms G itself and writes Kin, e^(G_C), the chunks' flags and (flagged chunks only) G beside M, A, Qin, Kg
-    # (`chunk_fwd.gram_chunks`: eight outputs, no gate-cumsum kernel), and the solve is the inverse alone. The state
+    # registers, which the CPU interpreter cannot run) and the pass applies it. KDA: the Gram kernel forms G itself
+    # (`chunk_fwd.gram_chunks`, no gate-cumsum kernel); with INVERSE_IN_PASS it writes Kin, e^(G_C), the chunks' flags
+    # and (flagged chunks only) G beside M, A, Qin, Kg (eight outputs) and the solve is the inverse alone; without,
+    # no Kin and G in every chunk, for the solve (seven). The state
     # pass as CTAs of one or two compute warpgroups (`state_mgpu.PASS_WARPGROUPS`; two set the registers of the memory
     # warpgroup's threads apart by setmaxnreg) fits the shared memory in every form (KDA's inverse form: 464 bytes to
     # spare).
@@ -206,7 +208,7 @@ def test_forward_alone_forms_lower_for_sm90(fake_h200, monkeypatch, warpgroups):
     cases = [(args, "lineattn_chunk_gram_scalar", True, True, 2), (args, "lineattn_chunk_gram_scalar", True, False, 2),
              (args, "lineattn_chunk_gram_scalar", False, True, 4),
              (channel_gate, "lineattn_chunk_gram_g", True, True, 8),
-             (channel_gate, "lineattn_chunk_gram", True, False, 4)]
+             (channel_gate, "lineattn_chunk_gram_g", True, False, 7)]
     for x, gram, row_gate, inverse, outputs in cases:
         monkeypatch.setattr(chunk_fwd, "ROW_GATE", row_gate)
         monkeypatch.setattr(chunk_fwd, "INVERSE_IN_PASS", inverse)

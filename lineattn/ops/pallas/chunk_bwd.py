@@ -309,12 +309,12 @@ def _gram_bwd_kernel(*refs, C, scale, prec, bk, delta=True, paths="both"):
 
 
 def gram_grads_fused(q, k, G, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, interpret, warps=4, bk=64, delta=True,
-                     spreads=None):
+                     flags=None):
     """The Gram gradients with the row-local combine, by `_gram_bwd_kernel`: from q, k, G [B, Tp, H, K], dM, dKK
     [B, H, Tp, C] (lower triangular) and dQin, dKg, dKin [B, H, Tp, K] fp32, dq, dk [B, Tp, H, K] (q's and k's
     dtypes), dG [B, H, Tp, K] fp32 and the 16-row blocks' column sums of Kg * dKg [B, H, Tp / 16, K] (see
-    `_combine_rows`). spreads: `gate_cumsum`'s block spreads (GRADS_SPLIT): the kernel takes the fast path in
-    every block, then a second one rewrites the chunks flagged beyond LIMIT by the exact path."""
+    `_combine_rows`). flags: the chunk flags [B, H, N, C / 16] (`chunk_fwd.chunk_flags`; GRADS_SPLIT): the kernel
+    takes the fast path in every block, then a second one rewrites the flagged chunks by the exact path."""
     B, Tp, H, K = q.shape
     N, nb = Tp // C, C // SUB
     chunk_tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, i: (b, i // nb, h, 0))
@@ -337,7 +337,7 @@ def gram_grads_fused(q, k, G, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, inte
             compiler_params=compiler_params(num_warps=warps, num_stages=1),
         )(*([] if flags is None else [flags]), *args, *fast)
 
-    if spreads is None:
+    if flags is None:
         return call("both", "lineattn_gram_bwd_combine", in_specs, out_specs, (B, H, N * nb))
     fast = call("fast", "lineattn_gram_bwd_combine", in_specs, out_specs, (B, H, N * nb))
     # the exact path over whole chunks (4x fewer programs, most of which only read their flag): chunk-sized blocks
@@ -347,7 +347,7 @@ def gram_grads_fused(q, k, G, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, inte
                 chunk(C), chunk(K), chunk(K), chunk(K)]
     exact_out = [tok, tok, chunk(K), pl.BlockSpec((None, None, nb, K), lambda b, h, n: (b, h, n, 0))]
     return call("exact", "lineattn_gram_bwd_exact", exact_in, exact_out, (B, H, N),
-                chunk_fwd.chunk_flags(spreads, nb), fast)
+                flags, fast)
 
 
 def _gram_scalar_bwd_kernel(q_ref, k_ref, g_ref, dm_ref, dkk_ref, dqin_ref, dkg_ref, dkin_ref, dq_ref, dk_ref,
@@ -510,7 +510,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     inv_prec = "ieee" if exact else chunk_fwd.SOLVE_PREC
     interpret = interpret_mode(interpret)
     delta = beta is not None
-    G, spread = (None, None) if saved is None else chunk_fwd.saved_gate(saved)  # (a channel gate's, saved)
+    G, flags = (None, None) if saved is None else chunk_fwd.saved_gate(saved)  # (a channel gate's, saved)
     qp, kp, vp, gp, bp = pad_to_chunks(q, k, v, g if G is None else None, beta, C)
     Tp = qp.shape[1]
     N = Tp // C
@@ -520,8 +520,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
         gp = gp.astype(f32)
         G, dend_KN, *spreads = gate_cumsum(gp, C=C, K=K, interpret=interpret,
                                            spreads=chunk_fwd.split_gram(scalar, delta))
-    else:
-        spreads = [spread]
+        flags = chunk_fwd.chunk_flags(spreads[0], C // chunk_fwd.SUB) if spreads else None
     ch = lambda x: x.reshape(B, H, N, C, x.shape[-1])
     states = maps = None
     if saved is not None:
@@ -575,7 +574,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
         return cut(dq), cut(dk), cut(dv), cut(jnp.moveaxis(dg, 1, 2).astype(g.dtype)), cut(dbeta), dh0.astype(h0.dtype)
     dq, dk, dG, kg_dkg = gram_grads_fused(*grads, C=C, scale=scale, exact=exact, interpret=interpret,
                                           warps=grads_warps or GRADS_WARPS, delta=delta, bk=GRADS_BK,
-                                          spreads=spreads[0] if grads_split else None)
+                                          flags=flags if grads_split else None)
     bk = min(K, DG_BK)  # K tiles: the reverse cumsum is independent per channel
     ktok = pl.BlockSpec((None, C, None, bk), lambda b, h, n, t: (b, n, h, t))
     kchunk = pl.BlockSpec((None, None, C, bk), lambda b, h, n, t: (b, h, n, t))

@@ -303,12 +303,14 @@ def chunk_cumsum(g):
     return dot(ones, lo, "bf16") + dot(ones, mid, "bf16") + dot(ones, hi, "bf16")
 
 
-def _gram_chunk_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, kin_ref, dend_ref, flag_ref,
-                       G_ref, *, scale, prec, bk):
-    """One chunk from the raw gate: per K tile, G by `chunk_cumsum`, e^(G_C), Qin, Kg, Kin for all its rows, and each
-    16-row block's products through its middle row (the fast path of `_gram_rows_kernel`, the left operands of the
-    four blocks formed together and split by rows); then M, A, the chunk's flag (a block beyond LIMIT of its middle
-    row: `gram_exact_chunks` rewrites it), and for a flagged chunk G, recomputed, for that rewrite."""
+def _gram_chunk_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *refs, scale, prec, bk, kin,
+                       keep_g):
+    """One chunk from the raw gate: per K tile, G by `chunk_cumsum`, e^(G_C), Qin, Kg, (with kin) Kin for all its
+    rows, and each 16-row block's products through its middle row (the fast path of `_gram_rows_kernel`, the left
+    operands of the four blocks formed together and split by rows); then M, A, the chunk's flag (a block beyond LIMIT
+    of its middle row: `gram_exact_chunks` rewrites it), and G: with keep_g in every chunk, else only in a flagged
+    chunk (recomputed), for that rewrite."""
+    kin_ref, dend_ref, flag_ref, G_ref = refs if kin else (None, *refs)
     C, K = k_ref.shape
     nb = C // SUB
     rows = _iota((C, bk), 0)
@@ -321,11 +323,14 @@ def _gram_chunk_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_
     def tile(d, carry):
         spread, acc = carry
         G, G_C = gate(d)
+        if keep_g:
+            G_ref[:, d] = G
         dend_ref[d] = exp(G_C[0])
         q, k = q_ref[:, d].astype(f32), k_ref[:, d].astype(f32)
         eG = exp(G)
         qin_ref[:, d] = (q * scale * eG).astype(qin_ref.dtype)
-        kin_ref[:, d] = (k * eG).astype(kin_ref.dtype)
+        if kin:
+            kin_ref[:, d] = (k * eG).astype(kin_ref.dtype)
         kg_ref[:, d] = (k * exp(G_C - G)).astype(kg_ref.dtype)
         mids = middle_rows(G)
         G_mid = mids[0]
@@ -348,6 +353,9 @@ def _gram_chunk_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_
     flagged = spread > LIMIT
     flag_ref[...] = jnp.broadcast_to(jnp.where(flagged, 1.0, 0.0), flag_ref.shape)
 
+    if keep_g:
+        return
+
     @pl.when(flagged)
     def _():
         def write(d, carry):
@@ -357,26 +365,27 @@ def _gram_chunk_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_
         common.over_tiles(K // bk, bk, write, 0)
 
 
-def gram_chunks(q, k, g, beta, *, C, scale, store, prec, interpret, bk=None):
+def gram_chunks(q, k, g, beta, *, C, scale, store, prec, interpret, bk=None, kin=True, keep_g=False):
     """From the raw per-channel log gate g [B, Tp, H, K] fp32 (no gate-cumsum kernel before it; see GRAM_FORMS_G):
-    M, A, Qin, Kg, Kin [B, H, Tp, .] (`gram_rows(fast_only=True, kin=True)`'s), e^(G_C) [B, H, N, K], the chunks'
-    flags [B, H, N, C / 16] (1.0 where `gram_exact_chunks` must rewrite the chunk) and G [B, Tp, H, K] fp32, written
-    in the flagged chunks only (elsewhere unset). q, k [B, Tp, H, K], beta [B, Tp, H]."""
+    M, A, Qin, Kg, (with kin) Kin [B, H, Tp, .] (`gram_rows(fast_only=True, kin=kin)`'s), e^(G_C) [B, H, N, K], the
+    chunks' flags [B, H, N, C / 16] (1.0 where `gram_exact_chunks` must rewrite the chunk) and G [B, Tp, H, K] fp32,
+    written in every chunk with keep_g (for the solve and the backward), else in the flagged chunks only (elsewhere
+    unset). q, k [B, Tp, H, K], beta [B, Tp, H]."""
     B, Tp, H, K = q.shape
     N, nb = Tp // C, C // SUB
     bk = min(bk or GRAM_CHUNK_BK, K)
     tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
     rows = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
     return pallas_call(
-        functools.partial(_gram_chunk_kernel, scale=scale, prec=prec, bk=bk),
+        functools.partial(_gram_chunk_kernel, scale=scale, prec=prec, bk=bk, kin=kin, keep_g=keep_g),
         grid=(B, H, N),
         in_specs=[tok(K), tok(K), tok(K), pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))],
-        out_specs=[rows(C), rows(C), rows(K), rows(K), rows(K),
-                   pl.BlockSpec((None, None, None, K), lambda b, h, n: (b, h, n, 0)),
-                   pl.BlockSpec((None, None, None, nb), lambda b, h, n: (b, h, n, 0)), tok(K)],
-        out_shape=_gram_outputs(B, H, Tp, C, K, store, f32) + [
-            jax.ShapeDtypeStruct((B, H, Tp, K), store), jax.ShapeDtypeStruct((B, H, N, K), f32),
-            jax.ShapeDtypeStruct((B, H, N, nb), f32), jax.ShapeDtypeStruct((B, Tp, H, K), f32)],
+        out_specs=[rows(C), rows(C), rows(K), rows(K)] + [rows(K)] * kin + [
+            pl.BlockSpec((None, None, None, K), lambda b, h, n: (b, h, n, 0)),
+            pl.BlockSpec((None, None, None, nb), lambda b, h, n: (b, h, n, 0)), tok(K)],
+        out_shape=_gram_outputs(B, H, Tp, C, K, store, f32) + [jax.ShapeDtypeStruct((B, H, Tp, K), store)] * kin + [
+            jax.ShapeDtypeStruct((B, H, N, K), f32), jax.ShapeDtypeStruct((B, H, N, nb), f32),
+            jax.ShapeDtypeStruct((B, Tp, H, K), f32)],
         compiler_params=compiler_params(num_warps=GRAM_CHUNK_WARPS, num_stages=GRAM_CHUNK_STAGES),
         interpret=interpret,
         name="lineattn_chunk_gram_g",
@@ -664,8 +673,8 @@ GRAM_IMPL = "triton-fast"
 
 def split_gram(scalar: bool, delta: bool) -> bool:
     """Whether the Gram stage takes the fast path everywhere and a fix-up after it, GRAM_IMPL "triton-fast" (its
-    gate cumsum then also writes the block spreads: the backward takes them from the forward's saved terms, or its
-    own cumsum asks for them too)."""
+    chunk flags from the gate cumsum's block spreads, or from `gram_chunks`: the backward takes them from the forward's
+    saved terms, or its own cumsum asks for the spreads)."""
     if GRAM_IMPL not in ("triton", "triton-fast"):
         raise ValueError(f"chunk_fwd.GRAM_IMPL must be 'triton' or 'triton-fast', got {GRAM_IMPL!r}")
     return GRAM_IMPL == "triton-fast" and not scalar and delta
@@ -752,34 +761,31 @@ def solve_full(A, k, v, G, beta, *, C, store, prec, inv_prec, warps, interpret, 
 def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, save=False, scalar=False,
            row_gate=False, inverse_in_pass=False):
     """The intra-chunk stage's outputs (qin, kg, w, u, m, e^(G_C) as [B, H, K, N]): the gate-cumsum kernel, the
-    Gram rows (or `gram_scalar`; in a forward alone with a per-channel gate `gram_chunks`, which forms G itself, in
-    place of both: GRAM_FORMS_G) and the whole-chunk solve. save: also the unscaled key Gram KK and R = (I + A)^-1
-    (fp32 [B, H, Tp, C]) for the backward (the Gram kernel then writes KK and the solve scales it by beta), G and the
-    block spreads (see `forward`'s save). row_gate (a scalar gate, not with save): qin and kg
+    Gram rows (or `gram_scalar`; with a per-channel gate and the split Gram stage `gram_chunks`, which forms G
+    itself, in place of both: GRAM_FORMS_G) and the whole-chunk solve. save: also the unscaled key Gram KK and R =
+    (I + A)^-1 (fp32 [B, H, Tp, C]) for the backward (the Gram kernel then writes KK and the solve scales it by
+    beta), G and the chunk flags (see `forward`'s save). row_gate (a scalar gate, not with save): qin and kg
     None, and the scalar gate's G [B, Tp, H] last (see ROW_GATE). inverse_in_pass (not with save): R = (I + A)^-1
     [B, H, Tp, C] bf16 in w's place and Kin = k e^G [B, H, Tp, K] in u's (None for a scalar gate; see
     INVERSE_IN_PASS)."""
     K = q.shape[-1]
     exact = prec == "ieee"
     split = split_gram(scalar, delta)
-    forms_g = split and inverse_in_pass and GRAM_FORMS_G  # (a forward alone: G is not kept)
+    forms_g = split and GRAM_FORMS_G
     gram_prec = prec if exact else GRAM_PREC
     gram_beta = jnp.ones_like(beta) if save else beta
     if not forms_g:
         G, dend, *spreads = gate_cumsum(g, C=C, K=K, interpret=interpret, spreads=split)
-    # saved for the backward: a channel gate's G and block spreads (a scalar gate's G is K times its g: recomputed)
-    gate = (None, None) if scalar or forms_g else (G, spreads[0] if split else None)
-    if forms_g:
-        m, A, qin, kg, *kin, dend, flags, G = gram_chunks(q, k, g, beta, C=C, scale=scale, store=store,
-                                                          prec=gram_prec, interpret=interpret)
+    if forms_g:  # (G kept, in every chunk, where the solve or the backward reads it: all but the inverse's forms)
+        m, A, qin, kg, *kin, dend, flags, G = gram_chunks(q, k, g, gram_beta, C=C, scale=scale, store=store,
+                                                          prec=gram_prec, interpret=interpret, kin=inverse_in_pass,
+                                                          keep_g=not inverse_in_pass)
         dend = jnp.swapaxes(dend, -1, -2)  # (the state pass's swap undoes it: XLA drops both)
-        m, A = gram_exact_chunks(flags, q, k, G, beta, m, A, C=C, scale=scale, interpret=interpret, prec=gram_prec)
     elif split:
         m, A, qin, kg, *kin = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=gram_prec, delta=True,
                                         warps=warps, interpret=interpret, bk=GRAM_BK, fast_only=True,
                                         kin=inverse_in_pass)
-        m, A = gram_exact_chunks(chunk_flags(spreads[0], C // SUB), q, k, G, gram_beta, m, A, C=C, scale=scale,
-                                 interpret=interpret, prec=gram_prec)
+        flags = chunk_flags(spreads[0], C // SUB)
     elif scalar:
         m, A, qin, kg = gram_scalar(q, k, g, gram_beta, C=C, scale=scale, store=store, exact=exact,
                                     delta=delta, interpret=interpret, gated=not row_gate)
@@ -787,6 +793,11 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     else:
         m, A, qin, kg, *kin = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=gram_prec,
                                         delta=delta, warps=warps, interpret=interpret, bk=GRAM_BK, kin=inverse_in_pass)
+    if split:
+        m, A = gram_exact_chunks(flags, q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret,
+                                 prec=gram_prec)
+    # saved for the backward: a channel gate's G and chunk flags (a scalar gate's G is K times its g: recomputed)
+    gate = (None, None) if scalar else (G, flags if split else None)
     if not delta:
         return (qin, kg, None, None, m, dend) + ((None, None, *gate) if save else ())
     # (A is final here: after the exact fix-up where there is one; with save it is the unscaled KK, kept)
@@ -812,7 +823,8 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
 
 
 def saved_gate(saved):
-    """(G, block spreads) from `forward(..., save=True)`'s saved terms: (None, None) for a scalar gate."""
+    """(G, chunk flags (`chunk_flags`)) from `forward(..., save=True)`'s saved terms: (None, None) for a scalar
+    gate."""
     return saved[8], saved[9]
 
 
@@ -1055,7 +1067,8 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     inside the chunk.
     save: return (o, final state, saved) with saved = (qin, kg, w, u, m [B, H, Tp, .] in the store dtype, e^(G_C)
     [B, H, K, N], KK, R [B, H, Tp, C] fp32 (the last four None for the additive write), G [B, Tp, H, K] fp32 and
-    `gate_cumsum`'s block spreads (None for a scalar gate; spreads None where the Gram stage is not split), the
+    the chunk flags [B, H, N, C / 16] (`chunk_flags`; None for a scalar gate; flags None where the Gram stage is not
+    split), the
     segments' transposed maps PT [B, H, nseg, K, K] fp32 (None for an unsegmented pass: see PASS_SEGMENTS)), what
     `chunk_bwd.backward_fast` would otherwise recompute; with states_dtype (a dtype name, for bf16 inputs; fp32
     inputs keep fp32) the state pass also writes every chunk's incoming state S0 [B, H, N K, V] and E = U - W S0 [B,
