@@ -1,8 +1,8 @@
 """Chunkwise delta-rule forward as Pallas kernels (see ../shared/CHUNK_ALGORITHM.md for the algebra).
 
 The intra-chunk stage, parallel over (batch, head, chunk) (`_intra`):
-  - `gate_cumsum`: G, the cumsum of the log gate inside each chunk, and e^(G_C) (in a forward alone the Gram kernel
-    forms G itself instead: `gram_chunks`, one program per chunk, GRAM_FORMS_G);
+  - `gate_cumsum`: G, the cumsum of the log gate inside each chunk, and e^(G_C) (for a per-channel gate the Gram
+    kernel forms G itself instead: `gram_chunks`, one program per chunk, GRAM_FORMS_G);
   - `gram_rows`: one program per (chunk, 16-row block a) for the gated Gram matrices M (queries x keys, j <= i)
     and A (keys x keys, j < i, times beta_i), and Qin = scale q e^G, Kg = k e^(G_C - G). Off-diagonal sub-blocks
     (a > b) factor the decay through a reference row of block a, `(x_a e^(G_a - G_r)) (k_b e^(G_r - G_b))^T`, so
@@ -273,10 +273,14 @@ def gram_exact_chunks(flags, q, k, G, beta, m, A, *, C, scale, interpret, prec, 
     )(flags, q, k, G, beta, m, A)
 
 
-# GRAM_FORMS_G: in a forward alone (the Mosaic pass forming E from R), one program per chunk forms the gate's
-# in-chunk cumsum G itself, by a product with the lower triangle of ones (`chunk_cumsum`), and then the Gram rows of
-# its four 16-row blocks, e^(G_C), Qin, Kg, Kin and the chunk's flag for `gram_exact_chunks`: no gate-cumsum kernel,
-# and G is written only for the flagged chunks (`gram_chunks`). Read when traced. H200, KDA 8 x 4096 (run40d, one
+# GRAM_FORMS_G: for a per-channel gate (with the split Gram stage), one program per chunk forms the gate's in-chunk
+# cumsum G itself, by a product with the lower triangle of ones (`chunk_cumsum`), and then the Gram rows of its four
+# 16-row blocks, e^(G_C), Qin, Kg, (for the inverse's form) Kin and the chunk's flag for `gram_exact_chunks`: no
+# gate-cumsum kernel. G is written only for the flagged chunks in a forward alone with the inverse in the pass, in
+# every chunk where the solve or the backward reads it (`gram_chunks`' keep_g; since run41, before which those
+# forwards kept the two kernels). H200, run41f (one profile, kernel time): KDA 8 x 4096 forward+backward 4.028 ms
+# against 4.165 with both kernels, (1, 32768) 4.544 against 4.746, its forward (in segments) 1.384 against 1.582;
+# errors unchanged to two digits (o 3.6e-3, dg 5.7e-3). Read when traced. H200, KDA 8 x 4096 (run40d, one
 # profile): the kernel 0.666 ms against 0.701 + 0.162 for the Gram and gate-cumsum kernels, forward kernels 1.032
 # against 1.226 (0.917 against 1.127 with GRAM_PREC "bf16x2"), errors against the fp32 XLA chunk form unchanged (o
 # 3.3e-3); interleaved wall clock 1.852 ms a call against 2.035 (a slow host that run: jla's forward took 1.83 ms in
