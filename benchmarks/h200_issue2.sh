@@ -111,6 +111,10 @@
 #   Gram products take bf16x2 (GRAM_PREC): forward kernels 0.917 ms against 1.226 (run40d); the whole GPU suite 137 of
 #   138 (run40e; the one failure, an interpreted test, mended and passed in run40g); bench KDA (8, 4096) forward 1.152
 #   ms against jla's 1.499 (run40g), 1.389 against 1.827 on a slower host (run40f).
+#   Run41 (session 39): the whole GPU suite at e7af322's kernels, 138 passed (run41e); that Gram kernel in every
+#   per-channel forward (G kept where the solve or the backward reads it): fwd+bwd kernels 4.028 ms against 4.165
+#   (8, 4096), 4.544 against 4.746 (1, 32768) (run41f). One Mosaic GPU CTA per decode tile, the tile in SMEM: 147.7+ us
+#   a step against the Triton kernel's 142.8 (run41a-d; removed).
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
 #   --rule gdn for Gated DeltaNet, e.g. PROFILE_ARGS='--rule gdn --check --configs default;api.SCALAR_GATE=1')
