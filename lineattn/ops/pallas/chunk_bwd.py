@@ -520,7 +520,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
         gp = gp.astype(f32)
         G, dend_KN, *spreads = gate_cumsum(gp, C=C, K=K, interpret=interpret,
                                            spreads=chunk_fwd.split_gram(scalar, delta))
-        flags = chunk_fwd.chunk_flags(spreads[0], C // chunk_fwd.SUB) if spreads else None
+        flags = chunk_fwd.chunk_flags(spreads[0], C // SUB) if spreads else None
     ch = lambda x: x.reshape(B, H, N, C, x.shape[-1])
     states = maps = None
     if saved is not None:

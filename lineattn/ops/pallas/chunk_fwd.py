@@ -778,25 +778,26 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     forms_g = split and GRAM_FORMS_G
     gram_prec = prec if exact else GRAM_PREC
     gram_beta = jnp.ones_like(beta) if save else beta
-    if not forms_g:
-        G, dend, *spreads = gate_cumsum(g, C=C, K=K, interpret=interpret, spreads=split)
     if forms_g:  # (G kept, in every chunk, where the solve or the backward reads it: all but the inverse's forms)
         m, A, qin, kg, *kin, dend, flags, G = gram_chunks(q, k, g, gram_beta, C=C, scale=scale, store=store,
                                                           prec=gram_prec, interpret=interpret, kin=inverse_in_pass,
                                                           keep_g=not inverse_in_pass)
         dend = jnp.swapaxes(dend, -1, -2)  # (the state pass's swap undoes it: XLA drops both)
-    elif split:
-        m, A, qin, kg, *kin = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=gram_prec, delta=True,
-                                        warps=warps, interpret=interpret, bk=GRAM_BK, fast_only=True,
-                                        kin=inverse_in_pass)
-        flags = chunk_flags(spreads[0], C // SUB)
-    elif scalar:
-        m, A, qin, kg = gram_scalar(q, k, g, gram_beta, C=C, scale=scale, store=store, exact=exact,
-                                    delta=delta, interpret=interpret, gated=not row_gate)
-        kin = []
     else:
-        m, A, qin, kg, *kin = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=gram_prec,
-                                        delta=delta, warps=warps, interpret=interpret, bk=GRAM_BK, kin=inverse_in_pass)
+        G, dend, *spreads = gate_cumsum(g, C=C, K=K, interpret=interpret, spreads=split)
+        if split:
+            m, A, qin, kg, *kin = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=gram_prec,
+                                            delta=True, warps=warps, interpret=interpret, bk=GRAM_BK, fast_only=True,
+                                            kin=inverse_in_pass)
+            flags = chunk_flags(spreads[0], C // SUB)
+        elif scalar:
+            m, A, qin, kg = gram_scalar(q, k, g, gram_beta, C=C, scale=scale, store=store, exact=exact,
+                                        delta=delta, interpret=interpret, gated=not row_gate)
+            kin = []
+        else:
+            m, A, qin, kg, *kin = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=gram_prec,
+                                            delta=delta, warps=warps, interpret=interpret, bk=GRAM_BK,
+                                            kin=inverse_in_pass)
     if split:
         m, A = gram_exact_chunks(flags, q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret,
                                  prec=gram_prec)
@@ -1069,15 +1070,14 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     return is (o, final state, S0 [B, H, len(export_chunks), K, V], w [B, H, Tp, K], u [B, H, Tp, V]) with w, u
     kernel 1's WY terms (None for the additive write), from which `lineattn.ops.checkpoints` advances S0
     inside the chunk.
-    save: return (o, final state, saved) with saved = (qin, kg, w, u, m [B, H, Tp, .] in the store dtype, e^(G_C)
-    [B, H, K, N], KK, R [B, H, Tp, C] fp32 (the last four None for the additive write), G [B, Tp, H, K] fp32 and
-    the chunk flags [B, H, N, C / 16] (`chunk_flags`; None for a scalar gate; flags None where the Gram stage is not
-    split), the
+    save: return (o, final state, saved) with saved = (qin, kg, w, u, m [B, H, Tp, .] in the store dtype, e^(G_C) [B,
+    H, K, N], KK, R [B, H, Tp, C] fp32 (the last four None for the additive write), G [B, Tp, H, K] fp32 and the chunk
+    flags [B, H, N, C / 16] (`chunk_flags`; None for a scalar gate; flags None where the Gram stage is not split), the
     segments' transposed maps PT [B, H, nseg, K, K] fp32 (None for an unsegmented pass: see PASS_SEGMENTS)), what
-    `chunk_bwd.backward_fast` would otherwise recompute; with states_dtype (a dtype name, for bf16 inputs; fp32
-    inputs keep fp32) the state pass also writes every chunk's incoming state S0 [B, H, N K, V] and E = U - W S0 [B,
-    H, Tp, V], appended to saved (the backward then skips its own states pass). constants: set by
-    the wrapper (the module constants' values, a cache key only).
+    `chunk_bwd.backward_fast` would otherwise recompute; with states_dtype (a dtype name, for bf16 inputs; fp32 inputs
+    keep fp32) the state pass also writes every chunk's incoming state S0 [B, H, N K, V] and E = U - W S0 [B, H, Tp,
+    V], appended to saved (the backward then skips its own states pass). constants: set by the wrapper (the module
+    constants' values, a cache key only).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]

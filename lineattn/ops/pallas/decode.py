@@ -20,9 +20,9 @@ each slab again, from L2, to write it, was slower too, run39f: 2.94-3.16 TB/s fo
 Compute, run39e: this kernel 140 us for one step against 145 for FLA's `fused_recurrent_kda` on the same inputs, DRAM
 throughput 76.6 % of peak and L2 84.2 %; V tiles of 32 take 72 registers, not 128, but 149 us. Run41: one Mosaic GPU
 CTA per tile, the tile brought into SMEM by TMA (SMEM, not registers, to hold more of the state in flight), computed
-from SMEM in column pieces, was slower too: 147.7-154.6 us for V tiles of 64 in pieces of 32 (121 registers: each
-row factor broadcast takes a register per value), 164.6-211.2 us in pieces of 16 or 8 (87-88 and 61-63 registers, more serial
-steps), against 142.8-144.5 us for this kernel; this kernel with its tile's columns in slices of 32 or 16 took
+from SMEM in column pieces, was slower too: 147.7-159.9 us for V tiles of 64 in pieces of 32 (121-125 registers: each
+factor broadcast takes a register per value), 164.6-211.2 us in pieces of 16 or 8 (87-88 and 61-63 registers, more
+serial steps), against 142.8-144.5 us for this kernel; this kernel with its tile's columns in slices of 32 or 16 took
 166-208 us. Both are in the history at e2bd8aa.)
 """
 
