@@ -1,6 +1,6 @@
 """A/B wall clock of lineattn's Pallas KDA (or GDN) under several configurations, interleaved in one process.
 
-    python benchmarks/ab_pallas_kda.py --out $OUT --configs "default;chunk_fwd.SOLVE_IMPL=triton" \
+    python benchmarks/ab_pallas_kda.py --out $OUT --configs "default;solve.SOLVE_IMPL=triton" \
         [--rule gdn] [--shapes 8x4096,1x32768] [--rounds 3] [--iters 10]
 
 The same timing as bench_pallas_kda.py (median of --iters calls, each followed by `block_until_ready`: dispatch
@@ -43,7 +43,7 @@ def compiled_pair(rule, args, do):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--configs", default="default;chunk_fwd.SOLVE_IMPL=triton")
+    p.add_argument("--configs", default="default;solve.SOLVE_IMPL=triton")
     p.add_argument("--rule", default="kda", choices=["kda", "gdn"])
     p.add_argument("--shapes", default="8x4096,1x32768")
     p.add_argument("--rounds", type=int, default=3)

@@ -80,9 +80,9 @@
 #   The long GPU tests take ~30 s each (19 of them): a subset fits a call beside a bench part, e.g.
 #     TEST_TIMEOUT=200 TESTS_K="long_bf16 and default" SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
 #   A/B wall clock of settings, interleaved (not through this script): PYTHONPATH=$PWD python3
-#     benchmarks/ab_pallas_kda.py --out $OUT --configs "default;chunk_fwd.SOLVE_IMPL=triton"
+#     benchmarks/ab_pallas_kda.py --out $OUT --configs "default;solve.SOLVE_IMPL=triton"
 #   Run33 (session 31): the whole GPU suite passed (109 tests); the Gram kernel's K tiles in a fori_loop pipelined two
-#   deep (chunk_fwd.GRAM_TILE_LOOP, GRAM_STAGES): 0.70 ms against 0.73, the default since; GDN's M formed inside the
+#   deep (gram.GRAM_TILE_LOOP, GRAM_STAGES): 0.70 ms against 0.73, the default since; GDN's M formed inside the
 #   state pass: slower (reverted).
 #   Run34 (session 32): the same loop in the WY backward, pipelined three deep (chunk_bwd.WY_TILE_LOOP, WY_STAGES):
 #   0.480 ms against 0.529, the default since; in the Gram gradients (K tiles of 64) slower, 1.65-1.69 against 1.31
@@ -104,10 +104,10 @@
 #     SKIP_BENCH=1 SHARDS=3 TEST_TIMEOUT=250 TESTS_K="in_segments or mosaic" bash benchmarks/h200_issue2.sh; export
 #       PYTHONPATH=$PWD/.site:$PWD; for r in gdn kda; do python3 benchmarks/profile_pallas_kda.py --out $OUT/$r
 #       --rule $r --shape 1x32768 --impls lineattn --check --configs "default;chunk_fwd.FORMS_IN_SEGMENTS=True"; done
-#   Run36b-d: the forward that saves for the backward inverts the diagonal blocks too (chunk_fwd.DIAG_INVERSE_SAVE):
+#   Run36b-d: the forward that saves for the backward inverts the diagonal blocks too (solve.DIAG_INVERSE_SAVE):
 #   fwd+bwd kernels KDA 4.272 ms against 4.329, GDN 2.946 against 3.030 (run36c, with the whole GPU suite: 121
 #   passed); bench (run36d) KDA 0.750x / 0.771x jla's forward+backward.
-#   Run40 (session 38): a forward alone's Gram kernel forms the gate's cumsum itself (chunk_fwd.GRAM_FORMS_G) and the
+#   Run40 (session 38): a forward alone's Gram kernel forms the gate's cumsum itself (gram.GRAM_FORMS_G) and the
 #   Gram products take bf16x2 (GRAM_PREC): forward kernels 0.917 ms against 1.226 (run40d); the whole GPU suite 137 of
 #   138 (run40e; the one failure, an interpreted test, mended and passed in run40g); bench KDA (8, 4096) forward 1.152
 #   ms against jla's 1.499 (run40g), 1.389 against 1.827 on a slower host (run40f).

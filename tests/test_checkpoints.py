@@ -108,8 +108,8 @@ def test_pallas_checkpoints_lower_for_sm90(fake_h200):
             S((B, T, H, K), jnp.float32), S((B, T, H), jnp.bfloat16), S((B, H, K, V), jnp.float32))
     f = lambda *a: chunk_pallas_checkpoints(*a, K**-0.5, 64, tuple(POSITIONS), False)
     text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    # Gram (forming the gate's cumsum itself, `chunk_fwd.GRAM_FORMS_G`), its exact fix-up, solve, the inversion of A's
-    # diagonal blocks (`chunk_fwd.DIAG_INVERSE`), the state pass
+    # Gram (forming the gate's cumsum itself, `gram.GRAM_FORMS_G`), its exact fix-up, solve, the inversion of A's
+    # diagonal blocks (`solve.DIAG_INVERSE`), the state pass
     assert text.count("__gpu$xla.gpu.triton") == 5
     assert "lineattn_chunk_gram_g" in text and "lineattn_chunk_cumsum" not in text
 

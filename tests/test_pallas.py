@@ -193,7 +193,7 @@ def _assert_bf16_close(rule, inputs, chunk_size, got=None):
 
 def _diagonal_blocks_inverted(A, C, n=16):
     """A [B, H, Tp, C] (strictly lower per chunk) with each n x n diagonal block L replaced by (I + L)^-1 - I (fp64
-    inverse): the form `chunk_fwd.invert_diagonal_blocks` writes."""
+    inverse): the form `solve.invert_diagonal_blocks` writes."""
     A = np.array(A, np.float64)
     for r0 in range(0, A.shape[2], n):
         c0 = r0 % C
@@ -210,16 +210,16 @@ def test_mosaic_solve_matches_the_triton_solve(with_r, gate, diag_inverse):
     # same inputs: two chunks of 64, K = V = 64, bf16; with_r: the backward's form (A the unscaled key Gram,
     # R written); a scalar gate's G [B, Tp, H] in both, and in `solve_full` equal to the same G broadcast over K;
     # diag_inverse: both solves given A with its 16 x 16 or 32 x 32 diagonal blocks inverted (the forward alone's
-    # form, the doubling from there on; with with_r the saving forward's, `chunk_fwd.DIAG_INVERSE_SAVE`: A =
+    # form, the doubling from there on; with with_r the saving forward's, `solve.DIAG_INVERSE_SAVE`: A =
     # Diag(beta) KK so inverted, R written) against `solve_full` on the whole A.
-    from lineattn.ops.pallas import chunk_fwd, solve_mgpu
+    from lineattn.ops.pallas import gram, solve, solve_mgpu
     rng = np.random.default_rng(21)
     B, Tp, H, K, V, C = 1, 128, 2, 64, 64, 64
     k = rng.standard_normal((B, Tp, H, K))
     k = jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((B, Tp, H, V)), jnp.bfloat16)
     g = -jnp.asarray(rng.uniform(0, 0.5, (B, Tp, H) + ((K,) if gate == "channel" else ())), jnp.float32)
-    G, _ = chunk_fwd.gate_cumsum(g, C=C, K=K, interpret=True)
+    G, _ = gram.gate_cumsum(g, C=C, K=K, interpret=True)
     assert G.shape == g.shape
     beta = jnp.asarray(rng.uniform(0, 1, (B, Tp, H)), jnp.bfloat16)
     kc = k.astype(jnp.float32).reshape(B, Tp // C, C, H, K)
@@ -227,12 +227,12 @@ def test_mosaic_solve_matches_the_triton_solve(with_r, gate, diag_inverse):
     kk = with_r and not diag_inverse
     A = KK.reshape(B, H, Tp, C) * (1.0 if kk else jnp.moveaxis(beta.astype(jnp.float32), 1, 2)[..., None])
     kw = dict(C=C, store=jnp.bfloat16, with_r=with_r, kk=kk)
-    solve = lambda G, A=A, **d: chunk_fwd.solve_full(A, k, v, G, beta, prec="bf16", inv_prec="bf16x3", warps=4,
+    run_solve = lambda G, A=A, **d: solve.solve_full(A, k, v, G, beta, prec="bf16", inv_prec="bf16x3", warps=4,
                                                       interpret=True, **kw, **d)
-    want = solve(G)
+    want = run_solve(G)
     if diag_inverse:
         A_inv = _diagonal_blocks_inverted(A, C, diag_inverse)
-        for name, x, y in zip("WU", solve(G, A_inv, diag_inverse=diag_inverse), want):
+        for name, x, y in zip("WU", run_solve(G, A_inv, diag_inverse=diag_inverse), want):
             assert _rel_rms(x, y) <= 1e-3, name
         got = solve_mgpu.solve_mosaic(A_inv, k, v, G, beta, **kw, diag_inverse=diag_inverse)
         with pytest.raises(ValueError, match="diag_inverse"):
@@ -241,7 +241,7 @@ def test_mosaic_solve_matches_the_triton_solve(with_r, gate, diag_inverse):
         got = solve_mgpu.solve_mosaic(A, k, v, G, beta, **kw)  # compiled on a GPU, the interpreter on the CPU
     assert len(got) == len(want) == 2 + with_r
     if gate == "scalar":
-        for x, y in zip(want, solve(jnp.broadcast_to(G[..., None], G.shape + (K,)))):
+        for x, y in zip(want, run_solve(jnp.broadcast_to(G[..., None], G.shape + (K,)))):
             np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
     for name, x, y in zip("WUR", got, want):
         # W, U: bf16 outputs (an ulp where the two roundings differ); R: fp32 from bf16x3 products
@@ -255,7 +255,7 @@ def test_mosaic_solve_matches_the_triton_solve(with_r, gate, diag_inverse):
 
 @pytest.mark.parametrize("rule", ["kda", "gdn"])
 def test_saving_forward_inverts_the_diagonal_blocks(rule):
-    # `chunk_fwd.DIAG_INVERSE_SAVE`: the forward that saves for the backward keeps the unscaled key Gram KK and
+    # `solve.DIAG_INVERSE_SAVE`: the forward that saves for the backward keeps the unscaled key Gram KK and
     # gives its solve Diag(beta) KK with the diagonal blocks inverted (a new array), so the solve's doubling starts
     # from them as a forward alone's does. fp32, chunk 64, T = 80 (ragged), gates at the lower bound (-5 a token):
     # o, the final state and every gradient match the oracle (1e-4) and the whole doubling's numbers (1e-5). (DeltaNet
@@ -265,7 +265,7 @@ def test_saving_forward_inverts_the_diagonal_blocks(rule):
     flat = lambda o, ht, grads: {"o": o, "ht": ht, **grads}
     got = {}
     for on in (True, False):
-        with tuning.override({"chunk_fwd.DIAG_INVERSE_SAVE": on}):
+        with tuning.override({"solve.DIAG_INVERSE_SAVE": on}):
             got[on] = flat(*loss_and_grads(rule, x, backend="pallas", chunk_size=64))
             vjp = jax.make_jaxpr(lambda q: jax.vjp(lambda q: ops.linear_attention(
                 rule, q, x["k"], x["v"], x["g"], x["beta"], chunk_size=64, backend="pallas"), q)[0])(x["q"])
@@ -277,12 +277,12 @@ def test_saving_forward_inverts_the_diagonal_blocks(rule):
 @pytest.mark.parametrize("rule,gate", [("kda", "lower_bound"), ("kda", "cut"), ("gdn", "lower_bound"), ("gdn", "cut"),
                                        ("deltanet", None)])
 def test_forward_alone_inverts_the_diagonal_blocks(rule, gate):
-    # `chunk_fwd.DIAG_INVERSE` (a forward that saves nothing): `invert_diagonal_blocks` replaces each 16 x 16 (or
+    # `solve.DIAG_INVERSE` (a forward that saves nothing): `invert_diagonal_blocks` replaces each 16 x 16 (or
     # 32 x 32) diagonal block L of A by (I + L)^-1 - I, exact in fp32 (against fp64 inverses), and leaves the rest; the
     # forward alone (chunk 64, T = 80 ragged, fp32, every token at -5 or -1000 cuts, whose chunks the exact fix-up
     # rewrites before the inversion) matches the oracle, through the channel gate's Gram kernels and the scalar
     # gate's (GDN's head gate; DeltaNet's none).
-    from lineattn.ops.pallas import chunk_fwd, tuning
+    from lineattn.ops.pallas import solve, tuning
     low, high = (-5.0, -5.0) if gate == "lower_bound" else (-1.0, 0.0)
     x = make_inputs(rule, B=1, **SMALL, g_low=low, g_high=high, seed=8)
     if gate == "cut":
@@ -293,27 +293,27 @@ def test_forward_alone_inverts_the_diagonal_blocks(rule, gate):
         A = jnp.asarray(rng.uniform(-1, 1, (1, 2, 128, C)) * np.tile(np.tri(C, k=-1), (2, 1)), jnp.float32)
         for n in (16, 32):
             want = _diagonal_blocks_inverted(A, C, n)
-            np.testing.assert_allclose(chunk_fwd.invert_diagonal_blocks(A, C=C, interpret=True, block=n), want,
+            np.testing.assert_allclose(solve.invert_diagonal_blocks(A, C=C, interpret=True, block=n), want,
                                        rtol=0, atol=1e-5 * float(np.max(np.abs(want))))
         with pytest.raises(ValueError, match="blocks of 16 or 32"):
-            chunk_fwd.invert_diagonal_blocks(A, C=C, interpret=True, block=64)
+            solve.invert_diagonal_blocks(A, C=C, interpret=True, block=64)
         # with beta (`DIAG_INVERSE_SAVE`, A the unscaled KK kept for the backward): Diag(beta) A so inverted, A kept
         beta = jnp.asarray(rng.uniform(0, 1, (1, 128, 2)), jnp.bfloat16)
         scaled = A * jnp.moveaxis(beta.astype(jnp.float32), 1, 2)[..., None]
         kept = np.array(A)
         for n in (16, 32):
             want = _diagonal_blocks_inverted(scaled, C, n)
-            np.testing.assert_allclose(chunk_fwd.invert_diagonal_blocks(A, C=C, interpret=True, block=n, beta=beta),
+            np.testing.assert_allclose(solve.invert_diagonal_blocks(A, C=C, interpret=True, block=n, beta=beta),
                                        want, rtol=0, atol=1e-5 * float(np.max(np.abs(want))))
         np.testing.assert_array_equal(A, kept)
         with pytest.raises(ValueError, match=r"beta must be \[B, Tp, H\] = \[1, 128, 2\]"):
-            chunk_fwd.invert_diagonal_blocks(A, C=C, interpret=True, block=32, beta=beta[:, :64])
+            solve.invert_diagonal_blocks(A, C=C, interpret=True, block=32, beta=beta[:, :64])
     forward = jax.jit(lambda q: ops.linear_attention(rule, q, x["k"], x["v"], x["g"], x["beta"], chunk_size=C,
                                                      initial_state=x["initial_state"], output_final_state=True,
                                                      backend="pallas"))
     o_ref, ht_ref = ops.linear_attention(rule, *(x[n] for n in ("q", "k", "v", "g", "beta")), output_final_state=True,
                                          initial_state=x["initial_state"], backend="recurrent")
-    with tuning.override({"chunk_fwd.DIAG_INVERSE": True}):
+    with tuning.override({"solve.DIAG_INVERSE": True}):
         assert "lineattn_invert_diagonal_blocks" in str(jax.make_jaxpr(forward)(x["q"]))
         o, ht = forward(x["q"])
     assert_close({"o": o, "ht": ht}, {"o": o_ref, "ht": ht_ref}, 1e-3 if gate == "cut" else TOL, "diag_inverse")
@@ -321,11 +321,11 @@ def test_forward_alone_inverts_the_diagonal_blocks(rule, gate):
 
 @pytest.mark.parametrize("gate", ["lower_bound", "cut"])
 def test_pallas_gram_with_exact_path_inside(gate, monkeypatch):
-    # `chunk_fwd.GRAM_IMPL = "triton"` (not the default "triton-fast"): the exact path behind a `lax.cond` in the
+    # `gram.GRAM_IMPL = "triton"` (not the default "triton-fast"): the exact path behind a `lax.cond` in the
     # Gram kernel, no fix-up kernel: fp32 with gates at -5 per token or -1000 cuts against the oracle, then bf16
     # (chunk 64, K = V = 64).
-    from lineattn.ops.pallas import chunk_fwd
-    monkeypatch.setattr(chunk_fwd, "GRAM_IMPL", "triton")
+    from lineattn.ops.pallas import gram
+    monkeypatch.setattr(gram, "GRAM_IMPL", "triton")
     test_pallas_gate_extremes(gate, "kernels-saved", monkeypatch)
     x = make_inputs("kda", B=1, **SMALL, seed=5)
     jaxpr = str(jax.make_jaxpr(lambda q: ops.linear_attention("kda", q, x["k"], x["v"], x["g"], x["beta"],
@@ -352,11 +352,11 @@ def test_pallas_gram_gradients_split_or_not(split, monkeypatch):
 
 @pytest.mark.parametrize("gate", ["default", "cut"])
 def test_pallas_with_the_mosaic_solve(gate, monkeypatch):
-    # `chunk_fwd.SOLVE_IMPL = "mosaic"` (the default on a Hopper GPU): KDA in bf16 at chunk 64 (T = 80 ragged, K = V =
+    # `solve.SOLVE_IMPL = "mosaic"` (the default on a Hopper GPU): KDA in bf16 at chunk 64 (T = 80 ragged, K = V =
     # 64) within FLA's bounds of the fp32 oracle, forward and every gradient, and the forward alone (no saved
     # terms); with -1000 cuts as well (the chunks that the fix-up kernel recomputes).
-    from lineattn.ops.pallas import chunk_fwd
-    monkeypatch.setattr(chunk_fwd, "SOLVE_IMPL", "mosaic")
+    from lineattn.ops.pallas import solve
+    monkeypatch.setattr(solve, "SOLVE_IMPL", "mosaic")
     kernel = "lineattn_solve_mosaic"
     inputs = make_inputs("kda", B=1, **dict(SMALL, K=64, V=64), seed=6)
     if gate == "cut":
@@ -427,7 +427,7 @@ def test_mosaic_pass_forms_of_a_forward_alone(rule):
     # A forward alone through the Mosaic state pass (its interpreter here). `chunk_fwd.ROW_GATE` (GDN): the pass reads
     # the raw q and k and applies the gate's row factors, and the scalar Gram kernel writes M and A only (no Qin, Kg).
     # INVERSE_IN_PASS: the solve writes R = (I + A)^-1 alone (`solve_mgpu.inverse_mosaic`) and the pass forms E from R,
-    # the raw v and Kin (KDA: an output of the Gram kernel, which then forms G itself, `chunk_fwd.GRAM_FORMS_G`; GDN:
+    # the raw v and Kin (KDA: an output of the Gram kernel, which then forms G itself, `gram.GRAM_FORMS_G`; GDN:
     # the raw k). bf16, B = 1 (the interpreter's time grows with the CTAs), T = 150 (3 chunks of 64, ragged), H = 2, K =
     # 64, V = 128, a non-zero h0: o and the final state equal those of the pass over Qin, Kg, W and U to rounding (CPU,
     # GDN: o 1.9e-4 / 4.2e-4, the state 6.0e-4 / 7.6e-4 relative RMS; KDA: o 7.1e-4; the bf16 operands differ) and the
@@ -601,8 +601,8 @@ def test_pass_impl_auto_takes_the_mosaic_passes_where_they_fit(monkeypatch):
     # Mosaic GPU passes for bf16 at K = V = 128 with V tiles of 64 (B * H = 128, or 64 in 2 segments); the Triton
     # passes for fp32, for V tiles below 64 (a single short sequence) and for the additive write (GLA); in segments
     # the forward's zero-start pass as the Mosaic kernel as well (ZERO_START_IMPL "auto").
-    from lineattn.ops.pallas import api, chunk_bwd, chunk_fwd
-    monkeypatch.setattr(chunk_fwd, "hopper", lambda: True)
+    from lineattn.ops.pallas import api, chunk_bwd, chunk_fwd, common
+    monkeypatch.setattr(common, "hopper", lambda: True)
     compiled = lambda interpret: False if interpret is None else bool(interpret)
     monkeypatch.setattr(chunk_fwd, "interpret_mode", compiled)
     monkeypatch.setattr(chunk_bwd, "interpret_mode", compiled)
@@ -680,7 +680,7 @@ def test_pallas_saved_states(rule, segmented, monkeypatch):
     # backward, which then runs no states pass of its own; False: the backward's own states pass (segmented: 4
     # segments of 2 chunks at chunk 16, T = 120 ragged). fp32: the same gradients both ways (the same products in
     # the same order) and the oracle's to 1e-4; then bf16 within FLA's bounds without saved states. A channel
-    # gate's cumsum G is formed by the forward's Gram kernel (`chunk_fwd.GRAM_FORMS_G`) and saved: no gate-cumsum
+    # gate's cumsum G is formed by the forward's Gram kernel (`gram.GRAM_FORMS_G`) and saved: no gate-cumsum
     # kernel in the forward+backward (GDN's runs in both).
     from lineattn.ops.pallas import chunk, segments
     monkeypatch.setattr(segments, "MIN_SEGMENT_CHUNKS", 2 if segmented else 64)
@@ -703,17 +703,17 @@ def test_pallas_saved_states(rule, segmented, monkeypatch):
 def test_pallas_kernel_tiles(monkeypatch):
     # The column tiles as module constants (for sweeps): the backward's (`chunk_bwd.WY_BT`, `CHUNK_GRADS_BK`,
     # `CHUNK_GRADS_BV`) 16 wide loop over K = 32 and V = 64 in pieces; the gate cumsum's K tile of 16
-    # (`chunk_fwd.CUMSUM_BK`: two tiles of block spreads) and the state passes' whole V = 128 as one tile
+    # (`gram.CUMSUM_BK`: two tiles of block spreads) and the state passes' whole V = 128 as one tile
     # (`PASS_MAX_BV`, with PASS_MIN_PROGRAMS low enough to keep it); the Gram gradients' fast path over the
     # chunk's rows in 2 parts (`GRADS_ROW_SPLIT`; 4 asked at chunk 32 gives 2: parts of 16 rows at least), then
     # in 4 at chunk 64. Outputs and gradients still match the oracle.
-    from lineattn.ops.pallas import chunk_bwd, chunk_fwd
+    from lineattn.ops.pallas import chunk_bwd, chunk_fwd, gram
     for name in ("WY_BT", "CHUNK_GRADS_BK", "CHUNK_GRADS_BV"):
         monkeypatch.setattr(chunk_bwd, name, 16)
     monkeypatch.setattr(chunk_bwd, "GRADS_ROW_SPLIT", 4)
     _compare("kda", make_inputs("kda", B=1, T=80, H=2, K=32, V=64, seed=19))
     _compare("kda", make_inputs("kda", B=1, T=80, H=2, K=32, V=32, seed=21), chunk_size=64)
-    monkeypatch.setattr(chunk_fwd, "CUMSUM_BK", 16)
+    monkeypatch.setattr(gram, "CUMSUM_BK", 16)
     monkeypatch.setattr(chunk_fwd, "PASS_MAX_BV", 128)
     monkeypatch.setattr(chunk_fwd, "PASS_MIN_PROGRAMS", 1)
     assert chunk_fwd.pick_block_v(2, 128) == 128
@@ -721,31 +721,31 @@ def test_pallas_kernel_tiles(monkeypatch):
 
 
 def _gram_inputs(seed):
-    """Inputs of `chunk_fwd.gram_rows`: two chunks of bf16 q, k (K = 128, rows of norm ~1), the in-chunk cumsum G of
+    """Inputs of `gram.gram_rows`: two chunks of bf16 q, k (K = 128, rows of norm ~1), the in-chunk cumsum G of
     gates in (-5, 0), and beta in (0, 1); B = 1, H = 2."""
-    from lineattn.ops.pallas import chunk_fwd
+    from lineattn.ops.pallas import gram
     rng = np.random.default_rng(seed)
     B, Tp, H, K, C = 1, 128, 2, 128, 64
     q, k = (jnp.asarray(rng.standard_normal((B, Tp, H, K)) / np.sqrt(K), jnp.bfloat16) for _ in range(2))
-    G, _ = chunk_fwd.gate_cumsum(-jnp.asarray(rng.uniform(0, 5, (B, Tp, H, K)), jnp.float32), C=C, K=K,
+    G, _ = gram.gate_cumsum(-jnp.asarray(rng.uniform(0, 5, (B, Tp, H, K)), jnp.float32), C=C, K=K,
                                  interpret=True)
     return q, k, G, jnp.asarray(rng.uniform(0, 1, (B, Tp, H)), jnp.bfloat16)
 
 
 def test_gram_tile_loop_gives_the_unrolled_numbers():
-    # `chunk_fwd.GRAM_TILE_LOOP` (the default): the fast-path Gram kernel takes its K tiles in a `fori_loop` (pipelined
+    # `gram.GRAM_TILE_LOOP` (the default): the fast-path Gram kernel takes its K tiles in a `fori_loop` (pipelined
     # on a GPU, GRAM_STAGES) instead of unrolled. M, A, Qin, Kg and Kin equal the unrolled kernel's bit for bit: two
     # chunks, K = 128 in two tiles of 64 (and four of 32), bf16, gates in (-5, 0).
-    from lineattn.ops.pallas import chunk_fwd, tuning
+    from lineattn.ops.pallas import gram, tuning
     q, k, G, beta = _gram_inputs(seed=23)
     K, C = q.shape[-1], 64  # (two chunks of 64)
     for bk in (64, 32):
-        gram = lambda: chunk_fwd.gram_rows(q, k, G, beta, C=C, scale=K**-0.5, store=jnp.bfloat16, prec="tf32",
+        run_gram = lambda: gram.gram_rows(q, k, G, beta, C=C, scale=K**-0.5, store=jnp.bfloat16, prec="tf32",
                                            delta=True, warps=2, interpret=True, bk=bk, fast_only=True, kin=True)
         forms = {}
         for loop in (True, False):  # (override clears JAX's caches: each setting traced afresh)
-            with tuning.override({"chunk_fwd.GRAM_TILE_LOOP": loop}):
-                forms[loop] = (gram(), str(jax.make_jaxpr(gram)()))
+            with tuning.override({"gram.GRAM_TILE_LOOP": loop}):
+                forms[loop] = (run_gram(), str(jax.make_jaxpr(run_gram)()))
         (looped, looped_text), (unrolled, unrolled_text) = forms[True], forms[False]
         assert looped_text.count("dot_general") == 2 and unrolled_text.count("dot_general") == 2 * K // bk
         assert len(looped) == len(unrolled) == 5 and float(jnp.max(jnp.abs(unrolled[0].astype(jnp.float32)))) > 0.01
@@ -755,16 +755,16 @@ def test_gram_tile_loop_gives_the_unrolled_numbers():
 
 
 def test_gram_bf16x2_splits_the_query_side_only():
-    # `chunk_fwd.GRAM_PREC = "bf16x2"`: M's products take the query side in two bf16 parts against bf16 keys, A's
+    # `gram.GRAM_PREC = "bf16x2"`: M's products take the query side in two bf16 parts against bf16 keys, A's
     # take the same bf16 keys once. So A equals the all-bf16 kernel's bit for bit, and M's error against the exact
     # products is about 1/sqrt(2) of bf16's (0.71 here: the keys' rounding alone is left). Two chunks, K = 128, gates
     # in (-5, 0).
-    from lineattn.ops.pallas import chunk_fwd
+    from lineattn.ops.pallas import gram
     q, k, G, beta = _gram_inputs(seed=29)
     K, C = q.shape[-1], 64  # (two chunks of 64)
     M, A = {}, {}
     for prec in ("ieee", "bf16", "bf16x2"):
-        M[prec], A[prec] = chunk_fwd.gram_rows(q, k, G, beta, C=C, scale=K**-0.5, store=jnp.float32, prec=prec,
+        M[prec], A[prec] = gram.gram_rows(q, k, G, beta, C=C, scale=K**-0.5, store=jnp.float32, prec=prec,
                                                delta=True, warps=2, interpret=True, fast_only=True)[:2]
     np.testing.assert_array_equal(np.asarray(A["bf16x2"]), np.asarray(A["bf16"]))
     exact = np.asarray(M["ieee"], np.float64)
@@ -777,14 +777,14 @@ def test_gram_bf16x2_splits_the_query_side_only():
                                          (jnp.bfloat16, "lower_bound"), (jnp.bfloat16, "zero"),
                                          (jnp.bfloat16, "cut")])
 def test_gram_chunks_form_the_gate_cumsum_themselves(dtype, gates):
-    # `chunk_fwd.GRAM_FORMS_G` (the default for a channel gate): `gram_chunks`, one program a chunk, forms the in-chunk
+    # `gram.GRAM_FORMS_G` (the default for a channel gate): `gram_chunks`, one program a chunk, forms the in-chunk
     # cumsum G from the raw g itself (a product with the triangle of ones, g in three bf16 parts) and, with
     # `gram_exact_chunks` after it, gives the M, A, Qin, Kg, Kin, e^(G_C) and chunk flags of the gate-cumsum kernel
     # followed by the 16-row Gram kernel: relative RMS <= 3e-4 (CPU: <= 6e-5, the sums rounding in another order),
     # the flags equal. Gates uniform in (-5, 0), all at the lower bound -5, all 0, and uniform with a -1000 cut at row
     # 70, which flags the second chunk: the G it writes there for the exact rewrite is the cumsum kernel's to fp32
     # rounding. B = 1, two chunks, H = 2, K = 64 in tiles of 16.
-    from lineattn.ops.pallas import chunk_fwd
+    from lineattn.ops.pallas import gram
     from lineattn.ops.pallas.common import SUB
     rng = np.random.default_rng(31)
     B, Tp, H, K, C = 1, 128, 2, 64, 64
@@ -797,13 +797,13 @@ def test_gram_chunks_form_the_gate_cumsum_themselves(dtype, gates):
     g, beta = jnp.asarray(g, jnp.float32), jnp.asarray(rng.uniform(0, 1, (B, Tp, H)), dtype)
     prec = "ieee" if dtype == jnp.float32 else "tf32"
     kw = dict(C=C, scale=K**-0.5, store=jnp.float32 if dtype == jnp.float32 else dtype, prec=prec, interpret=True)
-    exact = lambda flags, G, m, A: chunk_fwd.gram_exact_chunks(flags, q, k, G, beta, m, A, C=C, scale=K**-0.5,
+    exact = lambda flags, G, m, A: gram.gram_exact_chunks(flags, q, k, G, beta, m, A, C=C, scale=K**-0.5,
                                                                interpret=True, prec=prec)
-    G, dend, spreads = chunk_fwd.gate_cumsum(g, C=C, K=K, interpret=True, spreads=True)
-    m, A, *rest = chunk_fwd.gram_rows(q, k, G, beta, delta=True, warps=2, fast_only=True, kin=True, **kw)
-    flags = chunk_fwd.chunk_flags(spreads, C // SUB)
+    G, dend, spreads = gram.gate_cumsum(g, C=C, K=K, interpret=True, spreads=True)
+    m, A, *rest = gram.gram_rows(q, k, G, beta, delta=True, warps=2, fast_only=True, kin=True, **kw)
+    flags = gram.chunk_flags(spreads, C // SUB)
     want = (*exact(flags, G, m, A), *rest, dend)
-    m, A, qin, kg, kin, dend, got_flags, got_G = chunk_fwd.gram_chunks(q, k, g, beta, bk=16, **kw)
+    m, A, qin, kg, kin, dend, got_flags, got_G = gram.gram_chunks(q, k, g, beta, bk=16, **kw)
     got = (*exact(got_flags, got_G, m, A), qin, kg, kin, jnp.swapaxes(dend, -1, -2))
     np.testing.assert_array_equal(np.asarray(got_flags), np.asarray(flags))
     assert float(jnp.max(flags)) == (1.0 if gates == "cut" else 0.0)
@@ -815,7 +815,7 @@ def test_gram_chunks_form_the_gate_cumsum_themselves(dtype, gates):
     # keep_g (the saving forward and the solve's forms: G in every chunk for them) and without Kin: the same M, A
     # (after the exact rewrite, which reads its G), Qin, Kg, e^(G_C) and flags, bit for bit, and G in both chunks to
     # fp32 rounding. (Compared in fp32: the fast path's M and A before the rewrite hold NaNs in a flagged chunk.)
-    k_m, k_A, k_qin, k_kg, k_dend, k_flags, kept_G = chunk_fwd.gram_chunks(q, k, g, beta, bk=16, kin=False,
+    k_m, k_A, k_qin, k_kg, k_dend, k_flags, kept_G = gram.gram_chunks(q, k, g, beta, bk=16, kin=False,
                                                                            keep_g=True, **kw)
     kept = (*exact(k_flags, kept_G, k_m, k_A), k_qin, k_kg, jnp.swapaxes(k_dend, -1, -2), k_flags)
     for x, y in zip(kept, (*got[:4], got[5], got_flags)):
@@ -824,15 +824,15 @@ def test_gram_chunks_form_the_gate_cumsum_themselves(dtype, gates):
 
 
 def test_chunk_cumsum_is_exact_to_fp32():
-    # `chunk_fwd.chunk_cumsum` (the in-chunk cumsum of `gram_chunks` as products with the triangle of ones, g in three
+    # `gram.chunk_cumsum` (the in-chunk cumsum of `gram_chunks` as products with the triangle of ones, g in three
     # bf16 parts) against the cumsum in fp64: within 2e-7 relative (CPU: 6e-8, where fp32's sequential cumsum is
     # within 3e-7) for gates uniform in (-5, 0), in (-1e-3, 0) and in (-1000, 0), 64 rows of 16 channels.
-    from lineattn.ops.pallas import chunk_fwd
+    from lineattn.ops.pallas import gram
     rng = np.random.default_rng(33)
     for low in (-5.0, -1e-3, -1000.0):
         g = rng.uniform(low, 0.0, (64, 16)).astype(np.float32)
         want = np.cumsum(g.astype(np.float64), axis=0)
-        got = np.asarray(jax.jit(chunk_fwd.chunk_cumsum)(jnp.asarray(g)), np.float64)
+        got = np.asarray(jax.jit(gram.chunk_cumsum)(jnp.asarray(g)), np.float64)
         assert np.max(np.abs(got - want) / np.abs(want)) <= 2e-7, low
 
 

@@ -48,9 +48,9 @@ BROADCAST = {"api.SCALAR_GATE": False}  # a head gate through the per-channel ke
 VARIANTS = [("kda", None), ("gdn", None), ("deltanet", None), ("gla", None), ("kda", ("xla", {})),
             ("kda", ("kernels-mml2", {})), ("gdn", ("kernels-mml2", {})), ("gdn", ("kernels-saved", BROADCAST)),
             ("kda", ("kernels-saved", {"chunk_bwd.COT_DTYPE": "float32"})),
-            ("kda", ("kernels-saved", {"chunk_fwd.SOLVE_IMPL": "triton"})),  # the default off Hopper
+            ("kda", ("kernels-saved", {"solve.SOLVE_IMPL": "triton"})),  # the default off Hopper
             ("kda", ("kernels-saved", {"solve_mgpu.LHS_REGS": False})),
-            ("kda", ("kernels-saved", {"chunk_fwd.GRAM_IMPL": "triton"})),
+            ("kda", ("kernels-saved", {"gram.GRAM_IMPL": "triton"})),
             ("kda", ("kernels-saved", {"chunk.SAVE_STATES": False})),
             ("gdn", ("kernels-saved", {"chunk.SAVE_STATES": False})),
             ("kda", ("kernels-saved", {"chunk_bwd.GRADS_SPLIT": False})),
@@ -151,7 +151,7 @@ def test_forward_alone_mosaic_pass_forms_head_dim_128(rule):
 @pytest.mark.parametrize("gates", ["lower_bound", "cuts"])
 def test_forward_alone_extreme_gates_head_dim_128(gates):
     # KDA's forward alone with the defaults (its Gram kernel forming the gate's cumsum G itself,
-    # `chunk_fwd.GRAM_FORMS_G`; the inverse applied in the Mosaic pass) under extreme gates: every log gate at the
+    # `gram.GRAM_FORMS_G`; the inverse applied in the Mosaic pass) under extreme gates: every log gate at the
     # lower bound -5 (a 16-row block then spans 75 nats, inside the fast path's limit), or uniform in (-5, 0) with a
     # -1000 cut every 300 tokens (their chunks are flagged for the exact rewrite, which reads the G the Gram kernel
     # writes for them) and runs of gates at 0. B = 4, T = 1021 (ragged), H = 32, K = V = 128, bf16: o and the final

@@ -38,9 +38,9 @@ def _lowered(T, dtype, backward, head_gate=False):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_chunk_kernels_lower_for_sm90(fake_h200, dtype, backward):
     text = _lowered(100, dtype, backward)
-    # forward: gram (forming the gate's cumsum itself, `chunk_fwd.GRAM_FORMS_G`), its exact fix-up, solve, state pass
+    # forward: gram (forming the gate's cumsum itself, `gram.GRAM_FORMS_G`), its exact fix-up, solve, state pass
     # (no Hopper here: the Triton solve), and the
-    # inversion of A's diagonal blocks (`chunk_fwd.DIAG_INVERSE`; in the forward that saves for the backward,
+    # inversion of A's diagonal blocks (`solve.DIAG_INVERSE`; in the forward that saves for the backward,
     # "kernels-saved", by `DIAG_INVERSE_SAVE`: so in every count of this file with "kernels-saved"); backward "xla":
     # none; "kernels-mml2": cumsum, gram, solve, states, reverse, chunk grads, WY, Gram gradients with the combine,
     # their exact rewrite, dg; "kernels-saved": the same without the cumsum, Gram, solve and states (the forward's G,
@@ -53,7 +53,7 @@ def test_chunk_kernels_lower_for_sm90(fake_h200, dtype, backward):
 def test_scalar_gate_kernels_lower_for_sm90(fake_h200, backward):
     # A head gate (GDN): the one-program-per-chunk Gram kernel and Gram-gradient kernel in place of the 16-row ones;
     # the latter also gives dg (no dg kernel). Both forwards invert A's diagonal blocks before the solve
-    # (`chunk_fwd.DIAG_INVERSE`; the saving one, "kernels-saved", by `DIAG_INVERSE_SAVE`).
+    # (`solve.DIAG_INVERSE`; the saving one, "kernels-saved", by `DIAG_INVERSE_SAVE`).
     text = _lowered(100, jnp.bfloat16, backward, head_gate=True)
     assert "lineattn_chunk_gram_scalar" in text and "lineattn_gram_bwd_scalar" in text
     assert "lineattn_chunk_gram\"" not in text and "lineattn_gram_bwd_combine" not in text
@@ -95,8 +95,8 @@ def test_forward_alone_forms_in_segments_lower_for_sm90(fake_h200, monkeypatch, 
     # H = 16: 8 segments of 8 chunks, V tiles of 64) runs the zero-start and state passes in the forms that need no W,
     # U (KDA: the inverse form; GDN: that and the raw q, k), lowered for the GPU; off, the solve forms W and U.
     # "scalar" (the default) takes them for GDN's gate alone.
-    from lineattn.ops.pallas import chunk_fwd, segments
-    monkeypatch.setattr(chunk_fwd, "hopper", lambda: True)
+    from lineattn.ops.pallas import chunk_fwd, common, segments
+    monkeypatch.setattr(common, "hopper", lambda: True)
     B, T, H, K, V = 1, 4096, 16, 128, 128
     assert segments.pick_segments(B * H, T // 64, V) == 8
     args = (S((B, T, H, K), jnp.bfloat16), S((B, T, H, K), jnp.bfloat16), S((B, T, H, V), jnp.bfloat16),
@@ -128,11 +128,11 @@ def test_decode_kernel_lowers_for_sm90(fake_h200, v_fastest, variant):
 
 @pytest.mark.parametrize("lhs_regs", [False, True])
 def test_mosaic_solve_lowers_for_sm90(fake_h200, monkeypatch, lhs_regs):
-    # `chunk_fwd.SOLVE_IMPL = "auto"` on a Hopper GPU (faked here): the solve as a Mosaic GPU kernel (wgmma)
+    # `solve.SOLVE_IMPL = "auto"` on a Hopper GPU (faked here): the solve as a Mosaic GPU kernel (wgmma)
     # beside the Triton kernels, its left operands from SMEM or (`solve_mgpu.LHS_REGS`, the default, a path the
     # CPU interpreter cannot run) from registers; fp32 inputs keep the Triton solve.
-    from lineattn.ops.pallas import chunk_fwd, solve_mgpu
-    monkeypatch.setattr(chunk_fwd, "hopper", lambda: True)
+    from lineattn.ops.pallas import common, solve_mgpu
+    monkeypatch.setattr(common, "hopper", lambda: True)
     monkeypatch.setattr(solve_mgpu, "LHS_REGS", lhs_regs)
     text = _lowered(100, jnp.bfloat16, "kernels-saved")
     assert "lineattn_solve_mosaic" in text and "lineattn_chunk_solve_full" not in text
@@ -141,9 +141,9 @@ def test_mosaic_solve_lowers_for_sm90(fake_h200, monkeypatch, lhs_regs):
 
 
 def test_gram_with_exact_path_inside_lowers_for_sm90(fake_h200, monkeypatch):
-    # `chunk_fwd.GRAM_IMPL = "triton"`: the Gram kernel with its exact path inside, no fix-up kernel.
-    from lineattn.ops.pallas import chunk_fwd
-    monkeypatch.setattr(chunk_fwd, "GRAM_IMPL", "triton")
+    # `gram.GRAM_IMPL = "triton"`: the Gram kernel with its exact path inside, no fix-up kernel.
+    from lineattn.ops.pallas import gram
+    monkeypatch.setattr(gram, "GRAM_IMPL", "triton")
     for dtype in (jnp.bfloat16, jnp.float32):
         text = _lowered(100, dtype, "kernels-saved")
         assert "lineattn_chunk_gram_exact" not in text  # and no split backward: GRADS_SPLIT needs its spreads
@@ -190,14 +190,14 @@ def test_forward_alone_forms_lower_for_sm90(fake_h200, monkeypatch, warpgroups):
     # factors to the raw q and k (`chunk_fwd.ROW_GATE`), so the scalar Gram kernel has two outputs (M, A), not four;
     # with INVERSE_IN_PASS (the default) the solve is `solve_mgpu.inverse_mosaic` (R alone; its left operands from
     # registers, which the CPU interpreter cannot run) and the pass applies it. KDA: the Gram kernel forms G itself
-    # (`chunk_fwd.gram_chunks`, no gate-cumsum kernel); with INVERSE_IN_PASS it writes Kin, e^(G_C), the chunks' flags
+    # (`gram.gram_chunks`, no gate-cumsum kernel); with INVERSE_IN_PASS it writes Kin, e^(G_C), the chunks' flags
     # and (flagged chunks only) G beside M, A, Qin, Kg (eight outputs) and the solve is the inverse alone; without,
     # no Kin and G in every chunk, for the solve (seven). The state
     # pass as CTAs of one or two compute warpgroups (`state_mgpu.PASS_WARPGROUPS`; two set the registers of the memory
     # warpgroup's threads apart by setmaxnreg) fits the shared memory in every form (KDA's inverse form: 464 bytes to
     # spare).
-    from lineattn.ops.pallas import chunk_fwd, state_mgpu
-    monkeypatch.setattr(chunk_fwd, "hopper", lambda: True)
+    from lineattn.ops.pallas import chunk_fwd, common, state_mgpu
+    monkeypatch.setattr(common, "hopper", lambda: True)
     monkeypatch.setattr(state_mgpu, "PASS_MIN_CTAS", 1)  # (B H = 2 here)
     monkeypatch.setattr(state_mgpu, "PASS_WARPGROUPS", warpgroups)
     monkeypatch.setattr(chunk_fwd, "PASS_MIN_PROGRAMS", 1)
@@ -209,12 +209,12 @@ def test_forward_alone_forms_lower_for_sm90(fake_h200, monkeypatch, warpgroups):
              (args, "lineattn_chunk_gram_scalar", False, True, 4),
              (channel_gate, "lineattn_chunk_gram_g", True, True, 8),
              (channel_gate, "lineattn_chunk_gram_g", True, False, 7)]
-    for x, gram, row_gate, inverse, outputs in cases:
+    for x, kernel, row_gate, inverse, outputs in cases:
         monkeypatch.setattr(chunk_fwd, "ROW_GATE", row_gate)
         monkeypatch.setattr(chunk_fwd, "INVERSE_IN_PASS", inverse)
-        text, n = _gram_outputs_of_forward(x, gram)
-        applied = inverse and (row_gate or not gram.endswith("scalar"))  # (a scalar gate's needs ROW_GATE)
+        text, n = _gram_outputs_of_forward(x, kernel)
+        applied = inverse and (row_gate or not kernel.endswith("scalar"))  # (a scalar gate's needs ROW_GATE)
         assert n == outputs and "lineattn_state_pass_mosaic" in text
-        assert ("lineattn_chunk_cumsum" in text) == (gram != "lineattn_chunk_gram_g")
+        assert ("lineattn_chunk_cumsum" in text) == (kernel != "lineattn_chunk_gram_g")
         assert ("lineattn_inverse_mosaic" in text) == applied and ("lineattn_solve_mosaic" in text) != applied
         assert ("setmaxnreg" in text) == (warpgroups == 2)

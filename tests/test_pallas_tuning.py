@@ -7,13 +7,13 @@ import pytest
 
 from conftest import make_inputs
 from lineattn import ops
-from lineattn.ops.pallas import chunk_bwd, chunk_fwd, tuning
+from lineattn.ops.pallas import chunk_bwd, gram, tuning
 
 
 def test_parse_reads_the_benchmarks_form():
     assert tuning.parse("default") == {} and tuning.parse("") == {}
-    assert tuning.parse("chunk_bwd.WY_WARPS=8+chunk_fwd.SOLVE_IMPL=triton+chunk_fwd.LIMIT=-3") == {
-        "chunk_bwd.WY_WARPS": 8, "chunk_fwd.SOLVE_IMPL": "triton", "chunk_fwd.LIMIT": -3}
+    assert tuning.parse("chunk_bwd.WY_WARPS=8+solve.SOLVE_IMPL=triton+gram.LIMIT=-3") == {
+        "chunk_bwd.WY_WARPS": 8, "solve.SOLVE_IMPL": "triton", "gram.LIMIT": -3}
     # a bool constant set to "False" must turn it off (the string would read as true)
     assert tuning.parse("chunk.SAVE_STATES=False+common.FAST_EXP=True") == {
         "chunk.SAVE_STATES": False, "common.FAST_EXP": True}
@@ -28,13 +28,13 @@ def test_override_sets_restores_and_retraces():
     fwd = jax.jit(lambda q: ops.chunk_kda(q, x["k"], x["v"], x["g"], x["beta"], backend="pallas")[0])
     kernels = lambda: str(jax.make_jaxpr(fwd)(x["q"]))
     assert "lineattn_chunk_gram_exact" in kernels()
-    defaults = (chunk_fwd.GRAM_IMPL, chunk_bwd.WY_WARPS)
-    with tuning.override({"chunk_fwd.GRAM_IMPL": "triton", "chunk_bwd.WY_WARPS": 2}):
-        assert (chunk_fwd.GRAM_IMPL, chunk_bwd.WY_WARPS) == ("triton", 2)
+    defaults = (gram.GRAM_IMPL, chunk_bwd.WY_WARPS)
+    with tuning.override({"gram.GRAM_IMPL": "triton", "chunk_bwd.WY_WARPS": 2}):
+        assert (gram.GRAM_IMPL, chunk_bwd.WY_WARPS) == ("triton", 2)
         assert "lineattn_chunk_gram_exact" not in kernels()
-    assert (chunk_fwd.GRAM_IMPL, chunk_bwd.WY_WARPS) == defaults
+    assert (gram.GRAM_IMPL, chunk_bwd.WY_WARPS) == defaults
     assert "lineattn_chunk_gram_exact" in kernels()
-    with tuning.override({"chunk_fwd.GRAM_IMPL": "mosaic"}), pytest.raises(ValueError, match="GRAM_IMPL must be"):
+    with tuning.override({"gram.GRAM_IMPL": "mosaic"}), pytest.raises(ValueError, match="GRAM_IMPL must be"):
         kernels()  # (a Gram stage that is not there, e.g. the removed "mosaic", is an error, not a fallback)
     with pytest.raises(RuntimeError), tuning.override({"chunk_bwd.WY_WARPS": 2}):
         raise RuntimeError  # restored when the block raises too

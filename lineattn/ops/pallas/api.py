@@ -26,7 +26,7 @@ AUTO_CHUNKS = (64,)
 # "kernels-mml2" (the same, recomputing the terms: no extra memory), "xla" (autodiff of the XLA chunk form,
 # 40.7 ms); see `chunk.py`. Read when a call is traced.
 BACKWARD = "kernels-saved"
-# Gates equal across K (GDN's head gate, DeltaNet's none) through the scalar Gram kernels (`chunk_fwd.gram_scalar`,
+# Gates equal across K (GDN's head gate, DeltaNet's none) through the scalar Gram kernels (`gram.gram_scalar`,
 # `chunk_bwd.gram_grads_scalar`: one program per chunk, the decay factored out of the products) instead of the
 # per-channel ones with the gate broadcast over K (False). H200, GDN 8 x 4096 x 16 x 128 bf16 (run9a profile):
 # kernels fwd 1.24 / fwd+bwd 5.68 ms against 2.10 / 7.08, the same errors against the fp32 XLA chunk form (o

@@ -24,10 +24,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from lineattn.ops.chunk import ChunkTerms, pad_to_chunks
-from lineattn.ops.pallas import chunk_fwd, common, state_mgpu
-from lineattn.ops.pallas.chunk_fwd import (LIMIT, _gram_block_spread, _iota, gate_cumsum, gate_factor, gram_rows,
-                                           keys_toward, pick_block_v, solve_full)
-from lineattn.ops.pallas.common import SUB, compiler_params, dot, exp, interpret_mode, pallas_call
+from lineattn.ops.pallas import chunk_fwd, common, gram, solve, state_mgpu
+from lineattn.ops.pallas.chunk_fwd import pick_block_v
+from lineattn.ops.pallas.common import SUB, compiler_params, dot, exp, interpret_mode, iota, pallas_call
+from lineattn.ops.pallas.gram import LIMIT, _gram_block_spread, gate_cumsum, gram_rows, keys_toward
+from lineattn.ops.pallas.solve import gate_factor, solve_full
 from lineattn.ops.pallas.segments import block_specs, chain, pick_segments, zero_starts
 
 f32 = jnp.float32
@@ -62,7 +63,7 @@ WY_BT, CHUNK_GRADS_BK, CHUNK_GRADS_BV = 64, 64, 128
 # The Gram gradients' K tile (run10b, 8 x 4096: 1.87 ms with 128 against 2.05 with 64 and 3.18 with 32).
 GRADS_BK = 128
 # WY_TILE_LOOP, WY_STAGES: the WY backward's V and K tiles (WY_BT) in a `fori_loop` that Triton pipelines to
-# WY_STAGES, as the forward's Gram kernel (`chunk_fwd.GRAM_TILE_LOOP`). Read when traced. H200, KDA 8 x 4096 (run34a,
+# WY_STAGES, as the forward's Gram kernel (`gram.GRAM_TILE_LOOP`). Read when traced. H200, KDA 8 x 4096 (run34a,
 # kernel time): 0.480 ms with 3 stages against 0.514 with 2 and 0.529 unrolled; forward+backward kernels 4.357
 # against 4.406; errors unchanged (o 3.3e-3, dg 5.7e-3). The same loop over the Gram gradients' K tiles of 64 took
 # 1.646-1.685 ms against 1.311 for the default's one tile of 128 (run34a; removed, history 09163ea).
@@ -180,7 +181,7 @@ def _pass_setup(terms: ChunkTerms, block_v, nseg):
 # The Gram gradients. For P_ij = sum_d x_id k_jd e^(G_id - G_jd) (M: x = scale q; KK: x = k),
 #     dx_i = sum_j dP_ij k_j e^(G_i - G_j),   dk_j = sum_i dP_ij x_i e^(G_i - G_j),   dG_i += x_i dx_i - k_i dk_i.
 # One kernel, `_gram_bwd_kernel` (one program per 16-row block a: its row side and the column side of column
-# block a), with no column loop (see `chunk_fwd._gram_rows_kernel`): when the block's rows are within LIMIT nats
+# block a), with no column loop (see `gram._gram_rows_kernel`): when the block's rows are within LIMIT nats
 # of its middle row r, one product per K tile for each side,
 #     row:    dx_a = e^(G_a - G_r) (dP[a, :] @ (k e^(min(G_r - G, 40))))
 #     column: dk_a = e^(G_r - G_a) (dP[:, a]^T @ (x e^(min(G - G_r, 40))))
@@ -217,8 +218,8 @@ def _exact_operands(dm_ref, dkk_ref, r0):
     (dM, dKK [16, C]), the column side below it ([C, 16]) and the diagonal blocks [16 (i), 16 (j)]."""
     s, C = SUB, dm_ref.shape[-1]
     blk = pl.ds(r0, s)
-    left = lambda ref: jnp.where(_iota((s, C), 1) < r0, ref[blk, :], 0.0)
-    below = lambda ref: jnp.where(_iota((C, s), 0) >= r0 + s, ref[:, blk], 0.0)
+    left = lambda ref: jnp.where(iota((s, C), 1) < r0, ref[blk, :], 0.0)
+    below = lambda ref: jnp.where(iota((C, s), 0) >= r0 + s, ref[:, blk], 0.0)
     return left(dm_ref), left(dkk_ref), below(dm_ref), below(dkk_ref), dm_ref[blk, blk], dkk_ref[blk, blk]
 
 
@@ -226,7 +227,7 @@ def _gram_grad_exact_loop(q_ref, k_ref, G_ref, dm_ref, dkk_ref, r0, d, *, scale,
     """The exact path with 16-step loops for the diagonal block (few registers), as `_gram_grad_fast`."""
     s = SUB
     blk = pl.ds(r0, s)
-    rows_s1 = _iota((s, 1), 0)
+    rows_s1 = iota((s, 1), 0)
     dM_off, dKK_off, dMc_off, dKKc_off, dM_d, dKK_d = _exact_operands(dm_ref, dkk_ref, r0)
     Gn, Gm = G_ref[pl.ds(r0, 1), d], G_ref[pl.ds(r0 + s - 1, 1), d]
     Ga, G = G_ref[blk, d], G_ref[:, d]
@@ -313,7 +314,7 @@ def gram_grads_fused(q, k, G, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, inte
     """The Gram gradients with the row-local combine, by `_gram_bwd_kernel`: from q, k, G [B, Tp, H, K], dM, dKK
     [B, H, Tp, C] (lower triangular) and dQin, dKg, dKin [B, H, Tp, K] fp32, dq, dk [B, Tp, H, K] (q's and k's
     dtypes), dG [B, H, Tp, K] fp32 and the 16-row blocks' column sums of Kg * dKg [B, H, Tp / 16, K] (see
-    `_combine_rows`). flags: the chunk flags [B, H, N, C / 16] (`chunk_fwd.chunk_flags`; GRADS_SPLIT): the kernel
+    `_combine_rows`). flags: the chunk flags [B, H, N, C / 16] (`gram.chunk_flags`; GRADS_SPLIT): the kernel
     takes the fast path in every block, then a second one rewrites the flagged chunks by the exact path."""
     B, Tp, H, K = q.shape
     N, nb = Tp // C, C // SUB
@@ -352,7 +353,7 @@ def gram_grads_fused(q, k, G, dM, dKK, dQin, dKg, dKin, *, C, scale, exact, inte
 
 def _gram_scalar_bwd_kernel(q_ref, k_ref, g_ref, dm_ref, dkk_ref, dqin_ref, dkg_ref, dkin_ref, dq_ref, dk_ref,
                             rest_ref, kgd_ref, *, C, scale, prec, delta, bk, gram_dg):
-    """The Gram gradients for a gate equal across K (`chunk_fwd.gram_scalar`), one program per chunk, with the
+    """The Gram gradients for a gate equal across K (`gram.gram_scalar`), one program per chunk, with the
     row-local combine: with D_ij = e^(G_i - G_j) (j <= i), dx = (dP * D) k and dk = (dP * D)^T x, then
     `_combine_rows` as in `_gram_bwd_kernel`; for dg, each row's sums over K of dG without its -Kg * dKg term
     (rest) and of Kg * dKg (kgd), [C] each: dg_t = sum_{s >= t} rest_s + sum_{s < t} kgd_s + the chunk-end term
@@ -361,7 +362,7 @@ def _gram_scalar_bwd_kernel(q_ref, k_ref, g_ref, dm_ref, dkk_ref, dqin_ref, dkg_
     gram_dg: the Gram matrices' share of rest straight from them, rowsum(P) - colsum(P) with P = dM * M + dKK * KK
     (M = scale (q k^T) * D and KK = (k k^T) * D formed here, exact for bf16 inputs: bf16 products, fp32 sums), so
     dg takes nothing from the four products, which then only feed dq and dk (and may run in plain bf16)."""
-    G, decay, G_end = chunk_fwd.scalar_decay(g_ref)
+    G, decay, G_end = gram.scalar_decay(g_ref)
     dM, dKK = dm_ref[...] * decay, dkk_ref[...] * decay
     rest = kgd = jnp.zeros((k_ref.shape[0],), f32)
     if gram_dg:  # its own pass over the K tiles first, so that its two [C, C] sums are not live beside the rest
@@ -432,7 +433,7 @@ def _wy_bwd_kernel(r_ref, kk_ref, du_ref, dw_ref, v_ref, k_ref, G_ref, beta_ref,
     dbeta = rowsum(dBv V + dBk Kin + dA KK), dKK = b dA and dKin = b dBk. V and K in tiles of bt columns, so
     only [C, bt] tiles and the [C, C] R and dR are live (whole [C, V] fp32 tiles spilled registers: 3.3 ms at
     8 x 4096 x 16 x 128 on the H200, 2026-12-01 profile)."""
-    i, j = _iota((C, C), 0), _iota((C, C), 1)
+    i, j = iota((C, C), 0), iota((C, C), 1)
     R = r_ref[...]
     beta = beta_ref[...].astype(f32)[:, None]
 
@@ -481,7 +482,7 @@ def _combine_rows(q, k, G, G_end, dQin, dKg, dKin, xq, xk, kq, kk, scale, kg_ter
 def _reverse_cumsum_rows(dG, dG_end):
     """dg = the in-chunk reverse cumsum of dG [C, bk] with dG_end [1, bk] added to its last row (so to every row's
     dg)."""
-    dG = dG + jnp.where(_iota((dG.shape[0], 1), 0) == dG.shape[0] - 1, dG_end, 0.0)
+    dG = dG + jnp.where(iota((dG.shape[0], 1), 0) == dG.shape[0] - 1, dG_end, 0.0)
     return jnp.sum(dG, axis=0)[None, :] - jnp.cumsum(dG, axis=0) + dG
 
 
@@ -499,7 +500,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     saved: `chunk_fwd.forward(..., save=True)`'s terms (backward "kernels-saved"): no Gram recompute and no solve
     here, and the state passes read the stored (bf16 for bf16 inputs) Qin, Kg, M, W, U; where saved holds the
     gate's cumsum G, g is read for its rank and dtype only (`chunk.chunk_pallas` then keeps an empty stand-in).
-    g [B, T, H] (a gate equal across K) takes the scalar Gram kernels (`chunk_fwd.gram_scalar`,
+    g [B, T, H] (a gate equal across K) takes the scalar Gram kernels (`gram.gram_scalar`,
     `gram_grads_scalar`) and gets dg [B, T, H]."""
 
     C = chunk_size
@@ -507,7 +508,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     V = v.shape[-1]
     exact = q.dtype == f32
     prec = "ieee" if exact else "tf32"
-    inv_prec = "ieee" if exact else chunk_fwd.SOLVE_PREC
+    inv_prec = "ieee" if exact else solve.SOLVE_PREC
     interpret = interpret_mode(interpret)
     delta = beta is not None
     G, flags = (None, None) if saved is None else chunk_fwd.saved_gate(saved)  # (a channel gate's, saved)
@@ -515,12 +516,12 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     Tp = qp.shape[1]
     N = Tp // C
     scalar = g.ndim == 3  # (its cumsum G is [B, Tp, H]; e^(G_C) is broadcast over K for the state passes)
-    grads_split = GRADS_SPLIT and chunk_fwd.split_gram(scalar, delta)
+    grads_split = GRADS_SPLIT and gram.split_gram(scalar, delta)
     if G is None:  # the forward's call (with its block spreads where its Gram stage is split): XLA may merge the two
         gp = gp.astype(f32)
         G, dend_KN, *spreads = gate_cumsum(gp, C=C, K=K, interpret=interpret,
-                                           spreads=chunk_fwd.split_gram(scalar, delta))
-        flags = chunk_fwd.chunk_flags(spreads[0], C // SUB) if spreads else None
+                                           spreads=gram.split_gram(scalar, delta))
+        flags = gram.chunk_flags(spreads[0], C // SUB) if spreads else None
     ch = lambda x: x.reshape(B, H, N, C, x.shape[-1])
     states = maps = None
     if saved is not None:
@@ -531,14 +532,14 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     else:
         ones = jnp.ones((B, Tp, H), qp.dtype)
         if scalar:
-            M, KK, Qin, Kg = chunk_fwd.gram_scalar(qp, kp, gp, ones, C=C, scale=scale, store=f32, exact=exact,
+            M, KK, Qin, Kg = gram.gram_scalar(qp, kp, gp, ones, C=C, scale=scale, store=f32, exact=exact,
                                                    delta=delta, interpret=interpret)
         else:
             M, KK, Qin, Kg = gram_rows(qp, kp, G, ones, C=C, scale=scale, store=f32,
-                                       prec=prec if exact else chunk_fwd.GRAM_PREC, delta=delta, warps=gram_warps,
+                                       prec=prec if exact else gram.GRAM_PREC, delta=delta, warps=gram_warps,
                                        interpret=interpret)
         if delta:
-            W, U, R = solve_full(KK, kp, vp, G, bp, C=C, store=f32, prec=prec if exact else chunk_fwd.UW_PREC,
+            W, U, R = solve_full(KK, kp, vp, G, bp, C=C, store=f32, prec=prec if exact else solve.UW_PREC,
                                  inv_prec=inv_prec, warps=4, interpret=interpret, with_r=True, kk=True)
         else:
             U, W, R = jnp.moveaxis(vp, 2, 1).astype(f32), None, None
@@ -650,7 +651,7 @@ def _chunk_grads_kernel(e_ref, s0_ref, ds_ref, do_ref, du_ref, dqin_ref, dm_ref,
         if delta:
             dw_ref[:, d] = dw.astype(dw_ref.dtype)
         ddend_ref[d] = dd
-    dm_ref[...] = jnp.where(_iota((C, C), 1) <= _iota((C, C), 0), dM, 0.0).astype(dm_ref.dtype)  # M: lower
+    dm_ref[...] = jnp.where(iota((C, C), 1) <= iota((C, C), 0), dM, 0.0).astype(dm_ref.dtype)  # M: lower
 
 
 def state_passes(terms: ChunkTerms, h0, do, dht, *, exact: bool, interpret=None, block_v=None, warps=None,

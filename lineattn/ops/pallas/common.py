@@ -107,6 +107,11 @@ def pallas_call(kernel, *, interpret, grid=(), in_specs=None, out_specs=None, na
     return pl.pallas_call(traced, interpret=interpret, grid=grid, name=name, **specs, **kwargs)
 
 
+def iota(shape, dim):
+    """int32 indices along axis `dim` of an array of `shape` (row or column numbers, for masks)."""
+    return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
 def over_tiles(count: int, width: int, tile, carry, loop: bool = False):
     """carry after tile(d, carry) for the column tiles d = pl.ds(t * width, width), t < count: unrolled, or (loop) as
     a `fori_loop`, where one tile's values are live at a time and Triton can pipeline the next tile's loads

@@ -1,11 +1,11 @@
 """The forward's solve stage as a Mosaic GPU kernel (wgmma on Hopper): the default in place of
-`chunk_fwd.solve_full` (Triton), chosen by `chunk_fwd.SOLVE_IMPL` ("auto": on a Hopper GPU where it fits).
+`solve.solve_full` (Triton), chosen by `solve.SOLVE_IMPL` ("auto": on a Hopper GPU where it fits).
 
 One CTA (one warpgroup) per (batch, head, chunk): A [C, C] (and the chunk's k, v, G, beta) come in by TMA; R =
-(I + A)^-1 by the same block doubling as `chunk_fwd._invert_unit_lower` (X_2b = X_b - X_b A_b X_b), each product
+(I + A)^-1 by the same block doubling as `solve._invert_unit_lower` (X_2b = X_b - X_b A_b X_b), each product
 on the tensor cores as three bf16 wgmmas (hi hi + hi lo + lo hi of the fp32 operands split into bf16 parts, as the
 Triton kernel's "bf16x3"), from X_2 or, in a forward alone, from the 32 x 32 (or 16 x 16) diagonal blocks'
-inverses that `chunk_fwd.invert_diagonal_blocks` wrote into A (`chunk_fwd.DIAG_INVERSE`: one or two levels instead
+inverses that `solve.invert_diagonal_blocks` wrote into A (`solve.DIAG_INVERSE`: one or two levels instead
 of five); then U = R Diag(beta) V and W = R Diag(beta) (k e^G) as one bf16 wgmma each, written back by TMA. The
 register arrays live in the WGMMA accumulator layout; the products' right operands (and, without LHS_REGS, their
 left ones) go through swizzled SMEM. Without a GPU it runs in the Mosaic GPU interpreter (`plgpu.InterpretGPUParams`).
@@ -142,12 +142,12 @@ def invert_and_apply(A_, outs, sq, regs: bool, diag_inverse: int = 0):
 
 def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpret: bool | None = None,
                  diag_inverse: int = 0):
-    """`chunk_fwd.solve_full`'s outputs (W, U [B, H, Tp, .] in `store`, and R [B, H, Tp, C] fp32 when with_r) by
+    """`solve.solve_full`'s outputs (W, U [B, H, Tp, .] in `store`, and R [B, H, Tp, C] fp32 when with_r) by
     the Mosaic GPU kernel above; A [B, H, Tp, C] fp32 (kk: the unscaled key Gram, scaled by beta here), k [B, Tp,
     H, K], v [B, Tp, H, V] (bf16), G [B, Tp, H, K] fp32 (or [B, Tp, H] for a gate equal across K), beta [B, Tp,
     H]. bf16 inputs only (fp32 inputs keep the exact Triton solve). interpret: the Mosaic GPU interpreter (default:
     when no GPU is the default backend). diag_inverse (16 or 32): A's diagonal blocks of that size hold their
-    inverses' strictly lower parts (`chunk_fwd.invert_diagonal_blocks`)."""
+    inverses' strictly lower parts (`solve.invert_diagonal_blocks`)."""
     if diag_inverse and kk:
         raise ValueError("solve_mosaic: diag_inverse takes A = Diag(beta) KK with its blocks inverted, not kk")
     B, Tp, H, K = k.shape
@@ -213,7 +213,7 @@ def solve_mosaic(A, k, v, G, beta, *, C, store, with_r=False, kk=False, interpre
 def inverse_mosaic(A, *, C: int, diag_inverse: int = 0, interpret: bool | None = None):
     """R = (I + A)^-1 [B, H, Tp, C] in bf16 for a strictly lower A [B, H, Tp, C] fp32 per chunk of C = 64
     (diag_inverse, 16 or 32: its diagonal blocks of that size hold their inverses' strictly lower parts,
-    `chunk_fwd.invert_diagonal_blocks`), by `invert_and_apply`'s block doubling, one CTA per (batch, head, chunk).
+    `solve.invert_diagonal_blocks`), by `invert_and_apply`'s block doubling, one CTA per (batch, head, chunk).
     For a forward alone whose state pass applies R itself (`state_mgpu.state_pass_mosaic`'s inverse,
     `chunk_fwd.INVERSE_IN_PASS`): no W, U are formed or written."""
     B, H, Tp, _ = A.shape

@@ -1,13 +1,13 @@
 """The Pallas kernels' tuning constants (launch settings, tiles, precisions, variants) set by name, for sweeps.
 
 Each constant is a module attribute of `lineattn.ops.pallas` read when a call is traced (`chunk_bwd.WY_WARPS`,
-`chunk_fwd.GRAM_IMPL`, `chunk.SAVE_STATES`, ...; the kernel notes, ops/pallas/README.md, list them). `override`
+`gram.GRAM_IMPL`, `chunk.SAVE_STATES`, ...; the kernel notes, ops/pallas/README.md, list them). `override`
 sets some for the duration of a block:
 
-    with tuning.override({"chunk_bwd.WY_WARPS": 8, "chunk_fwd.SOLVE_IMPL": "triton"}):
+    with tuning.override({"chunk_bwd.WY_WARPS": 8, "solve.SOLVE_IMPL": "triton"}):
         o, ht = ops.chunk_kda(q, k, v, g, beta, backend="pallas")
 
-and `parse` reads the benchmarks' command-line form, "chunk_bwd.WY_WARPS=8+chunk_fwd.SOLVE_IMPL=triton".
+and `parse` reads the benchmarks' command-line form, "chunk_bwd.WY_WARPS=8+solve.SOLVE_IMPL=triton".
 """
 
 from __future__ import annotations
