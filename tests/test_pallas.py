@@ -99,7 +99,7 @@ def test_pallas_scalar_gate_bf16_and_varlen(monkeypatch):
 
 @pytest.mark.parametrize("rule", ["gdn", "simple_gla"])
 def test_scalar_gram_gradients_take_dg_from_the_matrices(rule):
-    # `chunk_bwd.GRADS_SCALAR_GRAM_DG` (the default): the scalar Gram-gradient kernel takes dg's share of the Gram
+    # `gram_bwd.GRADS_SCALAR_GRAM_DG` (the default): the scalar Gram-gradient kernel takes dg's share of the Gram
     # matrices from dM * M + dKK * KK (M, KK formed in the kernel; the additive write has no KK), not from its four
     # products summed over K. fp32, B = 1, T = 150 ragged, H = 2, K = 64, V = 32, gates in (-5, 0), chunk 64, an
     # initial state: every output and gradient within 1e-4 of the oracle and within 2e-5 of the products' form (CPU:
@@ -109,7 +109,7 @@ def test_scalar_gram_gradients_take_dg_from_the_matrices(rule):
     x = make_inputs(rule, B=1, T=150, H=2, K=64, V=32, seed=31)
     got = {}
     for gram_dg in (True, False):
-        with tuning.override({"chunk_bwd.GRADS_SCALAR_GRAM_DG": gram_dg}):
+        with tuning.override({"gram_bwd.GRADS_SCALAR_GRAM_DG": gram_dg}):
             o, ht, grads = loss_and_grads(rule, x, backend="pallas", chunk_size=64)
             got[gram_dg] = {"o": o, "ht": ht, **grads}
             assert "lineattn_gram_bwd_scalar" in grad_jaxpr(rule, x, backend="pallas", chunk_size=64)
@@ -337,12 +337,12 @@ def test_pallas_gram_with_exact_path_inside(gate, monkeypatch):
 
 @pytest.mark.parametrize("split", [True, False])
 def test_pallas_gram_gradients_split_or_not(split, monkeypatch):
-    # `chunk_bwd.GRADS_SPLIT` (the default): the Gram-gradient kernel's fast path in every block, then the exact
+    # `gram_bwd.GRADS_SPLIT` (the default): the Gram-gradient kernel's fast path in every block, then the exact
     # path rewrites the chunks that the gate-cumsum kernel flags (-1000 cuts: flagged chunks, whose fast-path
     # values would be wrong); False: both paths in one kernel. fp32 against the oracle, then bf16 at chunk 64
     # (K = V = 64) for False (the default's bf16 case is `test_pallas_bf16_against_fp32_oracle`).
-    from lineattn.ops.pallas import chunk_bwd
-    monkeypatch.setattr(chunk_bwd, "GRADS_SPLIT", split)
+    from lineattn.ops.pallas import gram_bwd
+    monkeypatch.setattr(gram_bwd, "GRADS_SPLIT", split)
     test_pallas_gate_extremes("cut", "kernels-saved", monkeypatch)
     x = make_inputs("kda", B=1, **SMALL, seed=5)
     assert ("lineattn_gram_bwd_exact" in grad_jaxpr("kda", x, backend="pallas")) == split
@@ -707,10 +707,10 @@ def test_pallas_kernel_tiles(monkeypatch):
     # (`PASS_MAX_BV`, with PASS_MIN_PROGRAMS low enough to keep it); the Gram gradients' fast path over the
     # chunk's rows in 2 parts (`GRADS_ROW_SPLIT`; 4 asked at chunk 32 gives 2: parts of 16 rows at least), then
     # in 4 at chunk 64. Outputs and gradients still match the oracle.
-    from lineattn.ops.pallas import chunk_bwd, chunk_fwd, gram
+    from lineattn.ops.pallas import chunk_bwd, chunk_fwd, gram, gram_bwd
     for name in ("WY_BT", "CHUNK_GRADS_BK", "CHUNK_GRADS_BV"):
         monkeypatch.setattr(chunk_bwd, name, 16)
-    monkeypatch.setattr(chunk_bwd, "GRADS_ROW_SPLIT", 4)
+    monkeypatch.setattr(gram_bwd, "GRADS_ROW_SPLIT", 4)
     _compare("kda", make_inputs("kda", B=1, T=80, H=2, K=32, V=64, seed=19))
     _compare("kda", make_inputs("kda", B=1, T=80, H=2, K=32, V=32, seed=21), chunk_size=64)
     monkeypatch.setattr(gram, "CUMSUM_BK", 16)

@@ -53,7 +53,7 @@ VARIANTS = [("kda", None), ("gdn", None), ("deltanet", None), ("gla", None), ("k
             ("kda", ("kernels-saved", {"gram.GRAM_IMPL": "triton"})),
             ("kda", ("kernels-saved", {"chunk.SAVE_STATES": False})),
             ("gdn", ("kernels-saved", {"chunk.SAVE_STATES": False})),
-            ("kda", ("kernels-saved", {"chunk_bwd.GRADS_SPLIT": False})),
+            ("kda", ("kernels-saved", {"gram_bwd.GRADS_SPLIT": False})),
             ("kda", ("kernels-saved", {"chunk_bwd.WY_COT_DTYPE": "float32"})),
             ("kda", ("kernels-saved", {"chunk_fwd.ZERO_START_IMPL": "triton"})),  # the default off Hopper
             ("kda", ("kernels-saved", {"segments.SEGMENT_PASSES": False})),  # the defaults: 32 segments of 8 chunks

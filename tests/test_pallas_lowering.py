@@ -164,9 +164,9 @@ def test_backward_states_pass_lowers_for_sm90(fake_h200, monkeypatch, T):
 
 
 def test_gram_gradients_unsplit_lower_for_sm90(fake_h200, monkeypatch):
-    # `chunk_bwd.GRADS_SPLIT = False`: both paths in one Gram-gradient kernel, no exact rewrite kernel.
-    from lineattn.ops.pallas import chunk_bwd
-    monkeypatch.setattr(chunk_bwd, "GRADS_SPLIT", False)
+    # `gram_bwd.GRADS_SPLIT = False`: both paths in one Gram-gradient kernel, no exact rewrite kernel.
+    from lineattn.ops.pallas import gram_bwd
+    monkeypatch.setattr(gram_bwd, "GRADS_SPLIT", False)
     for dtype in (jnp.bfloat16, jnp.float32):
         text = _lowered(100, dtype, "kernels-saved")
         assert "lineattn_gram_bwd_exact" not in text

@@ -27,7 +27,7 @@ AUTO_CHUNKS = (64,)
 # 40.7 ms); see `chunk.py`. Read when a call is traced.
 BACKWARD = "kernels-saved"
 # Gates equal across K (GDN's head gate, DeltaNet's none) through the scalar Gram kernels (`gram.gram_scalar`,
-# `chunk_bwd.gram_grads_scalar`: one program per chunk, the decay factored out of the products) instead of the
+# `gram_bwd.gram_grads_scalar`: one program per chunk, the decay factored out of the products) instead of the
 # per-channel ones with the gate broadcast over K (False). H200, GDN 8 x 4096 x 16 x 128 bf16 (run9a profile):
 # kernels fwd 1.24 / fwd+bwd 5.68 ms against 2.10 / 7.08, the same errors against the fp32 XLA chunk form (o
 # 3.1e-3, dg 4.1e-3 against 5.3e-3). Read when a call is traced.
