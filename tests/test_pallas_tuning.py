@@ -43,7 +43,9 @@ def test_override_sets_restores_and_retraces():
 
 @pytest.mark.parametrize("name, match", [("WY_WARPS", "module.NAME"), ("chunk_bwdd.WY_WARPS", "no module"),
                                          ("chunk_bwd.WY_WARP", "no tuning constant"),
-                                         ("chunk_bwd.backward_fast", "no tuning constant")])
+                                         ("chunk_bwd.backward_fast", "no tuning constant"),
+                                         ("chunk_fwd.GRAM_PREC", "it is gram.GRAM_PREC\\)"),  # (moved there)
+                                         ("chunk_bwd.GRADS_SPLIT", "it is gram_bwd.GRADS_SPLIT\\)")])
 def test_override_names_a_misspelt_setting_and_sets_nothing(name, match):
     default = chunk_bwd.WY_WARPS
     with pytest.raises(ValueError, match=match), tuning.override({"chunk_bwd.WY_WARPS": 2, name: 1}):

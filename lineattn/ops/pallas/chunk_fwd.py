@@ -46,14 +46,13 @@ PASS_WARPS, PASS_STAGES = 4, 3
 
 def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, save=False, scalar=False,
            row_gate=False, inverse_in_pass=False):
-    """The intra-chunk stage's outputs (qin, kg, w, u, m, e^(G_C) as [B, H, K, N]): the gate-cumsum kernel, the
-    Gram rows (or `gram_scalar`; with a per-channel gate and the split Gram stage `gram_chunks`, which forms G
-    itself, in place of both: gram.GRAM_FORMS_G) and the whole-chunk solve. save: also the unscaled key Gram KK and R =
-    (I + A)^-1 (fp32 [B, H, Tp, C]) for the backward (the Gram kernel then writes KK and the solve scales it by
-    beta), G and the chunk flags (see `forward`'s save). row_gate (a scalar gate, not with save): qin and kg
-    None, and the scalar gate's G [B, Tp, H] last (see ROW_GATE). inverse_in_pass (not with save): R = (I + A)^-1
-    [B, H, Tp, C] bf16 in w's place and Kin = k e^G [B, H, Tp, K] in u's (None for a scalar gate; see
-    INVERSE_IN_PASS)."""
+    """The intra-chunk stage's outputs (qin, kg, w, u, m, e^(G_C) as [B, H, K, N]): the gate-cumsum kernel, the Gram
+    rows (or `gram_scalar`; with a per-channel gate and the split Gram stage `gram_chunks`, which forms G itself, in
+    place of both: `gram.GRAM_FORMS_G`) and the whole-chunk solve. save: also the unscaled key Gram KK and R = (I +
+    A)^-1 (fp32 [B, H, Tp, C]) for the backward (the Gram kernel then writes KK and the solve scales it by beta), G
+    and the chunk flags (see `forward`'s save). row_gate (a scalar gate, not with save): qin and kg None, and the
+    scalar gate's G [B, Tp, H] last (see ROW_GATE). inverse_in_pass (not with save): R = (I + A)^-1 [B, H, Tp, C] bf16
+    in w's place and Kin = k e^G [B, H, Tp, K] in u's (None for a scalar gate; see INVERSE_IN_PASS)."""
     K = q.shape[-1]
     exact = prec == "ieee"
     split = gram.split_gram(scalar, delta)
@@ -341,15 +340,14 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
             constants: tuple = ()):
     """o [B, T, H, V] (q's dtype) and final state [B, H, K, V] fp32 of the delta rule with a per-channel gate.
 
-    q, k [B, T, H, K] and v [B, T, H, V] (bf16 or fp32, one dtype), g [B, T, H, K] log decay per channel or
-    [B, T, H] per head (fp32; the scalar path: `gram_scalar` for the Gram matrices), beta [B, T, H] or None
-    (additive write), h0 [B, H, K, V] fp32. block_v, warps (intra, state pass; default (gram.GRAM_WARPS, PASS_WARPS))
-    and only_intra (return the intra stage's outputs) are for tuning and timing. The intra-chunk stage
-    (`gate_cumsum`, `_gram_rows_kernel`, `_solve_full_kernel`) took 2.31 ms with the state pass at 8 x 4096 x 16 x
-    128 bf16 on the H200 (run10d; benchmarks/results/README.md). (Removed on 2026-12-01 as slower in every H200
-    run: the "split" family with an XLA cumsum and a 16 x 16-block solve, 4.44-8.01 ms, two single-program
-    stages, "fused2" 7.15 ms and "fused" 9.40 ms; and, as redundant, "mm2", a 3-D form of the exact diagonal
-    blocks.)
+    q, k [B, T, H, K] and v [B, T, H, V] (bf16 or fp32, one dtype), g [B, T, H, K] log decay per channel or [B, T, H]
+    per head (fp32; the scalar path: `gram_scalar` for the Gram matrices), beta [B, T, H] or None (additive write), h0
+    [B, H, K, V] fp32. block_v, warps (intra, state pass; default (gram.GRAM_WARPS, PASS_WARPS)) and only_intra
+    (return the intra stage's outputs) are for tuning and timing. The intra-chunk stage (`gram.gate_cumsum`,
+    `gram._gram_rows_kernel`, `solve._solve_full_kernel`) took 2.31 ms with the state pass at 8 x 4096 x 16 x 128 bf16
+    on the H200 (run10d; benchmarks/results/README.md). (Removed on 2026-12-01 as slower in every H200 run: the
+    "split" family with an XLA cumsum and a 16 x 16-block solve, 4.44-8.01 ms, two single-program stages, "fused2"
+    7.15 ms and "fused" 9.40 ms; and, as redundant, "mm2", a 3-D form of the exact diagonal blocks.)
     export_chunks: chunk indices n whose incoming fp32 state the state pass also writes; when given, the
     return is (o, final state, S0 [B, H, len(export_chunks), K, V], w [B, H, Tp, K], u [B, H, Tp, V]) with w, u
     kernel 1's WY terms (None for the additive write), from which `lineattn.ops.checkpoints` advances S0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import pkgutil
 from collections.abc import Iterator, Mapping
 
 import jax
@@ -42,8 +43,17 @@ def _target(name: str):
     except ModuleNotFoundError:
         raise ValueError(f"no module lineattn.ops.pallas.{module_name} (setting {name!r})") from None
     if not hasattr(module, attr) or not attr.isupper():
-        raise ValueError(f"no tuning constant {attr!r} in lineattn.ops.pallas.{module_name} (setting {name!r})")
+        homes = [f"{m}.{attr}" for m in _modules() if attr.isupper() and hasattr(importlib.import_module(
+            f"lineattn.ops.pallas.{m}"), attr)]
+        hint = f"; it is {' or '.join(homes)}" if homes else ""
+        raise ValueError(f"no tuning constant {attr!r} in lineattn.ops.pallas.{module_name} (setting {name!r}{hint})")
     return module, attr
+
+
+def _modules() -> list[str]:
+    """The names of lineattn.ops.pallas's modules (where a constant named under the wrong module may live: the Gram
+    and solve constants moved out of chunk_fwd, the Gram gradients' out of chunk_bwd, on 2026-12-04)."""
+    return sorted(info.name for info in pkgutil.iter_modules(importlib.import_module("lineattn.ops.pallas").__path__))
 
 
 @contextlib.contextmanager
