@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import jax
 import pytest
 
@@ -51,3 +54,16 @@ def test_override_names_a_misspelt_setting_and_sets_nothing(name, match):
     with pytest.raises(ValueError, match=match), tuning.override({"chunk_bwd.WY_WARPS": 2, name: 1}):
         pass
     assert chunk_bwd.WY_WARPS == default
+
+
+def test_every_setting_named_in_the_gpu_tests_and_scripts_exists():
+    # The GPU tests and the H200 scripts name settings as "module.NAME" strings that only the GPU runs read: each must
+    # resolve here, on the CPU, or a rename (as of the Gram and solve constants out of chunk_fwd) fails only there.
+    root = Path(__file__).resolve().parents[1]
+    sources = [root / "tests" / "test_pallas_gpu.py", *sorted((root / "benchmarks").glob("*.py")),
+               *sorted((root / "benchmarks").glob("h200_*.sh"))]
+    modules = "|".join(tuning._modules())
+    named = {m for path in sources for m in re.findall(rf"\b(?:{modules})\.[A-Z][A-Z0-9_]+\b", path.read_text())}
+    assert len(named) > 10  # (the pattern finds them)
+    for name in sorted(named):
+        tuning._target(name)  # a ValueError names the one that does not exist
