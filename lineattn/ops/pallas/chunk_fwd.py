@@ -193,6 +193,84 @@ def segment_starts(kg, w, u, dend, h0, *, C: int, nseg: int, BV: int, prec: str,
     return segments.chain(PT, ends[..., :V], h0, reverse=False), PT
 
 
+def _pass_with_forms(q, k, v, beta, h0, qin, kg, w, u, m, dend, G, *, scale, C, nseg, BV, inverse_in_pass,
+                     interpret):
+    """(o [B, Tp, H, V], final state) of a forward alone on the Mosaic state pass with its forms (see ROW_GATE,
+    INVERSE_IN_PASS): the row factors [B, H, Tp] of `state_mgpu.state_pass_mosaic`'s raw_qk and inverse forms from
+    the intra stage's outputs (w holds R and u Kin with inverse_in_pass; G [B, Tp, H], the scalar gate's cumsum, with
+    row_gate, else None), then the pass (in nseg segments: `segment_starts` first)."""
+    B, Tp, H, _ = q.shape
+    row_gate = G is not None
+    by_row = lambda *xs: [jnp.moveaxis(x.reshape(B, Tp, H), 1, 2) for x in xs]
+    raw_qk = inverse = None
+    if row_gate:  # Qin = Diag(scale e^G) q and Kg = Diag(e^(G_C - G)) k
+        Gc, eG = G.reshape(B, Tp // C, C, H), jnp.exp(G)
+        raw_qk = by_row(scale * eG, jnp.exp(Gc[:, :, -1:] - Gc))
+    if inverse_in_pass:  # w holds R, u Kin (None: the raw k, whose row factor e^G joins beta's)
+        beta_ = beta.astype(f32)
+        inverse = (w, *by_row(beta_, beta_ * eG)) if row_gate else (w, *by_row(beta_), None)  # (b = a)
+        w, u = u, v
+    starts = h0.astype(f32)
+    if nseg > 1:
+        starts, _ = segment_starts(k if row_gate else kg, w, u, dend, h0, C=C, nseg=nseg, BV=BV, prec="bf16",
+                                   delta=True, interpret=interpret, kg_rows=raw_qk[1] if row_gate else None,
+                                   inverse=inverse)
+    o, ends = state_mgpu.state_pass_mosaic(
+        q if row_gate else qin, k if row_gate else kg, w, u, m, jnp.swapaxes(dend, -1, -2), starts,
+        out_dtype=q.dtype, block_v=BV, raw_qk=raw_qk, inverse=inverse, interpret=interpret)
+    return o, ends if nseg == 1 else ends[:, :, -1]
+
+
+def _state_pass(qin, kg, w, u, m, dend, h0, *, C, nseg, BV, out_dtype, delta, warps, export_chunks, states_dtype,
+                interpret):
+    """(o [B, Tp, H, V], final state, *extra) of the state pass over the intra stage's outputs (for the additive
+    write w is unread and u holds v), on `state_mgpu`'s kernel where it fits (`mosaic_pass`), else
+    `_state_pass_kernel`. extra: with export_chunks (S0 [B, H, len(export_chunks), K, V], w, u), else the segments'
+    transposed maps (None unsegmented) and, with states_dtype, every chunk's S0 and E (see `forward`'s save)."""
+    B, H, Tp, K = qin.shape
+    V = u.shape[-1]
+    N = Tp // C
+    exact = qin.dtype == jnp.float32
+    prec = "ieee" if exact else "bf16"
+    # grid (B, H, segments, V tiles): the block specs of the backward's passes (`segments`)
+    whole, vtile, state, per_chunk, kn, tokens = segments.block_specs(Tp, N, K, nseg, BV)
+    maps = None  # the segments' transposed maps, for the backward
+    if nseg == 1:
+        starts = h0.astype(f32)[:, :, None]
+    else:
+        starts, maps = segment_starts(kg, w, u, dend, h0, C=C, nseg=nseg, BV=BV, prec=prec, delta=delta,
+                                      interpret=interpret)
+    n_slots = 1 << max(len(export_chunks) - 1, 0).bit_length()  # Triton blocks: powers of two
+    exported = ([pl.BlockSpec((None, None, n_slots, K, BV), lambda b, h, s, j: (b, h, 0, 0, j))],
+                [jax.ShapeDtypeStruct((B, H, n_slots, K, V), f32)]) if export_chunks else ([], [])
+    keep = states_dtype is not None and not export_chunks
+    kept = (f32 if exact else jnp.dtype(states_dtype)) if keep else None
+    if mosaic_pass(qin.dtype, delta, C, K, V, BV, bool(export_chunks), kept, interpret):
+        o, ends, *s0 = state_mgpu.state_pass_mosaic(qin, kg, w, u, m, jnp.swapaxes(dend, -1, -2), starts,
+                                                    out_dtype=out_dtype, keep_dtype=kept, block_v=BV,
+                                                    interpret=interpret)
+        return o, ends[:, :, -1], maps, *s0
+    if keep:
+        exported = ([per_chunk, vtile],
+                    [jax.ShapeDtypeStruct((B, H, N * K, V), kept), jax.ShapeDtypeStruct((B, H, Tp, V), kept)])
+    o, ends, *s0 = pallas_call(
+        functools.partial(_state_pass_kernel, C=C, N=N // nseg, K=K, prec=prec, delta=delta, export=export_chunks,
+                          keep=keep),
+        grid=(B, H, nseg, V // BV),
+        in_specs=[whole(K), whole(K), whole(K), vtile, whole(C), kn, state],
+        out_specs=[tokens, state] + exported[0],
+        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), out_dtype), jax.ShapeDtypeStruct((B, H, nseg, K, V), f32)]
+        + exported[1],
+        compiler_params=compiler_params(num_warps=warps, num_stages=PASS_STAGES),
+        interpret=interpret,
+        name="lineattn_chunk_state_pass",
+    )(qin, kg, w, u, m, dend, starts)
+    ht = ends[:, :, -1]
+    if export_chunks:
+        return o, ht, s0[0][:, :, :len(export_chunks)], (w if delta else None), (u if delta else None)
+    return o, ht, maps, *s0
+
+
 def check_shapes(K: int, V: int, chunk_size: int):
     if not (is_pow2(K) and 16 <= K <= 256 and is_pow2(V) and 16 <= V <= 256):
         raise ValueError(f"the Pallas kernels need K and V powers of two in [16, 256], got K={K}, V={V}")
@@ -400,63 +478,17 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     if not delta:
         u = jnp.moveaxis(v, 2, 1).astype(store)
         w = qin  # unread by the additive state pass
-    if row_gate or inverse_in_pass:  # the row factors [B, H, Tp] of state_pass_mosaic's raw_qk and inverse forms
-        by_row = lambda *xs: [jnp.moveaxis(x.reshape(B, Tp, H), 1, 2) for x in xs]
-        raw_qk = inverse = None
-        if row_gate:  # Qin = Diag(scale e^G) q and Kg = Diag(e^(G_C - G)) k
-            G, eG = extra[0].reshape(B, N, C, H), jnp.exp(extra[0])
-            raw_qk = by_row(scale * eG, jnp.exp(G[:, :, -1:] - G))
-        if inverse_in_pass:  # w holds R, u Kin (None: the raw k, whose row factor e^G joins beta's)
-            beta_ = beta.astype(f32)
-            inverse = (w, *by_row(beta_, beta_ * eG)) if row_gate else (w, *by_row(beta_), None)  # (b = a)
-            w, u = u, v
-        starts = h0.astype(f32)
-        if nseg > 1:
-            starts, _ = segment_starts(k if row_gate else kg, w, u, dend, h0, C=C, nseg=nseg, BV=BV, prec="bf16",
-                                       delta=delta, interpret=interpret, kg_rows=raw_qk[1] if row_gate else None,
-                                       inverse=inverse)
-        o, ends = state_mgpu.state_pass_mosaic(
-            q if row_gate else qin, k if row_gate else kg, w, u, m, jnp.swapaxes(dend, -1, -2), starts,
-            out_dtype=dt, block_v=BV, raw_qk=raw_qk, inverse=inverse, interpret=interpret)
-        return o[:, :T], ends if nseg == 1 else ends[:, :, -1]
-
-    prec = "ieee" if exact else "bf16"
-    # grid (B, H, segments, V tiles): the block specs of the backward's passes (`segments`)
-    whole, vtile, state, per_chunk, kn, tokens = segments.block_specs(Tp, N, K, nseg, BV)
-    maps = None  # the segments' transposed maps, for the backward
-    if nseg == 1:
-        starts = h0.astype(f32)[:, :, None]
-    else:
-        starts, maps = segment_starts(kg, w, u, dend, h0, C=C, nseg=nseg, BV=BV, prec=prec, delta=delta,
-                                      interpret=interpret)
-    n_slots = 1 << max(len(export_chunks) - 1, 0).bit_length()  # Triton blocks: powers of two
-    exported = ([pl.BlockSpec((None, None, n_slots, K, BV), lambda b, h, s, j: (b, h, 0, 0, j))],
-                [jax.ShapeDtypeStruct((B, H, n_slots, K, V), f32)]) if export_chunks else ([], [])
-    keep = save and states_dtype is not None and not export_chunks
-    kept = (f32 if exact else jnp.dtype(states_dtype)) if keep else None
-    if mosaic_pass(store, delta, C, K, V, BV, bool(export_chunks), kept, interpret):
-        o, ends, *s0 = state_mgpu.state_pass_mosaic(qin, kg, w, u, m, jnp.swapaxes(dend, -1, -2), starts,
-                                                    out_dtype=dt, keep_dtype=kept, block_v=BV, interpret=interpret)
-        ht = ends[:, :, -1]
-        return (o[:, :T], ht, (qin, kg, w, u, m, dend, *extra, maps, *s0)) if save else (o[:, :T], ht)
-    if keep:
-        exported = ([per_chunk, vtile],
-                    [jax.ShapeDtypeStruct((B, H, N * K, V), kept), jax.ShapeDtypeStruct((B, H, Tp, V), kept)])
-    o, ends, *s0 = pallas_call(
-        functools.partial(_state_pass_kernel, C=C, N=N // nseg, K=K, prec=prec, delta=delta, export=export_chunks,
-                          keep=keep),
-        grid=(B, H, nseg, V // BV),
-        in_specs=[whole(K), whole(K), whole(K), vtile, whole(C), kn, state],
-        out_specs=[tokens, state] + exported[0],
-        out_shape=[jax.ShapeDtypeStruct((B, Tp, H, V), dt), jax.ShapeDtypeStruct((B, H, nseg, K, V), f32)]
-        + exported[1],
-        compiler_params=compiler_params(num_warps=warps[1], num_stages=PASS_STAGES),
-        interpret=interpret,
-        name="lineattn_chunk_state_pass",
-    )(qin, kg, w, u, m, dend, starts)
-    ht = ends[:, :, -1]
+    if row_gate or inverse_in_pass:
+        o, ht = _pass_with_forms(q, k, v, beta, h0, qin, kg, w, u, m, dend, extra[0] if row_gate else None,
+                                 scale=scale, C=C, nseg=nseg, BV=BV, inverse_in_pass=inverse_in_pass,
+                                 interpret=interpret)
+        return o[:, :T], ht
+    o, ht, *rest = _state_pass(qin, kg, w, u, m, dend, h0, C=C, nseg=nseg, BV=BV, out_dtype=dt, delta=delta,
+                               warps=warps[1], export_chunks=export_chunks, states_dtype=states_dtype if save else None,
+                               interpret=interpret)
     if export_chunks:
-        return o[:, :T], ht, s0[0][:, :, :len(export_chunks)], (w if delta else None), (u if delta else None)
+        return o[:, :T], ht, *rest
     if save:
+        maps, *s0 = rest
         return o[:, :T], ht, (qin, kg, w if delta else None, u if delta else None, m, dend, *extra, maps, *s0)
     return o[:, :T], ht
