@@ -218,3 +218,25 @@ def test_forward_alone_forms_lower_for_sm90(fake_h200, monkeypatch, warpgroups):
         assert ("lineattn_chunk_cumsum" in text) == (kernel != "lineattn_chunk_gram_g")
         assert ("lineattn_inverse_mosaic" in text) == applied and ("lineattn_solve_mosaic" in text) != applied
         assert ("setmaxnreg" in text) == (warpgroups == 2)
+
+
+def test_jaxpr_dump_tells_kernel_settings_apart(monkeypatch):
+    # scripts/pallas_jaxprs.py compares two trees' kernels without a GPU (a refactor that changes none writes the same
+    # file): its text must be the same for the same settings and differ when a kernel's launch setting (a Triton
+    # pipeline depth) or a Mosaic GPU kernel's form (its compute warpgroups) differs, on the faked Hopper GPU's paths.
+    import importlib.util
+    from pathlib import Path
+
+    from lineattn.ops.pallas import common, tuning
+    path = Path(__file__).resolve().parents[1] / "scripts" / "pallas_jaxprs.py"
+    spec = importlib.util.spec_from_file_location("pallas_jaxprs", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    monkeypatch.setattr(common, "hopper", lambda: True)
+    case = dict(B=2, T=100, H=64, dtype=jnp.bfloat16, head_gate=False, backward="kernels-saved", grad=False)
+    base = script.case_jaxpr(**case)
+    assert "lineattn_state_pass_mosaic" in base and "/lineattn/" not in base  # (Mosaic paths; no source paths)
+    assert script.case_jaxpr(**case) == base
+    for setting in ({"gram.GRAM_CHUNK_STAGES": 2}, {"state_mgpu.PASS_WARPGROUPS": 1}):
+        with tuning.override(setting):
+            assert script.case_jaxpr(**case) != base, setting
