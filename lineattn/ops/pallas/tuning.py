@@ -43,8 +43,8 @@ def _target(name: str):
     except ModuleNotFoundError:
         raise ValueError(f"no module lineattn.ops.pallas.{module_name} (setting {name!r})") from None
     if not hasattr(module, attr) or not attr.isupper():
-        homes = [f"{m}.{attr}" for m in _modules() if attr.isupper() and hasattr(importlib.import_module(
-            f"lineattn.ops.pallas.{m}"), attr)]
+        homes = [f"{m}.{attr}" for m in _modules()
+                 if attr.isupper() and hasattr(importlib.import_module(f"lineattn.ops.pallas.{m}"), attr)]
         hint = f"; it is {' or '.join(homes)}" if homes else ""
         raise ValueError(f"no tuning constant {attr!r} in lineattn.ops.pallas.{module_name} (setting {name!r}{hint})")
     return module, attr
