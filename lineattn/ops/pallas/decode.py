@@ -5,25 +5,12 @@ One program per (request, head, V tile) reads its `[K, BV]` slice of the state o
 (`input_output_aliases`; under `jax.jit` with the state donated no copy is made). With `output_states=True` it
 also writes the state after every token, `[B, T, H, K, V]` (for speculative decoding: roll back to any token).
 
-(A Mosaic GPU form, a fixed number of CTAs each streaming its share of the tiles through a TMA pipeline, the state
-a mutable ref updated in place, was correct on the H200 but slower, run16c/f at B = 256, H = 16, K = V = 128: kernel
-time 3.24-3.34 TB/s of state read + write with V tiles of 64 on 128-132 CTAs, 3.51-3.59 with 32 on 256-264, 3.40
-with 32 on 396 (three CTAs an SM), 2.05-2.22 with 16 on 512-792, against 3.77 for this kernel and 4.11 for a plain
-copy on its grid: removed; it is in the history at 0f60cc7, whose CTAs take equal tile counts: run16f's gave each
-CTA its own, a traced `emit_pipeline` grid. A persistent Triton form, a fixed number of programs each looping over
-its tiles with the next tile's state loaded before the current tile's math, was slower too, run23a: 2.64-3.35 TB/s
-on 132-1056 programs, V tiles of 32-128, Triton pipelining depth 1 or 2, against 3.72 for this kernel in the same run;
-a persistent plain copy reached 3.95-3.98 against 4.10 on this grid: in the history at b2bbd38. A form with few
-registers, one token in two passes over slabs of the state's rows, the first for the read-outs and the second reading
-each slab again, from L2, to write it, was slower too, run39f: 2.94-3.16 TB/s for slabs of 16-64 rows, V tiles of
-32-128, 2-8 warps and Triton pipelining 1-3 deep, against 3.77 for this kernel; in the history at 18e5373. Nsight
-Compute, run39e: this kernel 140 us for one step against 145 for FLA's `fused_recurrent_kda` on the same inputs, DRAM
-throughput 76.6 % of peak and L2 84.2 %; V tiles of 32 take 72 registers, not 128, but 149 us. Run41: one Mosaic GPU
-CTA per tile, the tile brought into SMEM by TMA (SMEM, not registers, to hold more of the state in flight), computed
-from SMEM in column pieces, was slower too: 147.7-159.9 us for V tiles of 64 in pieces of 32 (121-125 registers: each
-factor broadcast takes a register per value), 164.6-211.2 us in pieces of 16 or 8 (87-88 and 61-63 registers, more
-serial steps), against 142.8-144.5 us for this kernel; this kernel with its tile's columns in slices of 32 or 16 took
-166-208 us. Both are in the history at e2bd8aa.)
+Why this form: memory bound, it moves the state at 3.72-3.77 TB/s of read + write on the H200 (B = 256, H = 16,
+K = V = 128), 92 % of a plain copy on the same grid (4.10-4.11 TB/s). Each program holds its whole tile in registers
+(128 a thread at V tiles of 64), which bounds the state in flight. Every form tried that holds more of it or overlaps
+more was slower: other V tiles and warp counts, a persistent or a streaming (TMA) kernel, two passes over slabs of
+rows, SMEM tiles computed in column pieces. The kernel notes (`README.md` here, "Speed") list each with its run and
+the commit that holds it.
 """
 
 from __future__ import annotations
@@ -93,22 +80,13 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
       under jit to update it in place).
       output_states: also return the state after every token, [B, T, H, K, V] fp32.
       block_v, num_warps: the V tile of a program and its warps (for tuning). block_v None: 64 when that still
-        gives 128 programs or more (large batches; H200, B = 256, H = 16, K = V = 128, 2026-12-01 run7b: 3.25
-        TB/s of state read+write with 64 x 4 warps, 3.18 with 64 x 8, 2.78 / 2.84 with 32 x 4 / 8, 2.50 with
-        128 x 8), else 32 (the earlier default; small batches are latency-bound and were not timed).
+        gives 128 programs or more (large batches; H200 run7b, B = 256: 3.25 TB/s with 64 x 4 warps, the best of the
+        tiles of 32-128 on 4-8 warps), else 32 (small batches are latency-bound and were not timed).
       v_fastest: launch the V tiles of one state next to each other (the grid's first axis varies fastest)
-        instead of the requests (default; H200 run8c, B = 256: 3.35 TB/s with V tile 64 x 4 warps against 3.13
-        without, 3.22 against 2.79 with V tile 32; run9c: 3.41 against 3.33, 2 warps and V tile 16 slower; FLA's
-        decode kernel orders its grid the same way).
+        instead of the requests (default; H200 run8c, B = 256: 3.35 TB/s against 3.13, as FLA orders its grid).
       readout: "decayed" (default) takes both reductions on the decayed state S' before the write,
         o = q^T S' + (q . k) r with r the written row; "updated" reads o from the updated state, q^T S_t (the
-        same value; one more dependent pass before the state's store). H200, B = 256 (run13b-c, kernel time of
-        3 runs each): 0.1427-0.1445 ms against 0.1443-0.1461, 3.72-3.76 TB/s of state read + write against
-        3.68-3.72; the evict-first cache policy on the state's load and store changed nothing (0.1440 ms).
-        (Run17a: a "folded" read-out, both reductions on the state as loaded with the decay folded into q and
-        k and the update S e^g + k r^T in one pass, took 0.1467 ms against 0.1427 (3.66 against 3.76 TB/s):
-        removed. Nsight Compute, same run: this kernel 128 registers, 4 blocks of 4 warps an SM, DRAM throughput
-        75.7 % of peak; FLA's `fused_recurrent_kda` 80 registers, V tiles of 32, 76.2 %, 141 us against 142.)
+        same value; one more dependent pass before the state's store: 3.68-3.72 TB/s against 3.72-3.76, run13b-c).
 
     Returns:
       (o [B, T, H, V] in q's dtype, new state [B, H, K, V] fp32[, states [B, T, H, K, V]]).
