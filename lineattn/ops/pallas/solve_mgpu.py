@@ -47,9 +47,14 @@ def _copy_in(copies, barrier):
     plgpu.barrier_wait(barrier)
 
 
+# INTERPRET_RACES: the Mosaic GPU interpreter (no GPU) also checks each kernel's shared- and global-memory accesses
+# for data races between its warpgroups and its TMA copies (vector clocks; slower). For tests; read when traced.
+INTERPRET_RACES = False
+
+
 def _interpret_params(interpret: bool | None):
     """The Mosaic GPU interpreter's parameters where `common.interpret_mode` says to interpret, else None."""
-    return plgpu.InterpretGPUParams() if interpret_mode(interpret) else None
+    return plgpu.InterpretGPUParams(detect_races=INTERPRET_RACES) if interpret_mode(interpret) else None
 
 
 # LHS_REGS: the left operands of the wgmmas (X's bf16 parts) straight from registers instead of SMEM (fewer SMEM
