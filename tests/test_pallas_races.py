@@ -55,17 +55,16 @@ def _two_warpgroups_write(shared: bool):
 
 
 def test_the_race_detector_reports_two_warpgroups_writing_one_tile(capfd):
-    # The control: with INTERPRET_RACES the interpreter reports two warpgroups writing the same SMEM tile (and the
-    # result is then wrong: both rows hold one warpgroup's value), and nothing when each writes its own.
+    # The control: with INTERPRET_RACES the interpreter reports two warpgroups writing the same SMEM tile (what
+    # each then copies out depends on how the threads interleave), and nothing when each writes its own.
     with tuning.override({"solve_mgpu.INTERPRET_RACES": True}):
         own = _two_warpgroups_write(shared=False)
         races = _race_reports(capfd.readouterr().out)
         assert not races, races[0]
-        shared = _two_warpgroups_write(shared=True)
+        _two_warpgroups_write(shared=True)
         reports = _race_reports(capfd.readouterr().out)
     assert [float(x) for x in own[:, 0, 0]] == [0.0, 1.0]
     assert reports and all(_warpgroups(r) == {"0", "1"} and "alias group" not in r for r in reports)
-    assert float(shared[0, 0, 0]) == float(shared[1, 0, 0])
 
 
 @pytest.mark.parametrize("rule", ["kda", "gdn"])
