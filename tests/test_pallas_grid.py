@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src import core as jax_core
 from jax._src.pallas import core as pallas_core  # (get_block_size: a block dim's size, 1 if squeezed)
+from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun
 
 from lineattn.ops.pallas import chunk_fwd, common, segments
 from lineattn.ops.pallas.chunk import chunk_pallas
@@ -39,17 +39,17 @@ def _pallas_calls(jaxpr):
             yield eqn
         for param in eqn.params.values():
             for sub in param if isinstance(param, (list, tuple)) else [param]:
-                if isinstance(sub, jax_core.ClosedJaxpr):
+                if isinstance(sub, ClosedJaxpr):
                     yield from _pallas_calls(sub.jaxpr)
-                elif isinstance(sub, jax_core.Jaxpr):
+                elif isinstance(sub, Jaxpr):
                     yield from _pallas_calls(sub)
 
 
 def _block_indices(block_mapping, grid) -> np.ndarray:
     """The block index [points, rank] that `block_mapping`'s index map gives at each grid point (row-major)."""
-    index_map = block_mapping.index_map_jaxpr
+    index_map = jaxpr_as_fun(block_mapping.index_map_jaxpr)
     points = np.array(list(itertools.product(*map(range, grid))), np.int32).reshape(-1, len(grid))
-    at = lambda *ids: jnp.stack(jax_core.eval_jaxpr(index_map.jaxpr, index_map.consts, *ids))
+    at = lambda *ids: jnp.stack(index_map(*ids))
     return np.asarray(jax.vmap(at)(*points.T))
 
 
