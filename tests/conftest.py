@@ -116,6 +116,22 @@ def grad_jaxpr(rule, x, **kwargs) -> str:
     return str(jax.make_jaxpr(jax.grad(loss))(x["q"]))
 
 
+def pallas_value_and_grad(backward: str, chunk_size: int = 64):
+    """fn(q, k, v, g, beta, h0): the value and gradients of sum(o) + sum(ht) through `chunk_pallas` as traced for a
+    GPU (interpret False; for jaxprs and lowering, not for running on a CPU), with respect to each input that is not
+    None (beta None: the additive write); scale K ** -0.5."""
+    from lineattn.ops.pallas.chunk import chunk_pallas
+
+    def loss(q, k, v, g, beta, h0):
+        o, ht = chunk_pallas(q, k, v, g, beta, h0, q.shape[-1] ** -0.5, chunk_size, False, backward)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
+
+    def value_and_grads(*args):
+        return jax.value_and_grad(loss, argnums=tuple(i for i, a in enumerate(args) if a is not None))(*args)
+
+    return value_and_grads
+
+
 def assert_close(actual: dict, expected: dict, tol: float, context: str = ""):
     errors = {name: rel_err(actual[name], expected[name]) for name in expected}
     for name, value in expected.items():

@@ -25,6 +25,7 @@ import pytest
 from jax._src.pallas import core as pallas_core  # (get_block_size: a block dim's size, 1 if squeezed)
 from jax.extend.core import ClosedJaxpr, Jaxpr, jaxpr_as_fun
 
+from conftest import pallas_value_and_grad
 from lineattn.ops.pallas import chunk_fwd, common, segments
 from lineattn.ops.pallas.chunk import chunk_pallas
 from lineattn.ops.pallas.decode import decode_step
@@ -97,19 +98,6 @@ def _forward(backward, chunk_size):
                                                      backward)
 
 
-def _forward_and_gradients(backward, chunk_size):
-    """Forward+backward: the loss and its gradients with respect to every input given (beta None: additive)."""
-    def value_and_grads(q, k, v, g, beta, h0):
-        def loss(q, k, v, g, h0, *beta_):
-            o, ht = _forward(backward, chunk_size)(q, k, v, g, beta_[0] if beta_ else None, h0)
-            return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
-
-        args = (q, k, v, g, h0) + (() if beta is None else (beta,))
-        return jax.value_and_grad(loss, argnums=tuple(range(len(args))))(*args)
-
-    return value_and_grads
-
-
 @pytest.mark.parametrize("hopper", [True, False])
 @pytest.mark.parametrize("gate,dtype,backward", [
     ("channel", jnp.bfloat16, "kernels-saved"), ("channel", jnp.float32, "kernels-saved"),
@@ -125,7 +113,7 @@ def test_chunk_kernels_write_each_output_block_once(monkeypatch, hopper, gate, d
     monkeypatch.setattr(segments, "MIN_SEGMENT_CHUNKS", 2)
     monkeypatch.setattr(chunk_fwd, "PASS_MIN_PROGRAMS", 1)  # (V tiles of 64, which the Mosaic passes take)
     forward = _forward(backward, 64)
-    grads = _forward_and_gradients(backward, 64)
+    grads = pallas_value_and_grad(backward, 64)
     args = _chunk_args(2, 200, 4, 64, 128, dtype, gate)
     names = _check_program(forward, *args) | _check_program(grads, *args)
     assert segments.pick_segments(1, 1024 // 64, 128) == 8
@@ -141,7 +129,7 @@ def test_small_chunk_kernels_write_each_output_block_once(chunk_size):
     for delta in (True, False):
         args = _chunk_args(2, 100, 2, 32, 32, jnp.float32, "channel", delta)
         _check_program(_forward("kernels-saved", chunk_size), *args)
-        _check_program(_forward_and_gradients("kernels-saved", chunk_size), *args)
+        _check_program(pallas_value_and_grad("kernels-saved", chunk_size), *args)
 
 
 def test_checkpoint_kernels_write_each_output_block_once():

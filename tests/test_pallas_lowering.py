@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from conftest import pallas_value_and_grad
 from lineattn.ops.pallas.chunk import chunk_pallas
 from lineattn.ops.pallas.decode import decode_step
 
@@ -25,13 +26,7 @@ def _lowered(T, dtype, backward, head_gate=False):
     g = S((B, T, H) if head_gate else (B, T, H, K), jnp.float32)
     args = (S((B, T, H, K), dtype), S((B, T, H, K), dtype), S((B, T, H, V), dtype), g,
             S((B, T, H), dtype), S((B, H, K, V), jnp.float32))
-
-    def loss(*a):
-        o, ht = chunk_pallas(*a, K**-0.5, 64, False, backward)
-        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
-
-    return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)))).trace(*args).lower(
-        lowering_platforms=("cuda",)).as_text()
+    return jax.jit(pallas_value_and_grad(backward)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("backward", ["xla", "kernels-mml2", "kernels-saved"])
