@@ -82,6 +82,12 @@ def test_gate_helpers_reject_mismatched_shapes():
         ops.safe_gate(jnp.zeros((2, 4)), jnp.zeros(4), jnp.zeros(4), lower_bound=1.0)
 
 
+@pytest.mark.parametrize("lower_bound", [float("-inf"), float("nan"), 0.0, 2.0])
+def test_safe_gate_needs_a_finite_negative_lower_bound(lower_bound):
+    with pytest.raises(ValueError, match="lower_bound must be a finite number < 0"):
+        ops.safe_gate(jnp.zeros((2, 4)), jnp.zeros(4), jnp.zeros(4), lower_bound=lower_bound)
+
+
 def _kda(**overrides):
     x = make_inputs("kda", B=1, T=12, H=2, K=8, V=4)
     x.update(overrides)
@@ -106,6 +112,12 @@ BAD_INPUTS = {
     "initial_state per sequence": (dict(extra=dict(cu_seqlens=np.array([0, 5, 12]))), r"initial_state must be \[N, H, K, V\] = \[2,"),
     "unknown backend": (dict(extra=dict(backend="cuda")), "backend must be one of"),
     "chunk_size": (dict(extra=dict(chunk_size=48)), r"chunk_size must be 16 \* 2\^m"),
+    "positive g": (dict(g=jnp.full((1, 12, 2, 8), 0.5)), r"g must be a log decay <= 0"),
+    "NaN g": (dict(g=jnp.full((1, 12, 2, 8), jnp.nan)), r"g must be a log decay <= 0"),
+    "K zero": (dict(q=jnp.zeros((1, 12, 2, 0)), k=jnp.zeros((1, 12, 2, 0)), g=jnp.zeros((1, 12, 2, 0))), "K >= 1"),
+    "V zero": (dict(v=jnp.zeros((1, 12, 2, 0)), initial_state=None), "V >= 1"),
+    "scale string": (dict(extra=dict(scale="0.5")), "scale must be None or a finite real number"),
+    "scale per head": (dict(extra=dict(scale=jnp.ones(2))), "scale must be None or a finite real number"),
 }
 
 

@@ -203,6 +203,8 @@ def _worker_errors() -> dict:
         (dict(initial_state=jnp.zeros((2, H, K, V))), "initial_state must be [N, H, K, V] = [1,"),
         (dict(cu_seqlens=[0, 30, 60]), "cu_seqlens must start at 0 and end at T = 64"),
         (dict(chunk_size=24), "chunk_size must be"),
+        (dict(g=-x["g"]), "g must be a log decay <= 0"),
+        (dict(scale="0.5"), "scale must be None or a finite real number"),
     ]
     for kwargs, message in cases:
         try:
@@ -214,7 +216,7 @@ def _worker_errors() -> dict:
     try:
         ops.context_parallel_attention("element", x["q"], x["k"], x["v"], jnp.zeros((1, 64, H, K, V)), mesh=mesh)
     except ValueError as err:
-        assert "no chunk form" in str(err), err
+        assert "needs a rule with a chunk form" in str(err), err
     else:
         raise AssertionError("no ValueError for the per-element gate")
     # Inside shard_map, errors speak of the global shapes.

@@ -56,6 +56,35 @@ def test_oracle_matches_float64_state_equation(rule):
     assert rel_err(o, o_np) < 1e-5 and rel_err(ht, S_np) < 1e-5
 
 
+@pytest.mark.parametrize("rule,backend", [("kda", "recurrent"), ("kda", "chunk"), ("kda", "scan"), ("kda", "pallas"),
+                                          ("gdn", "chunk"), ("gdn", "pallas"), ("gla", "chunk"), ("retnet", "chunk")])
+def test_gates_far_below_the_floor_match_the_float64_state_equation(rule, backend):
+    # log 0 = -inf, -1e30 and -1000 at a few tokens: e^g is 0 at each, so the state restarts there. In a chunk form's
+    # cumsum -inf would give NaN (-inf - -inf) and -1e30 would absorb every later gate of its chunk; the API raises
+    # such gates to ops.LOG_GATE_FLOOR (-120, also 0 once exponentiated in fp32) first. The gradients stay finite and
+    # g's is 0 where it was raised (pallas: K = V = 16, its smallest head dims; interpret mode on the CPU).
+    K = V = 16 if backend == "pallas" else 8
+    x = make_inputs(rule, B=1, T=100, H=2, K=K, V=V, seed=11, g_low=-1.0)
+    g = np.array(x["g"])
+    cut = [5, 70, 90] if rule != "retnet" else None
+    if cut is None:  # a fixed gate [H]: one head never keeps its state
+        g[0] = -np.inf
+    else:
+        g[:, cut[0]], g[:, cut[1]], g[:, cut[2]] = -np.inf, -1e30, -1000.0
+    args = (x["q"], x["k"], x["v"], jnp.asarray(g), x["beta"])
+    o, ht = linear_attention(rule, *args, initial_state=x["initial_state"], output_final_state=True,
+                             backend=backend, scale=0.7)
+    beta = None if x["beta"] is None else np.asarray(x["beta"], np.float64)
+    o_np, S_np = numpy_rule(rule, x["q"], x["k"], x["v"], g.astype(np.float64), beta, x["initial_state"], 0.7)
+    tol = 1e-5 if backend == "recurrent" else 1e-4  # (the fast paths' fp32 tolerance against the oracle)
+    assert rel_err(o, o_np) < tol and rel_err(ht, S_np) < tol
+
+    loss = lambda *a: jnp.sum(ops.linear_attention(rule, *a, initial_state=x["initial_state"], backend=backend)[0])
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(*args)
+    assert all(bool(jnp.all(jnp.isfinite(d))) for d in grads)
+    assert bool(jnp.all(jnp.where(jnp.asarray(g) < ops.LOG_GATE_FLOOR, grads[3], 0.0) == 0.0))
+
+
 @pytest.mark.parametrize("backend", ["recurrent", "chunk", "scan"])
 def test_vanilla_linear_attention_is_the_normalised_causal_sum(backend):
     # o_t = sum_{s<=t} (phi(q_t).phi(k_s)) v_s / sum_{s<=t} phi(q_t).phi(k_s), phi = elu + 1.

@@ -941,6 +941,8 @@ def test_decode_step_rejects_inputs_of_other_shapes():
                       ("beta", x["beta"][..., None])]:
         with pytest.raises(ValueError, match=f"decode_step: {name} must be"):
             decode_step(*args(**{name: bad}))
+    with pytest.raises(ValueError, match="decode_step: q must be a floating-point array"):
+        decode_step(*args(q=x["q"].astype(jnp.int32)))
 
 
 def test_pallas_backend_selection_and_errors():

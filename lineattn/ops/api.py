@@ -8,6 +8,8 @@ Outputs have q's dtype; states are fp32 `[N, H, K, V]` (N = B, or the number of 
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +24,10 @@ from lineattn.ops.scan import scan
 
 BACKENDS = ("auto", "recurrent", "chunk", "scan", "pallas")
 _NORMALIZER_EPS = 1e-6
+# Log gates below this are raised to it before any backend runs: e^-120 is 0 in fp32, so the recurrence gives the
+# same numbers, while the chunk forms' in-chunk cumsums stay finite (-inf - -inf is NaN) and keep their precision
+# (a cumsum through -1e30 would absorb every later gate of its chunk).
+LOG_GATE_FLOOR = -120.0
 
 
 def _shape_error(name, expected, x):
@@ -34,18 +40,34 @@ def _check_float(name, x, expected):
         raise _shape_error(name, f"a floating-point array {expected}", x)
 
 
-def _validate(rule: Rule, q, k, v, g, beta, initial_state, cu_seqlens, backend, chunk_size):
+def _is_concrete(x) -> bool:
+    """An array with values (not a tracer under jit, nor a shape-only struct)."""
+    return not isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct))
+
+
+def floor_gate(g):
+    """g with values below LOG_GATE_FLOOR raised to it (the gradient passes where g >= the floor)."""
+    return None if g is None else jnp.where(g < LOG_GATE_FLOOR, LOG_GATE_FLOOR, g)
+
+
+def _validate(rule: Rule, q, k, v, g, beta, initial_state, cu_seqlens, backend, chunk_size, scale=None):
     """Raises a ValueError naming the first bad argument; returns cu_seqlens as NumPy (or None)."""
     if q is None or q.ndim != 4:
         raise _shape_error("q", "[B, T, H, K]", q)
     B, T, H, K = q.shape
-    for name, x, expected in (("q", q, "[B, T, H, K]"), ("k", k, f"[{B}, {T}, {H}, {K}] like q"), ("v", v, f"[{B}, {T}, {H}, V]")):
+    for name, x, expected in (("q", q, "[B, T, H, K]"), ("k", k, f"[{B}, {T}, {H}, {K}] like q"),
+                              ("v", v, f"[{B}, {T}, {H}, V]")):
         if x is None or x.ndim != 4 or x.shape[:3] != (B, T, H) or (name == "k" and x.shape != q.shape):
             raise _shape_error(name, expected, x)
         _check_float(name, x, expected)
-    if T == 0:
-        raise _shape_error("q", "[B, T, H, K] with T >= 1", q)
+    if T == 0 or K == 0:
+        raise _shape_error("q", "[B, T, H, K] with T >= 1 and K >= 1", q)
     V = v.shape[-1]
+    if V == 0:
+        raise _shape_error("v", "[B, T, H, V] with V >= 1", v)
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+                              or not math.isfinite(scale)):
+        raise ValueError(f"scale must be None or a finite real number, got {scale!r}")
     expected_g = {
         "none": None,
         "fixed": ((H,), f"[H] = [{H}] (one log decay per head)"),
@@ -60,6 +82,12 @@ def _validate(rule: Rule, q, k, v, g, beta, initial_state, cu_seqlens, backend, 
         raise _shape_error("g", f"{expected_g[1]} for gate={rule.gate!r}", g)
     else:
         _check_float("g", g, expected_g[1])
+        # (only where g has values: a traced g is not checked; a constant under jit is, once, when traced)
+        if _is_concrete(g):
+            with jax.ensure_compile_time_eval():
+                if not bool(jnp.all(g <= 0)):
+                    raise ValueError(f"g must be a log decay <= 0 (no NaN), got max {float(jnp.max(g))}; the chunk "
+                                     "forms assume it")
     if rule.write == "delta":
         if beta is None or tuple(beta.shape) != (B, T, H):
             raise _shape_error("beta", f"[B, T, H] = [{B}, {T}, {H}] for the delta write", beta)
@@ -134,7 +162,8 @@ def linear_attention(
     Args:
       q, k: [B, T, H, K]. v: [B, T, H, V].
       g: log decay (<= 0): None (gate 'none'), [H] ('fixed'), [B, T, H] ('head'), [B, T, H, K] ('channel'),
-        [B, T, H, K, V] ('element').
+        [B, T, H, K, V] ('element'). A positive or NaN value is a ValueError where g is concrete (not under jit);
+        values below LOG_GATE_FLOOR (-120, -inf included) act as it (e^-120 is 0 in fp32).
       beta: [B, T, H] write strength for delta rules; None for additive rules.
       scale: query scale, default K ** -0.5.
       initial_state: [N, H, K, V] (V + 1 for the normalised rule), N = B or the number of sequences.
@@ -154,7 +183,8 @@ def linear_attention(
       is given.
     """
     rule = resolve_rule(rule)
-    cu = _validate(rule, q, k, v, g, beta, initial_state, cu_seqlens, backend, chunk_size)
+    cu = _validate(rule, q, k, v, g, beta, initial_state, cu_seqlens, backend, chunk_size, scale)
+    g = floor_gate(g)
     B, T, H, K = q.shape
     V = v.shape[-1]
     out_dtype = q.dtype

@@ -240,7 +240,8 @@ def context_parallel_attention(
     Args:
       rule: any rule with a chunk form: a name (`lineattn.ops.RULES`), `Rule`, or `(write, gate)` pair.
       q, k: [B, T, H, K]. v: [B, T, H, V].
-      g: log decay (<= 0): None ('none'), [H] ('fixed', replicated), [B, T, H] ('head'), [B, T, H, K] ('channel').
+      g: log decay (<= 0): None ('none'), [H] ('fixed', replicated), [B, T, H] ('head'), [B, T, H, K] ('channel');
+        checked and floored as in `linear_attention`.
       beta: [B, T, H] for delta rules; None for additive rules.
       mesh: the device mesh holding `axis_name`, or None inside shard_map (above).
       axis_name: the mesh axis that shards the sequence; its size P must divide T.
@@ -261,6 +262,9 @@ def context_parallel_attention(
     all-reduce of N x H x K x V for the final state; all-gathering K and V would move T / (P K) times more.
     """
     rule = resolve_rule(rule)
+    if not rule.has_chunk_form:
+        raise ValueError(f"rule: context parallelism needs a rule with a chunk form of its [K, V] state; {rule} has "
+                         "a per-element gate (use linear_attention on the whole sequence)")
     batch_split = 1
     if mesh is None:
         try:
@@ -290,7 +294,7 @@ def context_parallel_attention(
 
     try:
         cu = api._validate(rule, *map(global_view, (q, k, v)), global_view(g, rule.gate != "fixed"),
-                           global_view(beta), initial_state, cu_seqlens, "chunk", chunk_size)
+                           global_view(beta), initial_state, cu_seqlens, "chunk", chunk_size, scale)
     except ValueError as err:
         if mesh is None:
             raise ValueError(f"{err} (global shapes: the local slice's T times P = {P} devices on {axis_name!r})") \
@@ -313,6 +317,7 @@ def context_parallel_attention(
     def body(args):
         f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
         q, k, v, g, beta, h0 = (f32(args.get(n)) for n in ("q", "k", "v", "g", "beta", "initial_state"))
+        g = api.floor_gate(g)
         if rule.gate == "fixed":
             g = jnp.broadcast_to(g, q.shape[:3])
         if rule.normalize:

@@ -6,6 +6,8 @@ from x [..., H, D]. `A_log` is [H] (one rate per head).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -23,8 +25,8 @@ def _rate(x, A_log, dt_bias):
 
 def safe_gate(x: jax.Array, A_log: jax.Array, dt_bias: jax.Array, lower_bound: float = -5.0) -> jax.Array:
     """KDA's bounded gate g = lower_bound * sigmoid(exp(A_log) * (x + dt_bias)), in (lower_bound, 0)."""
-    if not lower_bound < 0:
-        raise ValueError(f"lower_bound must be negative, got {lower_bound}")
+    if not -math.inf < lower_bound < 0:  # false for NaN too
+        raise ValueError(f"lower_bound must be a finite number < 0, got {lower_bound}")
     return lower_bound * jax.nn.sigmoid(_rate(x, A_log, dt_bias) * (x + dt_bias))
 
 

@@ -54,7 +54,8 @@ def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref
 
 def _check_inputs(q, k, v, g, beta):
     """A ValueError naming the first of q, k [B, T, H, K], v [B, T, H, V], g [B, T, H, K] or [B, T, H] (or None)
-    and beta [B, T, H] (or None) of another shape (a block read from a wider array would be silently wrong)."""
+    and beta [B, T, H] (or None) of another shape (a block read from a wider array would be silently wrong) or of
+    a dtype that is not floating point."""
     if q.ndim != 4:
         raise ValueError(f"decode_step: q must be [B, T, H, K], got {q.dtype} {tuple(q.shape)}")
     B, T, H, K = q.shape
@@ -65,6 +66,9 @@ def _check_inputs(q, k, v, g, beta):
             expected = " or ".join("None" if w is None else str(list(w)) for w in want[name])
             got = "None" if x is None else f"{x.dtype} {tuple(x.shape)}"
             raise ValueError(f"decode_step: {name} must be {expected} (B, T, H, K = {B}, {T}, {H}, {K}), got {got}")
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if x is not None and not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"decode_step: {name} must be a floating-point array, got {x.dtype}")
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_states", "interpret", "block_v", "num_warps",
