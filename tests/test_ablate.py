@@ -115,6 +115,17 @@ def test_bad_config_names_the_key(tmp_path, capsys, bad, message):
     assert message in capsys.readouterr().err
 
 
+def test_layer_pattern_in_base_or_a_setting_is_an_error(tmp_path):
+    # the grid sets every cell's layer_pattern: one in base (or in a `set`) would be silently replaced
+    in_base = dict(TINY, base=dict(TINY["base"], model=dict(TINY["base"]["model"], layer_pattern=["kda", "mamba"])))
+    in_set = dict(TINY, grid=dict(TINY["grid"], settings=[{"name": "s", "set": ["model.layer_pattern=[kda]"]}]))
+    for bad, setting in ((in_base, "default"), (in_set, "s")):
+        path = tmp_path / "bad.yaml"
+        path.write_text(yaml.safe_dump(bad))
+        with pytest.raises(ValueError, match=f"setting '{setting}'.*model.layer_pattern: the ablation grid sets it"):
+            ablate.load_ablate_config(path)
+
+
 def test_grid_runs_resumes_and_writes_outputs(config, tmp_path, monkeypatch, capsys):
     runs, out = tmp_path / "runs", tmp_path / "out"
     args = ["--config", str(config), "--runs-dir", str(runs), "--out", str(out)]

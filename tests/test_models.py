@@ -10,7 +10,7 @@ from flax import nnx
 
 from conftest import rel_err
 from lineattn import ops
-from lineattn.layers import ShortConv
+from lineattn.layers import Attention, LinearAttention, ShortConv
 from lineattn.models import HybridLM, ModelConfig, count_params, flops_per_token
 
 
@@ -153,8 +153,21 @@ def test_mlp_hidden():
         (dict(num_kv_heads=3), "multiple of num_kv_heads"),
         (dict(num_layers=0), "num_layers must be a positive int"),
         (dict(gate_fn="relu"), "gate_fn"),
-        (dict(mlp_ratio=-1.0), "mlp_ratio must be a number >= 0"),
-        (dict(mlp_ratio=float("nan")), "mlp_ratio must be a number >= 0"),
+        (dict(mlp_ratio=-1.0), "mlp_ratio must be a finite number >= 0"),
+        (dict(mlp_ratio=float("nan")), "mlp_ratio must be a finite number >= 0"),
+        (dict(mlp_ratio=float("inf")), "mlp_ratio must be a finite number >= 0"),
+        (dict(rope_theta=0.0), "rope_theta must be a finite number > 0"),
+        (dict(rope_theta=-5.0), "rope_theta must be a finite number > 0"),
+        (dict(rope_theta="1e4"), "rope_theta must be a finite number > 0"),
+        (dict(lower_bound=float("-inf")), "lower_bound must be a finite number < 0"),
+        (dict(lower_bound=0.0), "lower_bound must be a finite number < 0"),
+        # bools are not ints, and only bools are bools (the YAML loader's rules, for direct construction too)
+        (dict(head_dim=True), "head_dim must be a positive int or None, got True"),
+        (dict(head_v_dim=True), "head_v_dim must be a positive int or None, got True"),
+        (dict(num_kv_heads=True), "num_kv_heads must be a positive int or None, got True"),
+        (dict(conv_size=True), "conv_size must be an int >= 0, got True"),
+        (dict(rope="no"), "rope must be True or False"),
+        (dict(tie_embeddings="false"), "tie_embeddings must be True or False"),
         (dict(dtype="float8"), "dtype must be one of"),
         (dict(backend="cuda"), "backend must be one of"),
     ],
@@ -178,3 +191,48 @@ def test_bad_inputs_raise():
         model(jnp.ones((1, 3)))
     with pytest.raises(ValueError, match="segment_ids must be an integer array of shape"):
         model(tokens(1, 5), segment_ids=jnp.ones((1, 4), jnp.int32))
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda r: LinearAttention(16, 0, 8, 8, "kda", rngs=r), "num_heads must be a positive int"),
+    (lambda r: LinearAttention(0, 2, 8, 8, "kda", rngs=r), "width must be a positive int"),
+    (lambda r: LinearAttention(16, 2, -1, 8, "kda", rngs=r), "head_k_dim must be a positive int"),
+    (lambda r: LinearAttention(16, 2, 8, 0, "kda", rngs=r), "head_v_dim must be a positive int"),
+    (lambda r: LinearAttention(16, 2, 8, 8, "kda", conv_size=-2, rngs=r), "conv_size must be an int >= 0"),
+    (lambda r: LinearAttention(16, 2, 8, 8, "kda", lower_bound=1.0, rngs=r), "lower_bound must be a finite"),
+    (lambda r: Attention(16, 2, 0, 8, rngs=r), "num_kv_heads must be a positive int"),
+    (lambda r: Attention(16, 2, 3, 8, rngs=r), "multiple of num_kv_heads"),
+    (lambda r: Attention(16, 2, 1, 7, rngs=r), "head_dim must be even with rope"),
+    (lambda r: Attention(16, 2, 1, 8, rope_theta=0.0, rngs=r), "rope_theta must be a finite number > 0"),
+    (lambda r: ShortConv(8, 0, rngs=r), "kernel_size must be a positive int"),
+])
+def test_layer_constructors_check_sizes(make, match):
+    with pytest.raises(ValueError, match=match):
+        make(nnx.Rngs(0))
+
+
+def test_layer_calls_check_input_state_and_segment_shapes():
+    la = LinearAttention(16, 2, 8, 8, "kda", rngs=nnx.Rngs(0))  # conv state [B, 3, 2 * (8 + 8 + 8)]
+    x, state = jnp.ones((1, 6, 16)), la.init_state(1)
+    for bad in (jnp.ones((1, 6, 12)), jnp.ones((6, 16))):
+        with pytest.raises(ValueError, match=r"x must be \[B, T, width\] = \[B, T, 16\]"):
+            la(bad)
+    for conv in (jnp.zeros((1, 2, 48)), jnp.zeros((1, 3, 40)), jnp.zeros((2, 3, 48)), None):
+        with pytest.raises(ValueError, match="state.conv"):
+            la(x, state=state._replace(conv=conv))
+    with pytest.raises(ValueError, match=r"state.recurrent must be \[B, H, K, V\] = \[1, 2, 8, 8\]"):
+        la(x, state=state._replace(recurrent=jnp.zeros((1, 2, 8, 4))))
+    with pytest.raises(ValueError, match="segment_ids must be an integer array of shape"):
+        la(x, segment_ids=jnp.ones((1, 5), jnp.int32))
+    with pytest.raises(ValueError, match="checkpoints need a state"):
+        la(x, checkpoints=(2,))
+    conv = ShortConv(8, 4, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"x must be \[B, T, C\] = \[B, T, 8\]"):
+        conv(jnp.ones((1, 6, 5)))
+    with pytest.raises(ValueError, match=r"state must be \[B, W - 1, C\] = \[1, 3, 8\]"):
+        conv(jnp.ones((1, 6, 8)), state=jnp.zeros((1, 2, 8)))
+    at = Attention(16, 2, 1, 8, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"positions must be \[B, T\]"):
+        at(x, positions=jnp.arange(5)[None])
+    with pytest.raises(ValueError, match="x must be"):
+        at(jnp.ones((1, 6, 12)), positions=jnp.arange(6)[None])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lineattn.train.config import (Config, ConfigError, apply_overrides, config_diff, dump_yaml, from_dict,
-                                   load_config, parse_override)
+                                   load_config, parse_override, read_file)
 
 ROOT = Path(__file__).resolve().parents[1]
 # The trainer's configs (configs/ablate_*.yaml belong to the ablation runner and have their own schema).
@@ -50,6 +50,7 @@ def test_toml_and_round_trip(tmp_path):
     (["train.steps=ten"], "train.steps", "integer"),
     (["train.steps=2.5"], "train.steps", "integer"),
     (["train.steps=-1"], "train.steps", ">= 0"),
+    (["data.seed=-1"], "data.seed", ">= 0"),
     (["optim.lr=0"], "optim.lr", "positive"),
     (["optim.lr=fast"], "optim.lr", "number"),
     (["log.progress=loud"], "log.progress", "one of"),
@@ -78,6 +79,22 @@ def test_missing_file_and_bad_yaml(tmp_path):
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping"):
         load_config(tmp_path / "list.yaml")
+
+
+def test_duplicate_yaml_keys_name_the_key_and_line(tmp_path):
+    tiny = (ROOT / "configs/tiny.yaml").read_text()
+    path = tmp_path / "dup.yaml"
+    path.write_text(tiny.replace("  width: 64\n", "  width: 64\n  width: 32\n", 1))
+    line = tiny.splitlines().index("  width: 64") + 2
+    with pytest.raises(ConfigError, match=f"duplicate key 'width' on line {line}"):
+        load_config(path)
+    path.write_text(tiny + "optim:\n  lr: 1.0\n")   # a second section, not merged into the first
+    with pytest.raises(ConfigError, match="duplicate key 'optim'"):
+        load_config(path)
+    path.write_text("a: &a {x: 1, y: 2}\nb:\n  <<: *a\n  x: 3\n")   # a merge key's values may be overridden
+    assert read_file(path)["b"] == {"x": 3, "y": 2}
+    with pytest.raises(ConfigError, match="duplicate key 'x'"):
+        parse_override("model.x={x: 1, x: 2}")
 
 
 def test_override_parsing():

@@ -25,7 +25,7 @@ MLP, as in Zoology's MQAR models) and `grid` (writes, gates, attention, seeds, l
 "delta-channel", ...) to {lrs: its own learning-rate sweep, replacing `lrs`; set: KEY=VALUE overrides of base for
 that row only, applied after the setting's}; the table lists them under each task. The model of a linear cell is
 `base.model` with `layer_pattern: [[write, gate]]` (every layer the same rule); the reference row uses
-`layer_pattern: [attention]`.
+`layer_pattern: [attention]` (so base and the `set` overrides must not set it).
 """
 
 from __future__ import annotations
@@ -179,12 +179,16 @@ def cells(cfg: AblateConfig) -> list[Cell]:
 def run_config(cfg: AblateConfig, cell: Cell):
     """The `lineattn train` config of one cell."""
     base = apply_overrides(cfg.base, cell.setting.set + cfg.grid.set_of(cell.mixer))
-    base.setdefault("model", {})
-    base["model"]["layer_pattern"] = [ATTENTION] if cell.write == ATTENTION else [[cell.write, cell.gate]]
-    base.setdefault("optim", {})["lr"] = cell.lr
-    base.setdefault("train", {})["seed"] = cell.seed
-    base.setdefault("data", {})["seed"] = cell.seed
     try:
+        model = base.setdefault("model", {})
+        if isinstance(model, dict):  # (anything else: load_config names the problem)
+            if "layer_pattern" in model:
+                raise ConfigError("model.layer_pattern: the ablation grid sets it ([[write, gate]] for a linear "
+                                  "cell, [attention] for the reference row); remove it from base and every `set`")
+            model["layer_pattern"] = [ATTENTION] if cell.write == ATTENTION else [[cell.write, cell.gate]]
+        base.setdefault("optim", {})["lr"] = cell.lr
+        base.setdefault("train", {})["seed"] = cell.seed
+        base.setdefault("data", {})["seed"] = cell.seed
         return load_config(base=base)
     except ConfigError as e:
         row = f", row {cell.mixer!r}" if cfg.grid.set_of(cell.mixer) else ""

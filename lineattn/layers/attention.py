@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lineattn.layers.basic import dense, rotary
+from lineattn.layers.basic import check_bool, check_input, check_int, check_real, dense, rotary
+from lineattn.layers.segments import check_segment_ids
 
 
 class KVCache(NamedTuple):
@@ -23,9 +24,17 @@ class Attention(nnx.Module):
 
     def __init__(self, width: int, num_heads: int, num_kv_heads: int, head_dim: int, *, rope: bool = True,
                  rope_theta: float = 10000.0, rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32):
+        for name, value in (("width", width), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim)):
+            check_int(name, value)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        check_bool("rope", rope)
+        if rope:
+            check_real("rope_theta", rope_theta, lambda t: t > 0, "> 0")
+            if head_dim % 2:
+                raise ValueError(f"head_dim must be even with rope (rotary embeddings), got {head_dim}")
+        self.width, self.num_heads, self.num_kv_heads, self.head_dim = width, num_heads, num_kv_heads, head_dim
         self.rope, self.rope_theta, self.dtype = rope, rope_theta, dtype
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.q_proj = dense(width, num_heads * head_dim, **kw)
@@ -48,7 +57,16 @@ class Attention(nnx.Module):
         (global) and segment_ids are this device's slice [B, T/P] of the sequence; keys, values and segment ids
         are all-gathered over the axis and the causal mask uses global positions.
         """
+        check_input(x_BTD, self.width)
         B, T, _ = x_BTD.shape
+        check_segment_ids(segment_ids, (B, T))
+        if tuple(jnp.shape(positions)) != (B, T):
+            raise ValueError(f"positions must be [B, T] = [{B}, {T}], got shape {tuple(jnp.shape(positions))}")
+        if state is not None:
+            want = (B, state.k.shape[1] if state.k.ndim == 4 else -1, self.num_kv_heads, self.head_dim)
+            if state.k.shape != want or state.v.shape != want:
+                raise ValueError(f"state (KVCache) k and v must be [B, S, N_kv, D] = [{B}, S, {self.num_kv_heads}, "
+                                 f"{self.head_dim}], got {tuple(state.k.shape)} and {tuple(state.v.shape)}")
         q = self.q_proj(x_BTD).reshape(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(x_BTD).reshape(B, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x_BTD).reshape(B, T, self.num_kv_heads, self.head_dim)

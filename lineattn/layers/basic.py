@@ -1,14 +1,43 @@
-"""Small building blocks: RMSNorm, SwiGLU MLP, rotary embeddings."""
+"""Small building blocks: RMSNorm, SwiGLU MLP, rotary embeddings, and the argument checks of layers and configs."""
 
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 RMS_EPS = 1e-6
+
+
+def check_int(name: str, value, minimum: int = 1, *, optional: bool = False) -> None:
+    """ValueError naming `name` unless `value` is an int (not a bool) >= minimum (or None when `optional`)."""
+    if optional and value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        want = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {want}{' or None' if optional else ''}, got {value!r}")
+
+
+def check_real(name: str, value, ok, want: str) -> None:
+    """ValueError naming `name` unless `value` is a finite real number (not a bool) with ok(value); `want` says
+    the range, e.g. "> 0"."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not ok(value):
+        raise ValueError(f"{name} must be a finite number {want}, got {value!r}")
+
+
+def check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
+def check_input(x, width: int, name: str = "x", dim: str = "width") -> None:
+    """ValueError unless x is [B, T, width] (static shapes: free under jit); `dim` names the last axis."""
+    if x.ndim != 3 or x.shape[-1] != width:
+        raise ValueError(f"{name} must be [B, T, {dim}] = [B, T, {width}], got shape {tuple(x.shape)}")
 
 
 def dense(in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32, std=None):
@@ -26,6 +55,8 @@ class SwiGLU(nnx.Module):
     """down(silu(gate(x)) * up(x)); hidden size `hidden`."""
 
     def __init__(self, width: int, hidden: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32):
+        check_int("width", width)
+        check_int("hidden", hidden)
         make = functools.partial(dense, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.gate, self.up, self.down = make(width, hidden), make(width, hidden), make(hidden, width)
 

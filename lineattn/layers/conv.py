@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lineattn.layers.segments import previous_tail
+from lineattn.layers.basic import check_input, check_int
+from lineattn.layers.segments import check_segment_ids, previous_tail
 
 
 def _zero_padding(x_BTC, segment_ids):
@@ -22,8 +23,8 @@ class ShortConv(nnx.Module):
     """
 
     def __init__(self, channels: int, kernel_size: int = 4, *, rngs: nnx.Rngs, param_dtype=jnp.float32):
-        if kernel_size < 1:
-            raise ValueError(f"kernel_size must be >= 1, got {kernel_size}")
+        check_int("channels", channels)
+        check_int("kernel_size", kernel_size)
         self.channels, self.kernel_size = channels, kernel_size
         bound = kernel_size**-0.5  # fan-in of a depthwise tap set
         self.weight = nnx.Param(jax.random.uniform(rngs.params(), (kernel_size, channels), param_dtype, -bound, bound))
@@ -31,9 +32,23 @@ class ShortConv(nnx.Module):
     def init_state(self, batch: int, dtype=jnp.float32) -> jax.Array:
         return jnp.zeros((batch, self.kernel_size - 1, self.channels), dtype)
 
+    def check_inputs(self, x_BTC, segment_ids=None, state=None) -> None:
+        """ValueError unless x is [B, T, C], segment_ids [B, T] and the state None or [B, W - 1, C] (static shapes)."""
+        check_input(x_BTC, self.channels, "x", "C")
+        check_segment_ids(segment_ids, x_BTC.shape[:2])
+        if state is not None:
+            self.check_state(state, x_BTC.shape[0])
+
+    def check_state(self, state, batch: int, name: str = "state") -> None:
+        want = (batch, self.kernel_size - 1, self.channels)
+        if tuple(state.shape) != want:
+            raise ValueError(f"{name} must be [B, W - 1, C] = {list(want)} (the conv's last inputs), got shape "
+                             f"{tuple(state.shape)}")
+
     def window(self, x_BTC, *, segment_ids=None, state=None):
         """The inputs the conv reads: [B, W - 1 + T, C], the state (or zeros) then x with padding zeroed.
         The conv state after p tokens of x is window[:, p : p + W - 1]."""
+        self.check_inputs(x_BTC, segment_ids, state)
         B, T, C = x_BTC.shape
         x_BTC = _zero_padding(x_BTC, segment_ids)
         past = jnp.zeros((B, self.kernel_size - 1, C), x_BTC.dtype) if state is None else state.astype(x_BTC.dtype)
@@ -48,6 +63,7 @@ class ShortConv(nnx.Module):
         state=None); the inputs before it are the previous device's last W - 1 and their segment ids (a halo
         through `ppermute`; zeros on the first device).
         """
+        self.check_inputs(x_BTC, segment_ids, state)
         B, T, C = x_BTC.shape
         W = self.kernel_size
         past_ids = None

@@ -13,9 +13,9 @@ from flax import nnx
 from lineattn import ops
 from lineattn.ops import pallas as ops_pallas
 from lineattn.ops.pallas import api as pallas_api
-from lineattn.layers.basic import dense, rms_norm
+from lineattn.layers.basic import check_input, check_int, check_real, dense, rms_norm
 from lineattn.layers.conv import ShortConv
-from lineattn.layers.segments import RESET_LOG_GATE, context_segment_starts, segment_starts
+from lineattn.layers.segments import RESET_LOG_GATE, check_segment_ids, context_segment_starts, segment_starts
 
 GATE_FNS = ("safe", "softplus")
 # Blocks of at most this many tokens continuing a decode state take the decode kernel or the token-level
@@ -85,13 +85,18 @@ class LinearAttention(nnx.Module):
     def __init__(self, width: int, num_heads: int, head_k_dim: int, head_v_dim: int, rule, *, conv_size: int = 4,
                  gate_fn: str = "safe", lower_bound: float = -5.0, backend: str = "auto", rngs: nnx.Rngs,
                  dtype=None, param_dtype=jnp.float32):
+        for name, value in (("width", width), ("num_heads", num_heads), ("head_k_dim", head_k_dim),
+                            ("head_v_dim", head_v_dim)):
+            check_int(name, value)
+        check_int("conv_size", conv_size, 0)
         if gate_fn not in GATE_FNS:
             raise ValueError(f"gate_fn must be one of {GATE_FNS}, got {gate_fn!r}")
+        check_real("lower_bound", lower_bound, lambda b: b < 0, "< 0")
         if backend not in ops.BACKENDS:
             raise ValueError(f"backend must be one of {ops.BACKENDS}, got {backend!r}")
         self.rule = ops.resolve_rule(rule)
         H, K, V = num_heads, head_k_dim, head_v_dim
-        self.num_heads, self.head_k_dim, self.head_v_dim = H, K, V
+        self.width, self.num_heads, self.head_k_dim, self.head_v_dim = width, H, K, V
         self.gate_fn, self.lower_bound, self.backend = gate_fn, lower_bound, backend
         make = functools.partial(dense, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.q_proj, self.k_proj, self.v_proj = make(width, H * K), make(width, H * K), make(width, H * V)
@@ -124,6 +129,20 @@ class LinearAttention(nnx.Module):
         conv = None if self.conv is None else self.conv.init_state(batch, dtype)
         S = jnp.zeros((batch, self.num_heads, self.head_k_dim, self.state_v_dim), jnp.float32)
         return LinearState(conv, S)
+
+    def _check_state(self, state: LinearState, B: int) -> None:
+        """ValueError unless `state` has the shapes `init_state(B)` gives (static shapes: free under jit)."""
+        if self.conv is None:
+            if state.conv is not None:
+                raise ValueError("state.conv must be None: this layer has no short conv (conv_size 0)")
+        else:
+            if state.conv is None:
+                raise ValueError("state.conv is None but this layer has a short conv: use init_state(batch)")
+            self.conv.check_state(state.conv, B, "state.conv")
+        want = (B, self.num_heads, self.head_k_dim, self.state_v_dim)
+        if tuple(state.recurrent.shape) != want:
+            raise ValueError(f"state.recurrent must be [B, H, K, V] = {list(want)}, got shape "
+                             f"{tuple(state.recurrent.shape)}")
 
     def _decode_kernel_ok(self, rule, dtype) -> bool:
         """The decode step takes the Pallas kernel when the backend is "pallas", or "auto" on a GPU where the
@@ -161,9 +180,15 @@ class LinearAttention(nnx.Module):
         segment_ids are this device's slice [B, T/P] of the sequence; the conv takes a halo from the previous
         device and the rule runs through `ops.context_parallel_attention` (segment starts as reset gates).
         """
+        check_input(x_BTD, self.width)
         B, T, _ = x_BTD.shape
+        check_segment_ids(segment_ids, (B, T))
         if context_axis is not None and (state is not None or checkpoints):
             raise ValueError("LinearAttention: context_axis is for training forwards (no state or checkpoints)")
+        if checkpoints and state is None:
+            raise ValueError("LinearAttention: checkpoints need a state (snapshots are of a decode state)")
+        if state is not None:
+            self._check_state(state, B)
         H, K, V = self.num_heads, self.head_k_dim, self.head_v_dim
         qkv = jnp.concatenate([self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)], axis=-1)
         conv_state = conv_snaps = None

@@ -10,9 +10,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from lineattn.ops import LOG_GATE_FLOOR
+
 # Added to the log gate at a segment start: exp(-120 + g) underflows to exactly 0 in fp32 (the smallest subnormal
-# is e^-103), so the carried state is wiped. Small enough that in-chunk cumsums round at ~1e-5, not at ulp(1e3).
-RESET_LOG_GATE = -120.0
+# is e^-103), so the carried state is wiped. The ops raise the sum back to their floor, -120 too, so in-chunk
+# cumsums round at ~1e-5, not at ulp(1e3).
+RESET_LOG_GATE = LOG_GATE_FLOOR
 
 
 def segment_starts(segment_ids_BT: jax.Array, first_B: jax.Array | None = None) -> jax.Array:

@@ -7,6 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from lineattn import ops
+from lineattn.layers.basic import check_bool, check_int, check_real
 
 ATTENTION_MIXERS = ("attention", "attention_rope", "attention_nope")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -43,8 +44,9 @@ class ModelConfig:
       mlp_ratio: SwiGLU hidden size = mlp_ratio * width rounded up to a multiple of 8; 0 means no MLP (every block
         is only norm + mixer, as in Zoology's MQAR models).
       conv_size: short-conv kernel of linear layers (0 disables it).
-      gate_fn, lower_bound: forget-gate parameterisation ("safe" = lower_bound * sigmoid(.), or "softplus").
-      rope, rope_theta: rotary embeddings for "attention" layers.
+      gate_fn, lower_bound: forget-gate parameterisation ("safe" = lower_bound * sigmoid(.), or "softplus");
+        lower_bound is finite and < 0.
+      rope, rope_theta: rotary embeddings for "attention" layers (rope_theta finite and > 0).
       tie_embeddings: the output head reuses the embedding matrix.
       dtype, param_dtype: compute and parameter dtypes.
       backend: `lineattn.ops` backend of the linear layers ("auto" picks the fastest tested one).
@@ -70,31 +72,29 @@ class ModelConfig:
     backend: str = "auto"
 
     def __post_init__(self):
+        # Exact types (True is not 1, "no" is not False) and ranges; the YAML loader builds this class, so config
+        # files get the same checks (after its YAML-1.1 conversions, e.g. "1e4" -> 10000.0).
         for name in ("vocab_size", "width", "num_layers", "num_heads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            check_int(name, getattr(self, name))
+        for name in ("head_dim", "head_v_dim", "num_kv_heads"):
+            check_int(name, getattr(self, name), optional=True)
+        check_int("conv_size", self.conv_size, 0)
+        for name in ("rope", "tie_embeddings"):
+            check_bool(name, getattr(self, name))
+        check_real("mlp_ratio", self.mlp_ratio, lambda r: r >= 0, ">= 0 (0 = no MLP)")
+        check_real("lower_bound", self.lower_bound, lambda b: b < 0, "< 0")
+        check_real("rope_theta", self.rope_theta, lambda t: t > 0, "> 0")
         if self.head_dim is None and self.width % self.num_heads:
             raise ValueError(f"width ({self.width}) must be divisible by num_heads ({self.num_heads}), "
                              "or set head_dim")
-        for name in ("head_dim", "head_v_dim", "num_kv_heads"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
         if self.num_heads % self.kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.kv_heads})")
         pattern = self.layer_pattern
         if isinstance(pattern, str) or not isinstance(pattern, (tuple, list)) or not pattern:
             raise ValueError(f"layer_pattern must be a non-empty list of mixers, got {pattern!r}")
         object.__setattr__(self, "layer_pattern", tuple(_as_mixer(e) for e in pattern))
-        if isinstance(self.mlp_ratio, bool) or not isinstance(self.mlp_ratio, (int, float)) or not self.mlp_ratio >= 0:
-            raise ValueError(f"mlp_ratio must be a number >= 0 (0 = no MLP), got {self.mlp_ratio!r}")
-        if not isinstance(self.conv_size, int) or self.conv_size < 0:
-            raise ValueError(f"conv_size must be an int >= 0, got {self.conv_size!r}")
         if self.gate_fn not in ("safe", "softplus"):
             raise ValueError(f"gate_fn must be 'safe' or 'softplus', got {self.gate_fn!r}")
-        if not self.lower_bound < 0:
-            raise ValueError(f"lower_bound must be negative, got {self.lower_bound!r}")
         for name in ("dtype", "param_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"{name} must be one of {DTYPES}, got {getattr(self, name)!r}")

@@ -161,6 +161,27 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that raises on a key repeated in one mapping (PyYAML silently keeps the last one)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first_line = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` then a key overriding it is fine
+                    continue
+                key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+                try:
+                    if key in first_line:
+                        raise yaml.constructor.ConstructorError(
+                            problem=f"duplicate key {key!r} on line {line} (first on line {first_line[key]})",
+                            problem_mark=key_node.start_mark)
+                    first_line[key] = line
+                except TypeError:  # an unhashable key: the base class raises its own error
+                    continue
+        return super().construct_mapping(node, deep)
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """`"model.width=512"` -> `("model.width", 512)`; the value is read as YAML (`[a, b]`, `true`, `null`, ...)."""
     key, sep, raw = text.partition("=")
@@ -168,7 +189,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {text!r}: expected KEY=VALUE with a dotted key, e.g. model.width=512")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml.load(raw, Loader=_UniqueKeyLoader) if raw.strip() else ""
     except yaml.YAMLError as e:
         raise ConfigError(f"{key}: cannot read override value {raw!r}: {e}") from None
     return key, value
@@ -201,13 +222,13 @@ def _deep_copy(x: Any) -> Any:
 
 
 def read_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML (.yaml/.yml) or TOML (.toml) file into a mapping."""
+    """Read a YAML (.yaml/.yml) or TOML (.toml) file into a mapping; a key repeated in one mapping is an error."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     text = path.read_text()
     try:
-        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.load(text, Loader=_UniqueKeyLoader)
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"config file {str(path)!r} is not valid {'TOML' if path.suffix == '.toml' else 'YAML'}: "
                           f"{e}") from None
@@ -261,6 +282,7 @@ class DataConfig:
 
     def __post_init__(self):
         check(self.seq_len >= 2, "seq_len", "must be at least 2")
+        check(self.seed >= 0, "seed", "must be >= 0")
         check(self.batch_size >= 1, "batch_size", "must be at least 1")
         check(self.eval_rows >= 1, "eval_rows", "must be at least 1")
         if self.source == "mqar":
