@@ -153,6 +153,81 @@ def test_bad_decode_inputs_raise():
         decode.generate(model, tokens(2, 4), 3, top_p=1.5)
 
 
+@pytest.fixture(scope="module")
+def hybrid():
+    return HybridLM(tiny(HYBRID), rngs=nnx.Rngs(0))
+
+
+def test_kv_cache_overflow_raises_and_an_exact_fill_matches_one_forward():
+    # Past max_len the KV write used to clamp silently; filling the cache exactly still equals one forward pass.
+    model = HybridLM(tiny(["attention"]), rngs=nnx.Rngs(0))
+    x = tokens(1, 8)
+    l1, state = prefill(model, x[:, :6], decode.init_state(model, 1, 8))
+    with pytest.raises(ValueError, match="max_len = 8"):
+        decode.prefill(model, x[:, :3], state)  # eager, so the slot (6) is checked
+    with pytest.raises(ValueError, match="max_len = 8"):
+        prefill(model, tokens(1, 9), decode.init_state(model, 1, 8))  # T alone is too long: caught under jit too
+    l2, state = decode.prefill(model, x[:, 6:], state)
+    assert rel_err(jnp.concatenate([l1, l2], axis=1), forward(model, x)) <= 1e-4
+    with pytest.raises(ValueError, match="max_len = 8"):
+        decode.step(model, x[:, 0], state)
+
+
+@pytest.mark.parametrize("lengths", [[9], [0], [-2], [2.7]])
+def test_lengths_must_be_ints_in_1_to_T(hybrid, lengths):
+    with pytest.raises(ValueError, match="lengths must be"):
+        decode.prefill(hybrid, tokens(1, 6), decode.init_state(hybrid, 1, 16), lengths=lengths)
+    with pytest.raises(ValueError, match="prompt_lengths must be"):
+        decode.generate(hybrid, tokens(1, 6), 2, prompt_lengths=lengths)
+
+
+@pytest.mark.parametrize("bad_id", [64, -1])
+def test_out_of_range_prompt_ids_raise_before_generate(hybrid, bad_id):
+    with pytest.raises(ValueError, match="prompts"):
+        decode.generate(hybrid, tokens(1, 4).at[0, 1].set(bad_id), 2, temperature=0)
+
+
+BAD_SAMPLING = [dict(temperature=-1.0), dict(temperature=float("nan")), dict(temperature=float("inf")),
+                dict(top_k=0), dict(top_k=65), dict(top_k=2.5), dict(top_p=0.0), dict(top_p=2.0),
+                dict(top_p=float("nan"))]
+
+
+@pytest.mark.parametrize("kwargs", BAD_SAMPLING, ids=lambda kw: "{}={}".format(*next(iter(kw.items()))))
+def test_bad_sampling_parameters_raise(hybrid, kwargs):
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=name):
+        decode.sample(jnp.zeros((1, 64)), jax.random.key(0), **kwargs)
+    with pytest.raises(ValueError, match=name):
+        decode.generate(hybrid, tokens(1, 4), 2, **kwargs)
+
+
+def test_sampling_bounds_are_accepted():
+    logits, key = jnp.log(jnp.array([[0.4, 0.3, 0.15, 0.1, 0.05]])), jax.random.key(1)
+    np.testing.assert_array_equal(decode.sample(logits, key, top_k=5, top_p=1.0), decode.sample(logits, key))
+
+
+@pytest.mark.parametrize("checkpoints", [[2.7], None, [7], [-1]])
+def test_snapshot_checkpoints_must_be_ints_in_0_to_T(hybrid, checkpoints):
+    with pytest.raises(ValueError, match="checkpoints"):
+        decode.prefill_with_snapshots(hybrid, tokens(1, 6), decode.init_state(hybrid, 1, 16), checkpoints)
+
+
+def test_mismatched_state_and_bad_shapes_raise(hybrid):
+    x, state = tokens(1, 6), decode.init_state(hybrid, 1, 16)
+    reordered = HybridLM(tiny(["attention", "kda", "kda", "kda"]), rngs=nnx.Rngs(0))  # as many layers
+    single = HybridLM(tiny(["kda"]), rngs=nnx.Rngs(0))
+    cases = [("state", lambda: decode.prefill(hybrid, x, decode.init_state(hybrid, 2, 16))),
+             ("state", lambda: decode.prefill(hybrid, x, decode.init_state(reordered, 1, 16))),
+             ("state", lambda: decode.prefill(hybrid, x, decode.init_state(single, 1, 16))),
+             ("state", lambda: decode.step(hybrid, jnp.array([1, 2]), state)),
+             ("tokens", lambda: decode.prefill(hybrid, x[0], state)),
+             ("token", lambda: decode.step(hybrid, jnp.array([1.0]), state)),
+             ("max_new_tokens", lambda: decode.generate(hybrid, x, 2.5))]
+    for name, call in cases:
+        with pytest.raises(ValueError, match=name):
+            call()
+
+
 @pytest.mark.parametrize("mixer", ["kda", "gdn", "retnet", "gla"])
 def test_pallas_decode_kernel_step_equals_the_oracle_step(mixer):
     # backend="pallas" sends one-token steps through the Pallas decode kernel (interpret mode on CPU); the state

@@ -98,3 +98,13 @@ def test_bad_arguments():
         PrefixCache(MODEL, block_size=640, hash_block_size=100)
     with pytest.raises(ValueError, match="tokens must be"):
         PrefixCache(MODEL, block_size=64).prefill(np.zeros((2, 3), int), max_len=8)
+    with pytest.raises(ValueError, match="budget_bytes"):
+        PrefixCache(MODEL, block_size=64, budget_bytes=-1)
+
+
+@pytest.mark.parametrize("tokens", [[1, 2, 3, 4, 64], [1, 2, 3, 4, -1], [1.7, 2, 3, 4, 5]])
+def test_bad_token_ids_raise_before_anything_is_cached(tokens):
+    cache = PrefixCache(MODEL, block_size=4)
+    with pytest.raises(ValueError, match="tokens"):
+        cache.prefill(np.array(tokens), max_len=8)
+    assert not cache.entries and cache.nbytes == 0

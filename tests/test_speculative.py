@@ -109,3 +109,28 @@ def test_bad_arguments():
         spec.speculative_generate(TARGET, HybridLM(tiny(["kda"], vocab_size=32), rngs=nnx.Rngs(0)), tokens(1, 4), 4)
     with pytest.raises(ValueError, match="num_draft"):
         spec.speculative_generate(TARGET, TARGET, tokens(1, 4), 4, num_draft=0)
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1.0), dict(temperature=float("nan")), dict(top_k=0),
+                                    dict(top_p=0.0), dict(num_draft=2.5), dict(max_new_tokens=0)],
+                         ids=lambda kw: "{}={}".format(*next(iter(kw.items()))))
+def test_bad_sampling_and_count_arguments(kwargs):
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=name):
+        spec.speculative_generate(TARGET, TARGET, tokens(1, 4), **{"max_new_tokens": 4, **kwargs})
+
+
+@pytest.mark.parametrize("bad_id", [64, -1])
+def test_out_of_range_prompt_ids_raise(bad_id):
+    with pytest.raises(ValueError, match="prompts"):
+        spec.speculative_generate(TARGET, TARGET, tokens(1, 4).at[0, 2].set(bad_id), 4)
+
+
+def test_accepted_must_be_in_0_to_num_draft():
+    entered = spec.enter(one_request_state(TARGET, tokens(1, 10), 20), num_draft=N)
+    for bad in (N + 1, -1, 1.5):
+        with pytest.raises(ValueError, match="accepted"):
+            spec.accept(entered, bad)
+    assert int(spec.accept(entered, N).accepted) == N
+    with pytest.raises(ValueError, match="state"):
+        spec.enter(decode.init_state(TARGET, 2, 8))  # one request only

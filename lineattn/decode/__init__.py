@@ -3,4 +3,5 @@
 from lineattn.decode.loop import generate, prefill, prefill_with_snapshots, sample, step
 from lineattn.decode.state import DecodeState, init_state, state_bytes
 
-__all__ = ["DecodeState", "generate", "init_state", "prefill", "prefill_with_snapshots", "sample", "state_bytes", "step"]
+__all__ = ["DecodeState", "generate", "init_state", "prefill", "prefill_with_snapshots", "sample", "state_bytes",
+           "step"]

@@ -30,6 +30,7 @@ from flax import nnx
 from lineattn.decode.loop import prefill_with_snapshots
 from lineattn.decode.state import DecodeState, init_state
 from lineattn.layers import Attention, KVCache
+from lineattn.models.hybrid import check_tokens
 
 
 # One compile per (prompt remainder length, export positions): eager dispatch of the chunk path costs far more.
@@ -72,14 +73,16 @@ class PrefixCache:
       model: the HybridLM.
       block_size: physical block (tokens) of attention KV, and the "align" boundary for snapshots.
       hash_block_size: hashing granularity (divides block_size); finer values let a prompt's tail be cached.
-      budget_bytes: the pool's size; least-recently-used entries with no reference are evicted to make room, and an
-        entry that cannot fit is not registered (a later request just misses).
+      budget_bytes: the pool's size (>= 0); least-recently-used entries with no reference are evicted to make room,
+        and an entry that cannot fit is not registered (a later request just misses).
     """
 
     def __init__(self, model, *, block_size: int, hash_block_size: int | None = None, budget_bytes: int = 1 << 30):
         hash_block_size = hash_block_size or block_size
         if block_size < 1 or hash_block_size < 1 or block_size % hash_block_size:
             raise ValueError(f"hash_block_size ({hash_block_size}) must divide block_size ({block_size})")
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         self.model, self.block_size, self.hash_block_size, self.budget_bytes = (model, block_size, hash_block_size,
                                                                                  budget_bytes)
         self.attention_layers = [i for i, b in enumerate(model.blocks) if isinstance(b.mixer, Attention)]
@@ -171,14 +174,16 @@ class PrefixCache:
         return DecodeState(tuple(layers), jnp.asarray(hit, jnp.int32), state.start)
 
     def prefill(self, tokens, max_len: int):
-        """Prefills one prompt (tokens [T] int) through the cache.
+        """Prefills one prompt (tokens [T] int ids in [0, vocab_size), 1 <= T <= max_len) through the cache.
 
         Returns (logits [T - hit, vocab] for the tokens computed, DecodeState for decoding on, PrefillInfo).
         """
         tokens = np.asarray(tokens)
-        T = len(tokens)
-        if tokens.ndim != 1 or T < 1 or max_len < T:
-            raise ValueError(f"tokens must be [T] with 1 <= T <= max_len ({max_len}), got shape {tokens.shape}")
+        T = len(tokens) if tokens.ndim else 0
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer) or T < 1 or max_len < T:
+            raise ValueError(f"tokens must be an integer array [T] with 1 <= T <= max_len ({max_len}), got "
+                             f"{tokens.dtype} {tokens.shape}")
+        check_tokens(tokens[None], self.model.cfg.vocab_size)  # before anything is looked up or registered
         hit, attention_hit, linear_hit, used = self.lookup(tokens)
         for e in used:
             e.refs += 1

@@ -17,9 +17,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from lineattn.decode.loop import prefill, prefill_with_snapshots, sample, step
+from lineattn.decode.loop import (check_count, check_prompts, check_sampling, prefill, prefill_with_snapshots, sample,
+                                  step)
 from lineattn.decode.state import DecodeState, init_state
 from lineattn.layers import KVCache, LinearState
 
@@ -44,6 +46,8 @@ class SpecState(NamedTuple):
 def enter(state: DecodeState, num_draft: int = 0) -> SpecState:
     """A plain one-request state as a SpecState (as if one input had been verified and accepted with a = 0).
     With num_draft = n the pool and window are padded to the shapes a verify of n + 1 inputs gives (a loop carry)."""
+    if tuple(state.start.shape) != (1,):
+        raise ValueError(f"state must hold one request (batch 1), got state.start {tuple(state.start.shape)}")
     layers = []
     for layer in state.layers:
         if isinstance(layer, KVCache):
@@ -90,6 +94,14 @@ def verify(model, tokens_1N, spec: SpecState):
 
 
 def accept(spec: SpecState, accepted) -> SpecState:
+    """Sets the accepted drafts a: an int in [0, n] after a verify of n + 1 inputs (checked when concrete; n is
+    read from the linear layers' pools, so an attention-only model checks only a >= 0)."""
+    if not isinstance(accepted, jax.core.Tracer):
+        a = np.asarray(accepted)
+        n = next((x.pool.shape[1] - 1 for x in spec.layers if isinstance(x, SpecLinearState)), None)
+        if a.ndim or not np.issubdtype(a.dtype, np.integer) or a < 0 or (n is not None and a > n):
+            raise ValueError(f"accepted must be an int in [0, num_draft{'' if n is None else f' = {n}'}], "
+                             f"got {accepted!r}")
     return spec._replace(accepted=jnp.asarray(accepted, jnp.int32))
 
 
@@ -207,16 +219,17 @@ def speculative_generate(target, draft, prompts, max_new_tokens: int, *, num_dra
                          temperature: float = 0.0, top_k=None, top_p=None, rng=None):
     """Generates with a draft model proposing `num_draft` tokens per round and the target verifying them.
 
-    prompts [B, T0] int (one length for all). Greedy at temperature 0: exactly the target's greedy tokens.
+    prompts [B, T0] int ids in [0, vocab_size) (one length for all); num_draft and max_new_tokens ints >= 1;
+    temperature, top_k, top_p as for `sample`. Greedy at temperature 0: exactly the target's greedy tokens.
     Returns (tokens [B, max_new_tokens], stats {"rounds", "proposed", "accepted", "acceptance_rate"}).
     """
-    prompts = jnp.asarray(prompts)
-    if prompts.ndim != 2 or not jnp.issubdtype(prompts.dtype, jnp.integer):
-        raise ValueError(f"prompts must be an integer array [B, T0], got {prompts.dtype} {tuple(prompts.shape)}")
-    if num_draft < 1 or max_new_tokens < 1:
-        raise ValueError(f"num_draft and max_new_tokens must be >= 1, got {num_draft}, {max_new_tokens}")
     if target.cfg.vocab_size != draft.cfg.vocab_size:
         raise ValueError(f"draft vocab_size {draft.cfg.vocab_size} != target vocab_size {target.cfg.vocab_size}")
+    prompts = check_prompts(prompts, target.cfg.vocab_size)
+    check_count("num_draft", num_draft)
+    check_count("max_new_tokens", max_new_tokens)
+    check_sampling(temperature, top_k, top_p, target.cfg.vocab_size)
+    num_draft, max_new_tokens = int(num_draft), int(max_new_tokens)
     B, T0 = prompts.shape
     max_len = T0 + max_new_tokens + num_draft + 1
     rng = jax.random.key(0) if rng is None else rng

@@ -44,7 +44,7 @@ class Block(nnx.Module):
         return x_BTD, state, snapshots
 
 
-def _check_tokens(tokens, vocab_size):
+def check_tokens(tokens, vocab_size):
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be an integer array [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
     if not isinstance(tokens, jax.core.Tracer) and tokens.size:  # ids can only be checked when concrete
@@ -82,7 +82,7 @@ class HybridLM(nnx.Module):
         sequence over that mesh axis, tokens and segment_ids are this device's slice [B, T/P] (device d holds
         tokens d T/P .. (d + 1) T/P - 1) and so are the logits; every layer exchanges what it needs across the
         axis (see `lineattn.train.trainer`). None (default): the whole sequence on one device."""
-        _check_tokens(tokens_BT, self.cfg.vocab_size)
+        check_tokens(tokens_BT, self.cfg.vocab_size)
         check_segment_ids(segment_ids, tokens_BT.shape)
         if context_axis is not None:
             positions = context_positions(segment_ids, tokens_BT.shape, context_axis)
@@ -103,7 +103,7 @@ class HybridLM(nnx.Module):
         Returns (logits [B, T, vocab] fp32, new layer states, snapshots per block: LinearState stacked over the
         checkpoints, or None for attention blocks). Used by `lineattn.decode`.
         """
-        _check_tokens(tokens_BT, self.cfg.vocab_size)
+        check_tokens(tokens_BT, self.cfg.vocab_size)
         check_segment_ids(segment_ids, tokens_BT.shape)
         T = tokens_BT.shape[1]
         positions = (slot + jnp.arange(T, dtype=jnp.int32))[None, :] - start[:, None]
