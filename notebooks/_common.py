@@ -20,8 +20,10 @@ SIZE = os.environ.get("LINEATTN_NB_SIZE", "full")
 if SIZE not in ("small", "full"):
     raise ValueError(f"LINEATTN_NB_SIZE must be 'small' or 'full', got {SIZE!r}")
 SMALL = SIZE == "small"
-# LINEATTN_NB_FIGURES: where figures go (default notebooks/figures; CI writes elsewhere)
-FIGURES = Path(os.environ.get("LINEATTN_NB_FIGURES") or ROOT / "notebooks" / "figures")
+# LINEATTN_NB_FIGURES: where figures go. Default: notebooks/figures at the full size (the committed figures), and
+# notebooks/figures/small (not tracked) at the small size, so a quick run does not overwrite the committed ones.
+FIGURES = Path(os.environ.get("LINEATTN_NB_FIGURES")
+               or ROOT / "notebooks" / "figures" / ("small" if SMALL else ""))
 FIGURES.mkdir(parents=True, exist_ok=True)
 DATA = ROOT / "notebooks" / "data"
 
