@@ -55,6 +55,8 @@ def test_checkpoint_positions_are_checked():
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
     with pytest.raises(ValueError, match=r"ints in \[0, T = 20\]"):
         ops.linear_attention("kda", *args, checkpoint_positions=[5, 21])
+    with pytest.raises(ValueError, match="at least one position"):  # (the recurrent backend failed to stack none)
+        ops.linear_attention("kda", *args, checkpoint_positions=[], backend="recurrent")
     with pytest.raises(ValueError, match="cannot export states"):
         ops.linear_attention("kda", *args, checkpoint_positions=[5], backend="scan")
     with pytest.raises(ValueError, match="cu_seqlens"):

@@ -62,6 +62,7 @@ def test_toml_and_round_trip(tmp_path):
     (["model.widht=64"], "model.widht", "unknown key"),
     (["model.width=wide"], "model.width", "integer"),
     (["model.layer_pattern=[kda, nonsense]"], "model", "layer_pattern"),
+    (["mesh.context=4", "data.seq_len=8"], "data.seq_len", "2 per device"),
 ])
 def test_errors_name_the_key(overrides, key, words):
     with pytest.raises(ConfigError) as e:

@@ -22,12 +22,14 @@ from lineattn.ops.recurrent import recurrent
 
 
 def check_positions(positions, T: int) -> np.ndarray:
-    """`positions` as a sorted-as-given int array; a ValueError unless concrete ints in [0, T]."""
+    """`positions` as a sorted-as-given int array; a ValueError unless one or more concrete ints in [0, T]."""
     try:
         p = np.asarray(positions)
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError) as err:
         raise ValueError("checkpoint_positions must be concrete ints (a list or NumPy array)") from err
-    if p.ndim != 1 or not np.issubdtype(p.dtype, np.integer) or (p.size and (p.min() < 0 or p.max() > T)):
+    if p.ndim == 1 and p.size == 0:  # (np.asarray([]) is float: say what is wrong)
+        raise ValueError("checkpoint_positions must hold at least one position (None exports no states)")
+    if p.ndim != 1 or not np.issubdtype(p.dtype, np.integer) or p.min() < 0 or p.max() > T:
         raise ValueError(f"checkpoint_positions must be a 1-D list of ints in [0, T = {T}], got {positions!r}")
     return p.astype(np.int64)
 

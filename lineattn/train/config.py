@@ -409,7 +409,13 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
         except ImportError:
             ModelConfig = None
         if ModelConfig is not None:
-            cfg.model_config(ModelConfig)
+            model = cfg.model_config(ModelConfig)
+            # each device's slice feeds the short conv's halo of the previous W - 1 inputs
+            per_device = cfg.data.seq_len // cfg.mesh.context
+            if cfg.mesh.context > 1 and per_device < model.conv_size - 1:
+                raise ConfigError(f"data.seq_len: {cfg.data.seq_len} tokens over mesh.context = {cfg.mesh.context} "
+                                  f"devices leaves {per_device} per device; the short conv needs at least "
+                                  f"model.conv_size - 1 = {model.conv_size - 1}")
     return cfg
 
 
