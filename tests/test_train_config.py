@@ -51,6 +51,7 @@ def test_toml_and_round_trip(tmp_path):
     (["train.steps=2.5"], "train.steps", "integer"),
     (["train.steps=-1"], "train.steps", ">= 0"),
     (["data.seed=-1"], "data.seed", ">= 0"),
+    (["train.seed=-1"], "train.seed", ">= 0"),
     (["optim.lr=0"], "optim.lr", "positive"),
     (["optim.lr=fast"], "optim.lr", "number"),
     (["log.progress=loud"], "log.progress", "one of"),

@@ -174,6 +174,32 @@ def test_grad_accumulation_matches_one_big_batch(tmp_path, compile_cache):
     one.close(), acc.close()
 
 
+def test_a_diverging_run_stops_before_saving_non_finite_parameters(tmp_path, compile_cache):
+    # lr 1e30: step 1's update makes the parameters ~1e30, so step 2's loss overflows. Checkpoints every step,
+    # metrics every 10: the check before step 2's checkpoint stops the run, step 1's checkpoint stays the latest.
+    from lineattn.train.trainer import DivergedError, Trainer
+    cfg = _cfg(optim={"lr": 1e30}, schedule={"warmup_steps": 0}, train={"checkpoint_every": 1},
+               log={"every": 10, "plot": False})
+    trainer = Trainer(cfg, tmp_path, source=golden_text_source(), model_factory=_stand_in, log_fn=lambda s: None)
+    with pytest.raises(DivergedError, match=r"^step 2: loss .* not finite.*latest checkpoint: step 1\)"):
+        trainer.run()
+    trainer.close()
+    assert sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [1]
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["step"] == 2 and record["loss"] in ("nan", "inf", "-inf")  # (JSON has no NaN: a string)
+
+
+def test_cli_exits_with_4_on_divergence(monkeypatch, capsys):
+    from lineattn.train import cli
+    from lineattn.train.trainer import DivergedError
+
+    def diverge(args):
+        raise DivergedError("step 2: loss nan")
+    monkeypatch.setattr(cli, "cmd_train", diverge)
+    assert cli.main(["train", "--config", "configs/tiny.yaml"]) == 4
+    assert "training diverged: step 2: loss nan" in capsys.readouterr().err
+
+
 def test_weight_decay_mask():
     from lineattn.train.optim import weight_decay_mask
     params = nnx.state(StandIn(264, 16, nnx.Rngs(0)), nnx.Param)

@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     import importlib
     from lineattn.train.checkpoint import CheckpointError
     from lineattn.train.config import ConfigError
+    from lineattn.train.trainer import DivergedError
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in EXTERNAL:
         try:
@@ -178,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"lineattn {args.command}: checkpoint error: {e}", file=sys.stderr)
         return 3
+    except DivergedError as e:
+        print(f"lineattn {args.command}: training diverged: {e}", file=sys.stderr)
+        return 4
 
 
 if __name__ == "__main__":

@@ -333,6 +333,7 @@ class TrainConfig:
 
     def __post_init__(self):
         check(self.steps >= 0, "steps", "must be >= 0")
+        check(self.seed >= 0, "seed", "must be >= 0")
         check(self.grad_accum >= 1, "grad_accum", "must be >= 1")
         check(self.checkpoint_every >= 0, "checkpoint_every", "must be >= 0")
         check(self.keep_checkpoints >= 1, "keep_checkpoints", "must be >= 1")

@@ -62,6 +62,10 @@ class ModelBundle:
 ModelFactory = Callable[[Config], ModelBundle]
 
 
+class DivergedError(FloatingPointError):
+    """A step's loss or gradient norm is not finite (checked at every logged, evaluated or checkpointed step)."""
+
+
 def default_model_factory(cfg: Config) -> ModelBundle:
     """`lineattn.models.HybridLM(ModelConfig(**cfg.model))`, initialised from `train.seed`."""
     from lineattn import models
@@ -279,6 +283,20 @@ class Trainer:
                 "time": time.time()}
         self.checkpointer.save(step, self.state, meta)
 
+    def _check_finite(self, step: int, m: dict[str, float], writer) -> None:
+        """Stops the run (DivergedError) at a step whose loss or gradient norm is not finite: its parameters, and
+        every later step's, would be NaN. The record still goes to metrics.jsonl."""
+        if math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]):
+            return
+        if writer:
+            writer.write({"step": step, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"]})
+        self.checkpointer.wait()
+        last = self.checkpointer.latest_step()
+        raise DivergedError(f"step {step}: loss {m['loss']}, grad_norm {m['grad_norm']}: not finite, so the run "
+                            f"stopped before saving this step's parameters (latest checkpoint: "
+                            f"{'none' if last is None else f'step {last}'}); try a lower optim.lr or more "
+                            "schedule.warmup_steps")
+
     def run(self, until: int | None = None) -> dict[str, Any]:
         """Train from the current step to `cfg.train.steps` (or stop after step `until`, as if interrupted).
 
@@ -320,8 +338,11 @@ class Trainer:
                     bar.update(1)
                 is_log = step % cfg.log.every == 0 or step == stop
                 is_eval = (cfg.train.eval_every and step % cfg.train.eval_every == 0) or step == total
-                if is_log or is_eval:
+                is_save = (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or step == stop
+                if is_log or is_eval or is_save:
                     m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+                    self._check_finite(step, m, writer)
+                if is_log or is_eval:
                     now = time.perf_counter()
                     elapsed = now - t_mark - paused
                     record = {"step": step, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"]}
@@ -346,7 +367,7 @@ class Trainer:
                         bar.set_postfix(loss=f"{m['loss']:.3f}", refresh=False)
                     elif mode == "lines":
                         self.log_fn(format_record(record, total))
-                if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) or step == stop:
+                if is_save:
                     t0 = time.perf_counter()
                     self.save(step)
                     paused += time.perf_counter() - t0
