@@ -185,6 +185,10 @@ def test_bad_inputs_raise():
     bad = jnp.array([[1, 64]])  # concrete tokens closed over inside a jit are still checked (not traced)
     with pytest.raises(ValueError, match=r"tokens must be ids in \[0, 64\)"):
         nnx.jit(lambda m: m(bad))(model)
+    # Under jit ids are not checked: an out-of-range one gets NaN logits (a negative one no longer wraps around).
+    under_jit = nnx.jit(lambda m, t: m(t))
+    for ids, finite in (([[-1]], False), ([[64]], False), ([[63]], True)):
+        assert bool(np.isfinite(under_jit(model, jnp.array(ids))).all()) == finite, ids
     with pytest.raises(ValueError, match=r"tokens must be an integer array \[B, T\]"):
         model(jnp.array([1, 2, 3]))
     with pytest.raises(ValueError, match=r"tokens must be an integer array"):

@@ -99,7 +99,8 @@ def _check_call(model, tokens_BT, state) -> tuple[int, int]:
 
 
 def prefill(model, tokens_BT, state: DecodeState, *, lengths=None):
-    """Runs a block of tokens through the chunk path, continuing from `state`.
+    """Runs a block of tokens through the model, continuing from `state`: linear layers take the chunk path, or
+    for a block of at most 16 tokens (`layers.linear_attention.SHORT_BLOCK`) the decode kernel or the recurrence.
 
     tokens [B, T] int ids in [0, vocab_size), with state.slot + T <= init_state's max_len when the model has
     attention layers. lengths [B] (optional) ints in [1, T] start new requests: row b's prompt is its last

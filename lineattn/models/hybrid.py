@@ -45,6 +45,7 @@ class Block(nnx.Module):
 
 
 def check_tokens(tokens, vocab_size):
+    """ValueError unless tokens is an integer array [B, T] whose ids (when concrete) lie in [0, vocab_size)."""
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be an integer array [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
     if not isinstance(tokens, jax.core.Tracer) and tokens.size:  # ids can only be checked when concrete
@@ -59,7 +60,7 @@ class HybridLM(nnx.Module):
 
     `model(tokens [B, T], segment_ids=None) -> logits [B, T, vocab] (fp32)`. `segment_ids` [B, T] packs documents:
     a token sees only earlier tokens with the same id (0 = padding). Out-of-range ids raise a ValueError when
-    the tokens are concrete; under jit they are not checked (the embedding lookup then yields NaN).
+    the tokens are concrete; under jit they are not checked, and their logits are NaN.
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -71,6 +72,11 @@ class HybridLM(nnx.Module):
         self.final_norm = rms_norm(cfg.width, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.lm_head = nnx.data(None if cfg.tie_embeddings else nnx.Linear(
             cfg.width, cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs))
+
+    def _embed(self, tokens_BT):
+        """Embeddings [B, T, width]; an id out of [0, vocab) gives NaN (negative ids are sent past the end, where
+        the lookup fills NaN, instead of wrapping around as jnp.take's negative indices do)."""
+        return self.embed(jnp.where(tokens_BT < 0, self.cfg.vocab_size, tokens_BT))
 
     def _logits(self, x_BTD):
         x_BTD = self.final_norm(x_BTD)
@@ -90,7 +96,7 @@ class HybridLM(nnx.Module):
             positions = jnp.broadcast_to(jnp.arange(tokens_BT.shape[1], dtype=jnp.int32), tokens_BT.shape)
         else:
             positions = positions_in_segment(segment_ids)
-        x = self.embed(tokens_BT)
+        x = self._embed(tokens_BT)
         for block in self.blocks:
             x, _, _ = block(x, positions=positions, segment_ids=segment_ids, context_axis=context_axis)
         return self._logits(x)
@@ -107,7 +113,7 @@ class HybridLM(nnx.Module):
         check_segment_ids(segment_ids, tokens_BT.shape)
         T = tokens_BT.shape[1]
         positions = (slot + jnp.arange(T, dtype=jnp.int32))[None, :] - start[:, None]
-        x = self.embed(tokens_BT)
+        x = self._embed(tokens_BT)
         new_states, snapshots = [], []
         for block, state in zip(self.blocks, layer_states, strict=True):
             x, state, snaps = block(x, positions=positions, segment_ids=segment_ids, state=state, slot=slot,

@@ -167,7 +167,8 @@ def linear_attention(
       beta: [B, T, H] write strength for delta rules; None for additive rules.
       scale: query scale, default K ** -0.5.
       initial_state: [N, H, K, V] (V + 1 for the normalised rule), N = B or the number of sequences.
-      output_final_state: return the final state [N, H, K, V] (fp32); otherwise None.
+      output_final_state: return the final state [N, H, K, V] (fp32; V + 1 for the normalised rule); otherwise
+        None.
       cu_seqlens: int [N + 1] sequence boundaries of packed inputs (B == 1); must be concrete (NumPy, list).
         Each sequence starts from its own initial state and returns its own final state.
       backend: "auto" | "recurrent" | "chunk" | "scan" | "pallas".

@@ -249,8 +249,8 @@ def context_parallel_attention(
         None replicates the batch over the other axes. Not with `cu_seqlens` (B == 1). Ignored when mesh=None.
       scale: query scale, default K ** -0.5.
       initial_state: [N, H, K, V] fp32 (V + 1 for 'linear_attn'), N = B, or the number of sequences.
-      output_final_state: return the final state [N, H, K, V] (fp32, the same on every device of the axis);
-        otherwise None.
+      output_final_state: return the final state [N, H, K, V] (fp32, V + 1 for 'linear_attn'; the same on every
+        device of the axis); otherwise None.
       cu_seqlens: int [N + 1] boundaries of packed sequences (B == 1), concrete (NumPy, list). Sequences may cross
         device boundaries.
       chunk_size: tokens per chunk (16 * 2^m). T / P need not be a multiple of it (each slice is zero-padded).

@@ -311,7 +311,7 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    """Linear warm-up from 0, then cosine (or constant) to `min_lr_ratio * lr` at `train.steps`."""
+    """Linear warm-up from 0, then cosine to `min_lr_ratio * lr` at `train.steps` (or constant at lr)."""
     kind: Literal["cosine", "constant"] = "cosine"
     warmup_steps: int = 100
     min_lr_ratio: float = 0.1
