@@ -129,7 +129,12 @@ def test_layer_pattern_in_base_or_a_setting_is_an_error(tmp_path):
 def test_grid_runs_resumes_and_writes_outputs(config, tmp_path, monkeypatch, capsys):
     runs, out = tmp_path / "runs", tmp_path / "out"
     args = ["--config", str(config), "--runs-dir", str(runs), "--out", str(out)]
-    assert ablate.main(args + ["--only", "*/attention/*"]) == 0       # a partly finished grid ...
+    # a partly finished grid ... (each cell says when it starts; with log.progress=lines the trainer's lines follow,
+    # prefixed by the cell)
+    assert ablate.main(args + ["--only", "*/attention/*", "--set", "log.progress=lines"]) == 0
+    started = capsys.readouterr().out
+    assert "] default/attention/lr0.01/seed0: training\n" in started
+    assert "\n  default/attention/lr0.01/seed0: " in started
     assert ablate.main(args + ["--list"]) == 0
     listed = capsys.readouterr().out
     assert "done  default/attention/lr0.01/seed0" in listed and "todo  default/delta-head/lr0.01/seed0" in listed

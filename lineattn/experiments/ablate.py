@@ -233,7 +233,8 @@ def run_cell(cfg: AblateConfig, cell: Cell, runs_dir: Path, log=print) -> dict[s
                               "(or delete that run)")
         return saved
     t0 = time.perf_counter()
-    trainer = Trainer(train_cfg, rd, log_fn=lambda s: None)
+    # (the trainer's lines, with base.log.progress = lines, name the cell: threads interleave them)
+    trainer = Trainer(train_cfg, rd, log_fn=lambda s: log(f"  {cell.key}: {s}"))
     try:
         last = trainer.run()
         num_params = trainer.num_params
@@ -326,9 +327,11 @@ def run_grid(cfg: AblateConfig, runs_dir: Path, *, shard: tuple[int, int] = (0, 
                 continue
             for cell in group:
                 already = (run_dir_of(runs_dir, cell) / "result.json").exists()
+                head = f"[{position[cell.key]}/{len(todo)}] {cell.key}:"
+                if not already:  # a cell trains for minutes with no other output (the configs log nothing)
+                    log(f"{head} training")
                 r = run_cell(cfg, cell, runs_dir, log)
                 m = r["final"].get(cfg.metric)
-                head = f"[{position[cell.key]}/{len(todo)}] {cell.key}:"
                 log(f"{head} {cfg.metric} {m:.4f} ({'already done' if already else f'{r['wall_s']:.0f} s'})"
                     if m is not None else f"{head} no {cfg.metric}")
                 results.append(r)
