@@ -149,8 +149,9 @@ def step(model, token_B, state: DecodeState):
 
 
 def sample(logits_BV, rng, *, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None):
-    """Samples one id per row of logits [B, vocab]; temperature (finite, >= 0) 0 is greedy. top_k (in [1, vocab])
-    keeps the k largest logits, top_p (in (0, 1]) the smallest set whose probability reaches p."""
+    """Samples one id per row of logits [B, vocab] with the JAX key `rng`: int32 [B]. temperature (finite, >= 0):
+    0 is greedy. top_k (in [1, vocab]) keeps the k largest logits, top_p (in (0, 1]) the smallest set whose
+    probability reaches p."""
     if logits_BV.ndim != 2:
         raise ValueError(f"logits must be [B, vocab], got shape {tuple(logits_BV.shape)}")
     check_sampling(temperature, top_k, top_p, logits_BV.shape[-1])

@@ -43,6 +43,7 @@ class Attention(nnx.Module):
         self.o_proj = dense(num_heads * head_dim, width, **kw)
 
     def init_state(self, batch: int, max_len: int, dtype=jnp.float32) -> KVCache:
+        """An empty KV cache: k and v [batch, max_len, num_kv_heads, head_dim] zeros."""
         zeros = jnp.zeros((batch, max_len, self.num_kv_heads, self.head_dim), dtype)
         return KVCache(zeros, zeros)
 

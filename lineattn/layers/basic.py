@@ -48,6 +48,7 @@ def dense(in_features: int, out_features: int, *, rngs: nnx.Rngs, dtype=None, pa
 
 
 def rms_norm(features: int, *, rngs: nnx.Rngs, dtype=None, param_dtype=jnp.float32):
+    """An RMSNorm over the last axis (`features` wide), epsilon RMS_EPS."""
     return nnx.RMSNorm(features, epsilon=RMS_EPS, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
 
@@ -61,11 +62,13 @@ class SwiGLU(nnx.Module):
         self.gate, self.up, self.down = make(width, hidden), make(width, hidden), make(hidden, width)
 
     def __call__(self, x_BTD):
+        """x [B, T, width] -> [B, T, width]."""
         return self.down(jax.nn.silu(self.gate(x_BTD)) * self.up(x_BTD))
 
 
 def rotary(x_BTND: jax.Array, positions_BT: jax.Array, theta: float = 10000.0) -> jax.Array:
-    """Rotary position embedding (rotate-half convention) on the last axis, computed in fp32."""
+    """Rotary position embedding (rotate-half convention) of x [B, T, N, D] (D even) at positions [B, T], computed
+    in fp32; returns [B, T, N, D] in x's dtype."""
     D = x_BTND.shape[-1]
     if D % 2:
         raise ValueError(f"rotary embeddings need an even head dim, got {D}")

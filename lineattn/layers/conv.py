@@ -30,6 +30,7 @@ class ShortConv(nnx.Module):
         self.weight = nnx.Param(jax.random.uniform(rngs.params(), (kernel_size, channels), param_dtype, -bound, bound))
 
     def init_state(self, batch: int, dtype=jnp.float32) -> jax.Array:
+        """Zero past inputs [batch, kernel_size - 1, channels]."""
         return jnp.zeros((batch, self.kernel_size - 1, self.channels), dtype)
 
     def check_inputs(self, x_BTC, segment_ids=None, state=None) -> None:
@@ -40,6 +41,7 @@ class ShortConv(nnx.Module):
             self.check_state(state, x_BTC.shape[0])
 
     def check_state(self, state, batch: int, name: str = "state") -> None:
+        """ValueError naming `name` unless the conv state is [batch, kernel_size - 1, channels]."""
         want = (batch, self.kernel_size - 1, self.channels)
         if tuple(state.shape) != want:
             raise ValueError(f"{name} must be [B, W - 1, C] = {list(want)} (the conv's last inputs), got shape "

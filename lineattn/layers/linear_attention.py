@@ -100,7 +100,8 @@ class LinearAttention(nnx.Module):
         self.gate_fn, self.lower_bound, self.backend = gate_fn, lower_bound, backend
         make = functools.partial(dense, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.q_proj, self.k_proj, self.v_proj = make(width, H * K), make(width, H * K), make(width, H * V)
-        self.conv = nnx.data(ShortConv(H * (2 * K + V), conv_size, rngs=rngs, param_dtype=param_dtype) if conv_size else None)
+        self.conv = nnx.data(ShortConv(H * (2 * K + V), conv_size, rngs=rngs, param_dtype=param_dtype)
+                             if conv_size else None)
         self.b_proj = nnx.data(make(width, H) if self.rule.write == "delta" else None)
 
         gate = self.rule.gate
@@ -126,6 +127,8 @@ class LinearAttention(nnx.Module):
         return self.head_v_dim + 1 if self.rule.normalize else self.head_v_dim
 
     def init_state(self, batch: int, max_len: int | None = None, dtype=jnp.float32) -> LinearState:
+        """A zero LinearState for `batch` requests (max_len is ignored: the state does not grow with the sequence;
+        it is taken so every mixer has the same signature)."""
         conv = None if self.conv is None else self.conv.init_state(batch, dtype)
         S = jnp.zeros((batch, self.num_heads, self.head_k_dim, self.state_v_dim), jnp.float32)
         return LinearState(conv, S)

@@ -16,7 +16,7 @@ from lineattn.ops.gates import safe_gate, softplus_gate
 from lineattn.ops.rules import GATES, RULES, WRITE_MODES, Rule, resolve_rule
 
 __all__ = [
-    "BACKENDS", "GATES", "LOG_GATE_FLOOR", "RULES", "WRITE_MODES", "Rule", "chunk_delta_rule", "chunk_gated_delta_rule", "chunk_gla",
-    "chunk_kda", "chunk_simple_gla", "context_parallel_attention", "linear_attention", "resolve_rule", "safe_gate",
-    "select_backend", "softplus_gate",
+    "BACKENDS", "GATES", "LOG_GATE_FLOOR", "RULES", "WRITE_MODES", "Rule", "chunk_delta_rule",
+    "chunk_gated_delta_rule", "chunk_gla", "chunk_kda", "chunk_simple_gla", "context_parallel_attention",
+    "linear_attention", "resolve_rule", "safe_gate", "select_backend", "softplus_gate",
 ]

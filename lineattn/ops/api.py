@@ -242,12 +242,13 @@ def linear_attention(
     return (o.astype(out_dtype), final_state if output_final_state else None, *states)  # states: [P, B, H, K, V]
 
 
-# FLA's names and positional signatures. Keyword arguments and returns as `linear_attention`.
+# FLA's names and positional signatures; keyword arguments and returns as `linear_attention`.
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
               backend="auto", chunk_size=64):
-    """KDA (delta write, per-channel gate): g [B, T, H, K] log decay, beta [B, T, H]."""
+    """KDA (delta write, per-channel gate). q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] log decay, beta
+    [B, T, H] -> (o [B, T, H, V], final state [N, H, K, V] or None), as `linear_attention`."""
     return linear_attention("kda", q, k, v, g, beta, scale=scale, initial_state=initial_state,
                             output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=backend,
                             chunk_size=chunk_size)
@@ -255,7 +256,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 
 def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, backend="auto", chunk_size=64):
-    """Gated DeltaNet (delta write, per-head gate): g [B, T, H] log decay, beta [B, T, H]."""
+    """Gated DeltaNet (delta write, per-head gate). q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H] log decay, beta
+    [B, T, H] -> (o [B, T, H, V], final state [N, H, K, V] or None), as `linear_attention`."""
     return linear_attention("gdn", q, k, v, g, beta, scale=scale, initial_state=initial_state,
                             output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=backend,
                             chunk_size=chunk_size)
@@ -263,7 +265,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, *, scale=None, initial_state=None, 
 
 def chunk_delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
                      backend="auto", chunk_size=64):
-    """DeltaNet (delta write, no gate): beta [B, T, H]."""
+    """DeltaNet (delta write, no gate). q, k [B, T, H, K]; v [B, T, H, V]; beta [B, T, H] -> (o [B, T, H, V], final
+    state [N, H, K, V] or None), as `linear_attention`."""
     return linear_attention("deltanet", q, k, v, None, beta, scale=scale, initial_state=initial_state,
                             output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=backend,
                             chunk_size=chunk_size)
@@ -271,7 +274,8 @@ def chunk_delta_rule(q, k, v, beta, *, scale=None, initial_state=None, output_fi
 
 def chunk_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
               backend="auto", chunk_size=64):
-    """GLA (additive write, per-channel gate): g [B, T, H, K] log decay."""
+    """GLA (additive write, per-channel gate). q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K] log decay -> (o
+    [B, T, H, V], final state [N, H, K, V] or None), as `linear_attention`."""
     return linear_attention("gla", q, k, v, g, None, scale=scale, initial_state=initial_state,
                             output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=backend,
                             chunk_size=chunk_size)
@@ -279,7 +283,8 @@ def chunk_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=
 
 def chunk_simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
                      backend="auto", chunk_size=64):
-    """Simple GLA (additive write, per-head gate): g [B, T, H] log decay."""
+    """Simple GLA (additive write, per-head gate). q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H] log decay -> (o
+    [B, T, H, V], final state [N, H, K, V] or None), as `linear_attention`."""
     return linear_attention("simple_gla", q, k, v, g, None, scale=scale, initial_state=initial_state,
                             output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=backend,
                             chunk_size=chunk_size)

@@ -24,12 +24,15 @@ def _rate(x, A_log, dt_bias):
 
 
 def safe_gate(x: jax.Array, A_log: jax.Array, dt_bias: jax.Array, lower_bound: float = -5.0) -> jax.Array:
-    """KDA's bounded gate g = lower_bound * sigmoid(exp(A_log) * (x + dt_bias)), in (lower_bound, 0)."""
+    """KDA's bounded gate g = lower_bound * sigmoid(exp(A_log) * (x + dt_bias)), in (lower_bound, 0).
+
+    x [..., H] with dt_bias [H] (a gate per head) or x [..., H, D] with dt_bias [H, D] (a gate per channel); A_log
+    [H]; returns g in x's shape. lower_bound: a finite number < 0."""
     if not -math.inf < lower_bound < 0:  # false for NaN too
         raise ValueError(f"lower_bound must be a finite number < 0, got {lower_bound}")
     return lower_bound * jax.nn.sigmoid(_rate(x, A_log, dt_bias) * (x + dt_bias))
 
 
 def softplus_gate(x: jax.Array, A_log: jax.Array, dt_bias: jax.Array) -> jax.Array:
-    """Mamba2 / Gated DeltaNet gate g = -exp(A_log) * softplus(x + dt_bias), in (-inf, 0)."""
+    """Mamba2 / Gated DeltaNet gate g = -exp(A_log) * softplus(x + dt_bias), in (-inf, 0); shapes as `safe_gate`."""
     return -_rate(x, A_log, dt_bias) * jax.nn.softplus(x + dt_bias)

@@ -427,6 +427,8 @@ def format_record(r: dict[str, Any], total: int) -> str:
 
 
 def train(cfg: Config, run_dir: str | Path, *, until: int | None = None, **kwargs) -> dict[str, Any]:
+    """Train (or resume) the run in `run_dir` to `cfg.train.steps` (or stop after step `until`); kwargs go to
+    `Trainer` (model_factory, source, resume_step, devices, log_fn). Returns the last logged record."""
     trainer = Trainer(cfg, run_dir, **kwargs)
     try:
         return trainer.run(until)
