@@ -32,7 +32,9 @@ def _as_mixer(entry):
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """A hybrid LM: `layer_pattern` repeats to fill `num_layers` (e.g. 3 KDA : 1 attention, Kimi Linear's ratio).
+    """A hybrid LM: `layer_pattern` repeats to fill `num_layers` (e.g. 3 KDA : 1 attention, Kimi Linear's ratio);
+    a pattern longer than `num_layers` is cut to its first `num_layers` entries (the default's 4 with 2 layers: no
+    attention layer).
 
     Attributes:
       vocab_size, width, num_layers, num_heads: the usual.
