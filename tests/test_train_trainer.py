@@ -210,6 +210,37 @@ def test_weight_decay_mask():
                     "prev/bias": False, "prev/kernel": True}
 
 
+def test_learning_rate_schedule_warms_up_then_follows_a_cosine_to_min_lr():
+    # The README's schedule, written out: linear from 0 over the warm-up, then a half cosine from lr to
+    # min_lr_ratio * lr at train.steps, flat after; "constant" stays at lr after the warm-up.
+    from lineattn.train.config import OptimConfig, ScheduleConfig
+    from lineattn.train.optim import learning_rate_schedule
+    lr, end, warm, total = 1e-2, 1e-3, 10, 110
+    cosine = learning_rate_schedule(OptimConfig(lr=lr), ScheduleConfig(warmup_steps=warm, min_lr_ratio=0.1), total)
+    constant = learning_rate_schedule(OptimConfig(lr=lr), ScheduleConfig(kind="constant", warmup_steps=warm), total)
+    for s in (0, 5, 10, 35, 60, 100, 110, 200):
+        ramp = lr * s / warm
+        half_cos = end + (lr - end) * 0.5 * (1 + np.cos(np.pi * min(s - warm, total - warm) / (total - warm)))
+        assert float(cosine(s)) == pytest.approx(ramp if s < warm else half_cos, rel=1e-5, abs=1e-9), s
+        assert float(constant(s)) == pytest.approx(ramp if s < warm else lr, rel=1e-5, abs=1e-9), s
+
+
+def test_optimizer_clips_the_global_norm_before_adamw():
+    # With eps = 1 AdamW's first step, -lr g / (|g| + eps) elementwise (no decay), depends on the gradient's scale,
+    # so it shows whether g was scaled to the clip norm first.
+    from lineattn.train.config import OptimConfig, ScheduleConfig
+    from lineattn.train.optim import make_optimizer
+    params = {"w": jnp.ones((2, 3))}
+    g = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((2, 3)), jnp.float32)}
+    norm = float(jnp.linalg.norm(g["w"]))
+    for clip in (None, 0.5 * norm, 2.0 * norm):
+        tx, _ = make_optimizer(OptimConfig(lr=1.0, eps=1.0, weight_decay=0.0, clip_norm=clip),
+                               ScheduleConfig(kind="constant", warmup_steps=0), 10)
+        update, _ = tx.update(g, tx.init(params), params)
+        scaled = g["w"] * (1.0 if clip is None else min(1.0, clip / norm))
+        np.testing.assert_allclose(update["w"], -scaled / (jnp.abs(scaled) + 1.0), rtol=1e-5)
+
+
 def test_vocab_too_small_is_a_config_error(tmp_path, compile_cache):
     from lineattn.train.trainer import Trainer
     with pytest.raises(ConfigError, match="model.vocab_size: 64 is smaller"):
