@@ -103,11 +103,30 @@ def _check_other_config_is_refused(run_dir):
         Trainer(_cfg(optim={"lr": 1e-3}), run_dir, source=golden_text_source(), log_fn=lambda s: None)
 
 
-def test_golden_resume_and_checkpoints(tmp_path, compile_cache):
+def _check_cli_generate(run_dir, capsys):
+    # `lineattn generate` at temperature 0 prints the prompt and the greedy continuation from the checkpoint asked
+    # for, the same bytes as decode.generate on the model that load_run restores
+    from lineattn import decode
+    from lineattn.train.cli import main
+    from lineattn.train.tokenizer import ByteTokenizer
+    from lineattn.train.trainer import load_run
+    capsys.readouterr()
+    assert main(["generate", "--run-dir", str(run_dir), "--step", "8", "--prompt", "the king", "--max-new-tokens",
+                 "12", "--temperature", "0"]) == 0
+    printed = capsys.readouterr().out
+    _, bundle, meta = load_run(run_dir, step=8)
+    tok = ByteTokenizer()
+    prompt = tok.encode("the king", bos=True)[None]
+    greedy = np.asarray(decode.generate(bundle.model, prompt, 12, temperature=0.0))[0, prompt.shape[1]:]
+    assert meta["step"] == 8 and printed == "the king" + tok.decode(greedy) + "\n"
+
+
+def test_golden_resume_and_checkpoints(tmp_path, capsys, compile_cache):
     """One test, so that under pytest-xdist one worker compiles the step once for all of these checks."""
     golden_dir = tmp_path / "golden"
     last, golden_params = _golden_run(golden_dir)
     _check_golden(golden_dir, last)
+    _check_cli_generate(golden_dir, capsys)
     _check_resume_is_bitwise(golden_dir, golden_params, tmp_path / "resumed")
     shutil.copytree(golden_dir, tmp_path / "other-config")
     _check_other_config_is_refused(tmp_path / "other-config")

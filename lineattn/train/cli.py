@@ -98,37 +98,10 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def sample(model, prompt_ids, *, max_new_tokens: int, temperature: float, top_k, top_p, seed: int):
-    """`lineattn.decode.generate` when it exists, else a plain re-run-the-prefix sampler."""
-    import jax
-    import jax.numpy as jnp
-    key = jax.random.key(seed)
-    try:
-        from lineattn import decode
-        gen = decode.generate
-    except ImportError:
-        gen = None
-    if gen is not None:
-        return gen(model, jnp.asarray(prompt_ids), max_new_tokens, temperature=temperature, top_k=top_k,
-                   top_p=top_p, rng=key)
-    tokens = jnp.asarray(prompt_ids)
-    for _ in range(max_new_tokens):
-        logits = model(tokens)[:, -1].astype(jnp.float32)
-        key, sub = jax.random.split(key)
-        if temperature <= 0:
-            nxt = jnp.argmax(logits, -1)
-        else:
-            logits = logits / temperature
-            if top_k:
-                kth = jnp.sort(logits, -1)[:, -top_k][:, None]
-                logits = jnp.where(logits < kth, -jnp.inf, logits)
-            nxt = jax.random.categorical(sub, logits)
-        tokens = jnp.concatenate([tokens, nxt[:, None].astype(tokens.dtype)], axis=1)
-    return tokens
-
-
 def cmd_generate(args) -> int:
+    import jax
     import numpy as np
+    from lineattn.decode import generate
     from lineattn.train.tokenizer import ByteTokenizer
     from lineattn.train.trainer import load_run
     cfg, bundle, meta = load_run(args.run_dir, step=args.step)
@@ -136,8 +109,8 @@ def cmd_generate(args) -> int:
         raise SystemExit(f"lineattn generate: the run was trained on {cfg.data.source!r}, not byte-level text")
     tok = ByteTokenizer()
     prompt = np.tile(tok.encode(args.prompt, bos=True)[None], (args.num_samples, 1))
-    out = np.asarray(sample(bundle.model, prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, seed=args.seed))
+    out = np.asarray(generate(bundle.model, prompt, args.max_new_tokens, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, rng=jax.random.key(args.seed)))
     for i in range(args.num_samples):
         if args.num_samples > 1:
             print(f"--- sample {i + 1} (step {meta['step']}) ---")
