@@ -24,6 +24,18 @@ def test_shipped_configs_load(path):
     cfg.model_config()   # the model section builds a lineattn.models.ModelConfig
 
 
+@pytest.mark.parametrize("name, params", [("shakespeare", 0.93e6), ("hybrid_125m", 118e6)])
+def test_shipped_models_have_the_sizes_the_readme_gives(name, params):
+    # the README's "0.93M parameters, 450 steps of 4,096 tokens" and "118M parameters" (counted on shapes only)
+    from flax import nnx
+    from lineattn.models import HybridLM, count_params
+    cfg = load_config(ROOT / f"configs/{name}.yaml")
+    model = nnx.eval_shape(lambda: HybridLM(cfg.model_config(), rngs=nnx.Rngs(0)))
+    assert round(count_params(model) / params, 2) == 1.0
+    if name == "shakespeare":
+        assert cfg.data.batch_size * cfg.data.seq_len == 4096 and cfg.train.steps == 450
+
+
 def test_tiny_overrides_and_types():
     cfg = load_config(ROOT / "configs/tiny.yaml", ["train.steps=7", "model.width=48", "optim.lr=1e-3",
                                                    "data.val_plays=[hamlet, lear]", "optim.clip_norm=null"])
