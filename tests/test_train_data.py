@@ -124,5 +124,13 @@ def test_text_source_epochs_and_holdout():
 
 
 def test_make_source_synthetic():
+    # data.source = niah gives needle-in-a-haystack rows: each ends with the query and the needle's key, and its
+    # one scored target is the value written after that key
     src = make_source(DataConfig(source="niah", seq_len=32, batch_size=2))
-    assert src.batch(0)["tokens"].shape == (2, 32) and src.vocab_size == 256
+    batch = src.batch(0)
+    assert batch["tokens"].shape == (2, 32) and src.vocab_size == 256
+    for tokens, targets, mask in zip(batch["tokens"], batch["targets"], batch["mask"]):
+        assert tokens[-2] == synthetic.NIAH_QUERY and mask.sum() == 1 and mask[-1] == 1
+        needle = [i for i in range(len(tokens) - 2)
+                  if tokens[i] == synthetic.NIAH_NEEDLE and tokens[i + 1] == tokens[-1]]
+        assert len(needle) == 1 and targets[-1] == tokens[needle[0] + 2]
