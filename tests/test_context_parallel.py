@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 TOL = 1e-5
-RULES = ("kda", "gdn", "deltanet", "gla", "simple_gla")
+RULES = ("kda", "gdn", "deltanet", "gla", "simple_gla", "retnet", "linear_attn")  # every gate but element
 T, H, K, V, CHUNK = 128, 2, 16, 16, 16
 # Packed documents: an empty one, one of a single token, one ending and one starting exactly at the middle device
 # boundary (64), and others crossing the boundaries of 2, 4 and 8 devices (multiples of 64, 32, 16).
