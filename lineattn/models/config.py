@@ -14,6 +14,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def mixer_names() -> tuple[str, ...]:
+    """The names a layer_pattern entry may take: the attention mixers, then every rule of `ops.RULES`."""
     return ATTENTION_MIXERS + tuple(ops.RULES)
 
 

@@ -35,6 +35,8 @@ class Block(nnx.Module):
 
     def __call__(self, x_BTD, *, positions, segment_ids, state=None, slot=None, start=None, checkpoints=(),
                  context_axis=None):
+        """x [B, T, width] -> (x + mixer + MLP [B, T, width], the mixer's new decode state or None, its snapshots
+        or None); the keywords go to the mixer (see `LinearAttention` and `Attention`)."""
         y, state, snapshots = self.mixer(self.mixer_norm(x_BTD), positions=positions, segment_ids=segment_ids,
                                          state=state, slot=slot, start=start, checkpoints=checkpoints,
                                          context_axis=context_axis)

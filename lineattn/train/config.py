@@ -369,6 +369,8 @@ class MeshConfig:
 
 @dataclass(frozen=True)
 class Config:
+    """A run's whole config: one section per dataclass below (`model` stays a mapping, checked against
+    `lineattn.models.ModelConfig` by `load_config`)."""
     model: dict[str, Any] = field(default_factory=dict)   # lineattn.models.ModelConfig fields
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

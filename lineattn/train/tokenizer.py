@@ -18,6 +18,7 @@ class ByteTokenizer:
     specials = {"<pad>": pad_id, "<bos>": bos_id, "<eos>": eos_id}
 
     def encode(self, text: str | bytes, *, bos: bool = False, eos: bool = False) -> np.ndarray:
+        """int32 [n] ids of the text's UTF-8 bytes, with bos before and eos after when asked."""
         data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
         ids = np.frombuffer(data, dtype=np.uint8).astype(np.int32)
         parts = ([np.array([self.bos_id], np.int32)] if bos else []) + [ids] + \

@@ -123,7 +123,8 @@ def pad_rows(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
 
 
 def token_sums(logits: jax.Array, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Masked sums: cross-entropy (nats), scored tokens, argmax hits."""
+    """Masked sums over logits [B, T, vocab] and batch["targets"], batch["mask"] [B, T]: cross-entropy (nats),
+    scored tokens, argmax hits (scalars)."""
     logits = logits.astype(jnp.float32)
     nll = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     m = batch["mask"].astype(jnp.float32)
@@ -262,6 +263,7 @@ class Trainer:
                        out_shardings=(self.state_sharding, shd.replicated(self.mesh)), donate_argnums=0)
 
     def put(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """A host batch (tokens, targets, mask [B, T], ...) on the devices, split as the train step expects."""
         return shd.put_batch(batch, self.batch_sharding)
 
     # -- eval ----------------------------------------------------------------------------------------------------
@@ -279,6 +281,7 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------------------------
 
     def save(self, step: int) -> None:
+        """Checkpoint the train state after `step`, with the data position and the config."""
         meta = {"data_position": self.source.data_position(step), "config": self.cfg.to_dict(),
                 "time": time.time()}
         self.checkpointer.save(step, self.state, meta)
@@ -385,6 +388,7 @@ class Trainer:
         return last
 
     def close(self) -> None:
+        """Wait for pending checkpoint writes and release the checkpointer."""
         self.checkpointer.close()
 
 
@@ -416,6 +420,7 @@ def _model_vocab(bundle: ModelBundle) -> int | None:
 
 
 def format_record(r: dict[str, Any], total: int) -> str:
+    """One metrics record as the trainer's progress line ("step 10/450 loss 2.3456 lr ...")."""
     parts = [f"step {r['step']:>{len(str(total))}}/{total}"]
     for key, fmt in (("loss", "loss {:.4f}"), ("accuracy", "acc {:.3f}"), ("lr", "lr {:.2e}"),
                      ("grad_norm", "gnorm {:.3f}"), ("tokens_per_s", "{:,.0f} tok/s"), ("mfu", "MFU {:.2%}"),
