@@ -12,6 +12,7 @@ from flax import nnx
 
 from lineattn.decode.state import DecodeState, init_state
 from lineattn.layers import KVCache
+from lineattn.layers.basic import check_int
 from lineattn.models.hybrid import check_tokens
 from lineattn.ops.checkpoints import check_positions
 
@@ -59,11 +60,6 @@ def check_prompts(prompts, vocab_size: int) -> jax.Array:
     except ValueError as err:
         raise ValueError(f"prompts: {err}") from None
     return prompts
-
-
-def check_count(name: str, value, low: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 def check_sampling(temperature, top_k, top_p, vocab_size: int) -> None:
@@ -205,7 +201,7 @@ def generate(model, prompts, max_new_tokens: int, *, prompt_lengths=None, temper
     B, T0 = prompts.shape
     lengths = jnp.full((B,), T0, jnp.int32) if prompt_lengths is None else prompt_lengths
     lengths = _check_lengths("prompt_lengths", lengths, B, T0)
-    check_count("max_new_tokens", max_new_tokens)
+    check_int("max_new_tokens", max_new_tokens)
     check_sampling(temperature, top_k, top_p, model.cfg.vocab_size)
     rng = jax.random.key(0) if rng is None else rng
     graphdef, params = nnx.split(model)

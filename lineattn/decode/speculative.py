@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lineattn.decode.loop import (check_count, check_prompts, check_sampling, prefill, prefill_with_snapshots, sample,
-                                  step)
+from lineattn.decode.loop import check_prompts, check_sampling, prefill, prefill_with_snapshots, sample, step
 from lineattn.decode.state import DecodeState, init_state
 from lineattn.layers import KVCache, LinearState
+from lineattn.layers.basic import check_int
 
 
 class SpecLinearState(NamedTuple):
@@ -226,8 +226,8 @@ def speculative_generate(target, draft, prompts, max_new_tokens: int, *, num_dra
     if target.cfg.vocab_size != draft.cfg.vocab_size:
         raise ValueError(f"draft vocab_size {draft.cfg.vocab_size} != target vocab_size {target.cfg.vocab_size}")
     prompts = check_prompts(prompts, target.cfg.vocab_size)
-    check_count("num_draft", num_draft)
-    check_count("max_new_tokens", max_new_tokens)
+    check_int("num_draft", num_draft)
+    check_int("max_new_tokens", max_new_tokens)
     check_sampling(temperature, top_k, top_p, target.cfg.vocab_size)
     num_draft, max_new_tokens = int(num_draft), int(max_new_tokens)
     B, T0 = prompts.shape

@@ -8,16 +8,18 @@ import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 RMS_EPS = 1e-6
 
 
 def check_int(name: str, value, minimum: int = 1, *, optional: bool = False) -> None:
-    """ValueError naming `name` unless `value` is an int (not a bool) >= minimum (or None when `optional`)."""
+    """ValueError naming `name` unless `value` is an int (Python or NumPy, not a bool) >= minimum (or None when
+    `optional`)."""
     if optional and value is None:
         return
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+    if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)) or value < minimum:
         want = "a positive int" if minimum == 1 else f"an int >= {minimum}"
         raise ValueError(f"{name} must be {want}{' or None' if optional else ''}, got {value!r}")
 
