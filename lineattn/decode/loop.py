@@ -53,8 +53,6 @@ def check_state(model, state, batch: int, num_tokens: int) -> None:
 def check_prompts(prompts, vocab_size: int) -> jax.Array:
     """prompts as an array; a ValueError unless int [B, T0] with ids in [0, vocab_size) (ids when concrete)."""
     prompts = jnp.asarray(prompts)
-    if prompts.ndim != 2 or not jnp.issubdtype(prompts.dtype, jnp.integer):
-        raise ValueError(f"prompts must be an integer array [B, T0], got {prompts.dtype} {tuple(prompts.shape)}")
     try:
         check_tokens(prompts, vocab_size)
     except ValueError as err:
