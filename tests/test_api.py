@@ -129,8 +129,8 @@ BAD_INPUTS = {
     "NaN g": (dict(g=jnp.full((1, 12, 2, 8), jnp.nan)), r"g must be a log decay <= 0"),
     "K zero": (dict(q=jnp.zeros((1, 12, 2, 0)), k=jnp.zeros((1, 12, 2, 0)), g=jnp.zeros((1, 12, 2, 0))), "K >= 1"),
     "V zero": (dict(v=jnp.zeros((1, 12, 2, 0)), initial_state=None), "V >= 1"),
-    "scale string": (dict(extra=dict(scale="0.5")), "scale must be None or a finite real number"),
-    "scale per head": (dict(extra=dict(scale=jnp.ones(2))), "scale must be None or a finite real number"),
+    "scale string": (dict(extra=dict(scale="0.5")), "scale must be a finite number"),
+    "scale per head": (dict(extra=dict(scale=jnp.ones(2))), "scale must be a finite number"),
 }
 
 

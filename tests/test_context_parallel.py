@@ -204,7 +204,7 @@ def _worker_errors() -> dict:
         (dict(cu_seqlens=[0, 30, 60]), "cu_seqlens must start at 0 and end at T = 64"),
         (dict(chunk_size=24), "chunk_size must be"),
         (dict(g=-x["g"]), "g must be a log decay <= 0"),
-        (dict(scale="0.5"), "scale must be None or a finite real number"),
+        (dict(scale="0.5"), "scale must be a finite number"),
     ]
     for kwargs, message in cases:
         try:

@@ -12,13 +12,9 @@ from flax import nnx
 
 from lineattn.decode.state import DecodeState, init_state
 from lineattn.layers import KVCache
-from lineattn.layers.basic import check_int
+from lineattn.checks import check_int, is_concrete
 from lineattn.models.hybrid import check_tokens
 from lineattn.ops.checkpoints import check_positions
-
-
-def _concrete(x) -> bool:
-    return not isinstance(x, jax.core.Tracer)
 
 
 def _layout(layer):
@@ -44,7 +40,7 @@ def check_state(model, state, batch: int, num_tokens: int) -> None:
                              f"{_layout(have)[1]}, expected {_layout(w)[1]} (KV caches without their max_len axis)")
     caps = [layer.k.shape[1] for layer in layers if isinstance(layer, KVCache)]
     if caps:
-        slot = int(state.slot) if _concrete(state.slot) else 0
+        slot = int(state.slot) if is_concrete(state.slot) else 0
         if slot + num_tokens > min(caps):
             raise ValueError(f"tokens: {num_tokens} tokens from slot {slot} overflow the KV cache: slot + T must be "
                              f"<= max_len = {min(caps)} (init_state's max_len)")
@@ -76,11 +72,11 @@ def _check_lengths(name: str, lengths, B: int, T: int) -> jax.Array:
     """lengths as int32 [B]; a ValueError unless integers [B] in [1, T] (values checked when concrete)."""
     lengths = jnp.asarray(lengths)
     bad = lengths.shape != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer)
-    if not bad and _concrete(lengths) and B:
+    if not bad and is_concrete(lengths) and B:
         values = np.asarray(lengths)
         bad = values.min() < 1 or values.max() > T
     if bad:
-        shown = lengths if _concrete(lengths) else tuple(lengths.shape)
+        shown = lengths if is_concrete(lengths) else tuple(lengths.shape)
         raise ValueError(f"{name} must be [B] = [{B}] integers in [1, {T}], got {lengths.dtype} {shown}")
     return lengths.astype(jnp.int32)
 

@@ -23,7 +23,7 @@ from flax import nnx
 from lineattn.decode.loop import check_prompts, check_sampling, prefill, prefill_with_snapshots, sample, step
 from lineattn.decode.state import DecodeState, init_state
 from lineattn.layers import KVCache, LinearState
-from lineattn.layers.basic import check_int
+from lineattn.checks import check_int, is_concrete
 
 
 class SpecLinearState(NamedTuple):
@@ -96,7 +96,7 @@ def verify(model, tokens_1N, spec: SpecState):
 def accept(spec: SpecState, accepted) -> SpecState:
     """Sets the accepted drafts a: an int in [0, n] after a verify of n + 1 inputs (checked when concrete; n is
     read from the linear layers' pools, so an attention-only model checks only a >= 0)."""
-    if not isinstance(accepted, jax.core.Tracer):
+    if is_concrete(accepted):
         a = np.asarray(accepted)
         n = next((x.pool.shape[1] - 1 for x in spec.layers if isinstance(x, SpecLinearState)), None)
         if a.ndim or not np.issubdtype(a.dtype, np.integer) or a < 0 or (n is not None and a > n):

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lineattn.layers.basic import check_bool, check_input, check_int, check_real, dense, rotary
+from lineattn.checks import check_bool, check_int, check_real
+from lineattn.layers.basic import check_input, dense, rotary
 from lineattn.layers.segments import check_segment_ids
 
 

@@ -1,39 +1,16 @@
-"""Small building blocks: RMSNorm, SwiGLU MLP, rotary embeddings, and the argument checks of layers and configs."""
+"""Small building blocks: RMSNorm, SwiGLU MLP, rotary embeddings, and the layers' input-shape check."""
 
 from __future__ import annotations
 
 import functools
-import math
-import numbers
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
+from lineattn.checks import check_int
+
 RMS_EPS = 1e-6
-
-
-def check_int(name: str, value, minimum: int = 1, *, optional: bool = False) -> None:
-    """ValueError naming `name` unless `value` is an int (Python or NumPy, not a bool) >= minimum (or None when
-    `optional`)."""
-    if optional and value is None:
-        return
-    if not isinstance(value, numbers.Integral) or isinstance(value, (bool, np.bool_)) or value < minimum:
-        want = "a positive int" if minimum == 1 else f"an int >= {minimum}"
-        raise ValueError(f"{name} must be {want}{' or None' if optional else ''}, got {value!r}")
-
-
-def check_real(name: str, value, ok, want: str) -> None:
-    """ValueError naming `name` unless `value` is a finite real number (not a bool) with ok(value); `want` says
-    the range, e.g. "> 0"."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or not ok(value):
-        raise ValueError(f"{name} must be a finite number {want}, got {value!r}")
-
-
-def check_bool(name: str, value) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def check_input(x, width: int, name: str = "x", dim: str = "width") -> None:

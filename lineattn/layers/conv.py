@@ -6,7 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lineattn.layers.basic import check_input, check_int
+from lineattn.checks import check_int
+from lineattn.layers.basic import check_input
 from lineattn.layers.segments import check_segment_ids, previous_tail
 
 

@@ -13,7 +13,8 @@ from flax import nnx
 from lineattn import ops
 from lineattn.ops import pallas as ops_pallas
 from lineattn.ops.pallas import api as pallas_api
-from lineattn.layers.basic import check_input, check_int, check_real, dense, rms_norm
+from lineattn.checks import check_int, check_real
+from lineattn.layers.basic import check_input, dense, rms_norm
 from lineattn.layers.conv import ShortConv
 from lineattn.layers.segments import RESET_LOG_GATE, check_segment_ids, context_segment_starts, segment_starts
 

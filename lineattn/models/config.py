@@ -7,7 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from lineattn import ops
-from lineattn.layers.basic import check_bool, check_int, check_real
+from lineattn.checks import check_bool, check_int, check_real
 
 ATTENTION_MIXERS = ("attention", "attention_rope", "attention_nope")
 DTYPES = ("float32", "bfloat16", "float16")

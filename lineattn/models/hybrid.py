@@ -3,11 +3,11 @@ norm, tied or separate head."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lineattn.checks import is_concrete
 from lineattn.layers import Attention, LinearAttention, SwiGLU, rms_norm
 from lineattn.layers.segments import check_segment_ids, context_positions, positions_in_segment
 from lineattn.models.config import ATTENTION_MIXERS, ModelConfig
@@ -50,7 +50,7 @@ def check_tokens(tokens, vocab_size):
     """ValueError unless tokens is an integer array [B, T] whose ids (when concrete) lie in [0, vocab_size)."""
     if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be an integer array [B, T], got {tokens.dtype} {tuple(tokens.shape)}")
-    if not isinstance(tokens, jax.core.Tracer) and tokens.size:  # ids can only be checked when concrete
+    if is_concrete(tokens) and tokens.size:  # ids can only be checked when concrete
         ids = np.asarray(tokens)  # (np.min of a jax.Array calls its .min, a traced op inside a jit)
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab_size:

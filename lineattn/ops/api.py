@@ -8,12 +8,11 @@ Outputs have q's dtype; states are fp32 `[N, H, K, V]` (N = B, or the number of 
 from __future__ import annotations
 
 import functools
-import math
-import numbers
 
 import jax
 import jax.numpy as jnp
 
+from lineattn.checks import check_real, is_concrete
 from lineattn.ops import checkpoints, varlen
 from lineattn.ops.columns import per_value_column
 from lineattn.ops.chunk import SUB_CHUNK, chunk
@@ -40,11 +39,6 @@ def _check_float(name, x, expected):
         raise _shape_error(name, f"a floating-point array {expected}", x)
 
 
-def _is_concrete(x) -> bool:
-    """An array with values (not a tracer under jit, nor a shape-only struct)."""
-    return not isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct))
-
-
 def floor_gate(g):
     """g with values below LOG_GATE_FLOOR raised to it (the gradient passes where g >= the floor)."""
     return None if g is None else jnp.where(g < LOG_GATE_FLOOR, LOG_GATE_FLOOR, g)
@@ -65,9 +59,8 @@ def _validate(rule: Rule, q, k, v, g, beta, initial_state, cu_seqlens, backend, 
     V = v.shape[-1]
     if V == 0:
         raise _shape_error("v", "[B, T, H, V] with V >= 1", v)
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
-                              or not math.isfinite(scale)):
-        raise ValueError(f"scale must be None or a finite real number, got {scale!r}")
+    if scale is not None:
+        check_real("scale", scale, lambda s: True, "(or None)")
     expected_g = {
         "none": None,
         "fixed": ((H,), f"[H] = [{H}] (one log decay per head)"),
@@ -83,7 +76,7 @@ def _validate(rule: Rule, q, k, v, g, beta, initial_state, cu_seqlens, backend, 
     else:
         _check_float("g", g, expected_g[1])
         # (only where g has values: a traced g is not checked; a constant under jit is, once, when traced)
-        if _is_concrete(g):
+        if is_concrete(g):
             with jax.ensure_compile_time_eval():
                 if not bool(jnp.all(g <= 0)):
                     raise ValueError(f"g must be a log decay <= 0 (no NaN), got max {float(jnp.max(g))}; the chunk "
