@@ -115,10 +115,12 @@
 #   per-channel forward (G kept where the solve or the backward reads it): fwd+bwd kernels 4.028 ms against 4.165
 #   (8, 4096), 4.544 against 4.746 (1, 32768) (run41f). One Mosaic GPU CTA per decode tile, the tile in SMEM: 147.7+ us
 #   a step against the Triton kernel's 142.8 (run41a-d; removed).
-#   Next (session 40 had no device; it split chunk_fwd into gram, solve and chunk_fwd, and gram_bwd out of chunk_bwd,
-#   kernels unchanged): the whole GPU suite, then the bench with run41's kernels, in one call of about 450 s:
-#     SHARDS=8 TEST_TIMEOUT=330 BENCH_TIMEOUT=200 BENCH_ARGS="--iters 30 --shapes 8x4096,1x32768 --fla= --decode=
-#       --skip lineattn-chunk lineattn-pallas-kernels-mml2" bash benchmarks/h200_issue2.sh
+#   Run42 (session 43, fc99b1c): the whole GPU suite passed (138; SHARDS=8 TEST_TIMEOUT=330 cut two shards at 15 of
+#   17-18 tests, so give 8 shards 380 s); bench KDA (8, 4096) forward 1.289 / 1.384 ms in two calls against jla's
+#   1.533 / 1.584, fwd+bwd 0.709x-0.792x jla's; decode 3.77 TB/s of kernel time (run42a-b).
+#   Next: the sequence of 262144 with run41's kernels (refused a device in session 43; about 2-3 minutes):
+#     SKIP_TESTS=1 BENCH_TIMEOUT=300 BENCH_ARGS="--iters 10 --shapes= --decode= --fla= --long 262144"
+#       bash benchmarks/h200_issue2.sh
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
 #   --rule gdn for Gated DeltaNet, e.g. PROFILE_ARGS='--rule gdn --check --configs default;api.SCALAR_GATE=1')
