@@ -29,7 +29,7 @@
 #   reached 3.59 TB/s at best against Triton's 3.77 (removed; history 0f60cc7): one warpgroup's compute per tile
 #   (reductions over K across its 4 warps) is not hidden behind the copies.
 #   Run17 (session 15): Nsight Compute reads the counters here: NCU=1 [NCU_KERNELS=regex] [NCU_SECTIONS="--section
-#   ..."] PROFILE_ARGS="--impls lineattn,jla --configs 'default;chunk_bwd.WY_BT=64' --decode 256" wraps
+#   ..."] PROFILE_ARGS="--impls lineattn,jla --configs default;chunk_bwd.WY_BT=64 --decode 256" wraps
 #   profile_pallas_kda.py --ncu (registers, occupancy, spills, DRAM throughput per kernel into ncu.log). It showed the
 #   backward's Triton kernels spilling at 255 registers; the fixes took fwd+bwd to 0.84x jla at 8 x 4096 (run17d).
 #   Run18 (session 16): the Gram and solve fused in one Mosaic GPU kernel (GRAM_IMPL=mosaic, removed in session 30):
@@ -120,6 +120,11 @@
 #   1.533 / 1.584, fwd+bwd 0.709x-0.792x jla's; decode 3.77 TB/s of kernel time (run42a-b).
 #   The sequence of 262144 alone (BENCH_ARGS="--iters 10 --shapes= --decode= --fla= --long 262144", 122 s):
 #   forward 11.59 ms, forward+backward 38.38 ms, peaks 13.55 / 21.59 GiB (run42d).
+#   Next: gram.GRAM_KEYS_VIA_NEXT_MIDDLE (session 43, off, not yet timed; 7 exps a tile element down to 5 in the
+#   Gram kernel): its kernel time and errors beside the default (about 2 minutes); if it wins, turn it on and run the
+#   GPU suite with it:
+#     PROFILE=1 PROFILE_ARGS="--impls lineattn --check --configs default;gram.GRAM_KEYS_VIA_NEXT_MIDDLE=True"
+#       bash benchmarks/h200_issue2.sh
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
 #   --rule gdn for Gated DeltaNet, e.g. PROFILE_ARGS='--rule gdn --check --configs default;api.SCALAR_GATE=1')

@@ -774,6 +774,28 @@ def test_gram_bf16x2_splits_the_query_side_only():
     assert err["bf16x2"] < 0.8 * err["bf16"] and err["bf16"] > 1e-3, err
 
 
+def _gram_chunk_case(dtype, gates):
+    """`gram_chunks`' inputs (B = 1, two chunks of 64, H = 2, K = 64; gates uniform in (-5, 0), all at the lower bound
+    -5, all 0, uniform with a -1000 cut at row 70, or weak: uniform in (-0.2, 0)), its keyword arguments and the exact
+    rewrite of flagged chunks."""
+    from lineattn.ops.pallas import gram
+    rng = np.random.default_rng(31)
+    B, Tp, H, K, C = 1, 128, 2, 64, 64
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+    q, k = (jnp.asarray(unit(rng.standard_normal((B, Tp, H, K))), dtype) for _ in range(2))
+    g = {"uniform": rng.uniform(-5, 0, (B, Tp, H, K)), "lower_bound": np.full((B, Tp, H, K), -5.0),
+         "zero": np.zeros((B, Tp, H, K)), "cut": rng.uniform(-5, 0, (B, Tp, H, K)),
+         "weak": rng.uniform(-0.2, 0, (B, Tp, H, K))}[gates]
+    if gates == "cut":
+        g[:, 70] = -1000.0
+    g, beta = jnp.asarray(g, jnp.float32), jnp.asarray(rng.uniform(0, 1, (B, Tp, H)), dtype)
+    prec = "ieee" if dtype == jnp.float32 else "tf32"
+    kw = dict(C=C, scale=K**-0.5, store=jnp.float32 if dtype == jnp.float32 else dtype, prec=prec, interpret=True)
+    exact = lambda flags, G, m, A: gram.gram_exact_chunks(flags, q, k, G, beta, m, A, C=C, scale=K**-0.5,
+                                                               interpret=True, prec=prec)
+    return q, k, g, beta, kw, exact
+
+
 @pytest.mark.parametrize("dtype,gates", [(jnp.float32, "uniform"), (jnp.float32, "cut"), (jnp.bfloat16, "uniform"),
                                          (jnp.bfloat16, "lower_bound"), (jnp.bfloat16, "zero"),
                                          (jnp.bfloat16, "cut")])
@@ -787,19 +809,8 @@ def test_gram_chunks_form_the_gate_cumsum_themselves(dtype, gates):
     # rounding. B = 1, two chunks, H = 2, K = 64 in tiles of 16.
     from lineattn.ops.pallas import gram
     from lineattn.ops.pallas.common import SUB
-    rng = np.random.default_rng(31)
-    B, Tp, H, K, C = 1, 128, 2, 64, 64
-    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
-    q, k = (jnp.asarray(unit(rng.standard_normal((B, Tp, H, K))), dtype) for _ in range(2))
-    g = {"uniform": rng.uniform(-5, 0, (B, Tp, H, K)), "lower_bound": np.full((B, Tp, H, K), -5.0),
-         "zero": np.zeros((B, Tp, H, K)), "cut": rng.uniform(-5, 0, (B, Tp, H, K))}[gates]
-    if gates == "cut":
-        g[:, 70] = -1000.0
-    g, beta = jnp.asarray(g, jnp.float32), jnp.asarray(rng.uniform(0, 1, (B, Tp, H)), dtype)
-    prec = "ieee" if dtype == jnp.float32 else "tf32"
-    kw = dict(C=C, scale=K**-0.5, store=jnp.float32 if dtype == jnp.float32 else dtype, prec=prec, interpret=True)
-    exact = lambda flags, G, m, A: gram.gram_exact_chunks(flags, q, k, G, beta, m, A, C=C, scale=K**-0.5,
-                                                               interpret=True, prec=prec)
+    q, k, g, beta, kw, exact = _gram_chunk_case(dtype, gates)
+    C, K = kw["C"], q.shape[-1]
     G, dend, spreads = gram.gate_cumsum(g, C=C, K=K, interpret=True, spreads=True)
     m, A, *rest = gram.gram_rows(q, k, G, beta, delta=True, warps=2, fast_only=True, kin=True, **kw)
     flags = gram.chunk_flags(spreads, C // SUB)
@@ -822,6 +833,31 @@ def test_gram_chunks_form_the_gate_cumsum_themselves(dtype, gates):
     for x, y in zip(kept, (*got[:4], got[5], got_flags)):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
     np.testing.assert_allclose(np.asarray(kept_G), np.asarray(G), rtol=2e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,gates", [(jnp.float32, "weak"), (jnp.float32, "lower_bound"), (jnp.float32, "cut"),
+                                         (jnp.bfloat16, "weak"), (jnp.bfloat16, "uniform")])
+def test_gram_keys_via_the_next_middle_row(dtype, gates, monkeypatch):
+    # `gram.GRAM_KEYS_VIA_NEXT_MIDDLE`: the keys of earlier blocks toward a block's middle row as two factors <= 1
+    # (toward the next block's middle row, then a [1, K] row) instead of one exp per block: M and A (after the exact
+    # rewrite of flagged chunks) within 1e-6 relative RMS of the one-exp form in fp32 (CPU: ~1e-7, the factors' two
+    # roundings), 3e-4 in bf16 with tf32 products (a rounding flip of an operand); Qin, Kg, Kin, e^(G_C) and the
+    # flags bit for bit. At the lower bound (-5 a token) the middle rows of blocks two apart lie 160 nats apart: the
+    # factor underflows to 0 there, as the one exp does.
+    from lineattn.ops.pallas import gram
+    q, k, g, beta, kw, exact = _gram_chunk_case(dtype, gates)
+    outs = {}
+    for via in (False, True):
+        monkeypatch.setattr(gram, "GRAM_KEYS_VIA_NEXT_MIDDLE", via)
+        m, A, qin, kg, kin, dend, flags, G = gram.gram_chunks(q, k, g, beta, bk=16, **kw)
+        outs[via] = (*exact(flags, G, m, A), qin, kg, kin, dend, flags)
+    tol = 1e-6 if dtype == jnp.float32 else 3e-4
+    for name, x, y in zip(("M", "A"), outs[True][:2], outs[False][:2]):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        assert np.all(np.isfinite(x)), name
+        assert np.sqrt(np.mean((x - y) ** 2) / np.mean(y**2)) <= tol, name
+    for x, y in zip(outs[True][2:], outs[False][2:]):
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
 
 
 def test_chunk_cumsum_is_exact_to_fp32():

@@ -266,6 +266,13 @@ GRAM_FORMS_G = True
 # and cumsum kernels it replaces. (Each row block's products against the keys up to its end only, 16, 32, 64 and 64
 # rows split from the chunk's, took 0.706 ms against 0.684: run40c, history ff1450c.)
 GRAM_CHUNK_BK, GRAM_CHUNK_WARPS, GRAM_CHUNK_STAGES = 16, 2, 3
+# GRAM_KEYS_VIA_NEXT_MIDDLE: in that kernel, each row block a's keys e^(G_a' - G_j) k_j (a' its middle row) for a key
+# j of an earlier block b as (e^(G_b'' - G_j) k_j) e^(G_a' - G_b''), b'' the middle row of block b + 1: the first
+# factor is formed once for all blocks, the second is a [1, |d|] row, both <= 1 (G falls along the chunk), so no
+# factor underflows unless the product does. The keys then take two exps a tile element where they took four (one per
+# block): the kernel's exps fall from seven a tile element to five. Read when traced. Not yet timed on the GPU (session
+# 43 had no device time left; the CPU suite passes with it on), so off: the next profile decides (h200_issue2.sh).
+GRAM_KEYS_VIA_NEXT_MIDDLE = False
 
 
 def chunk_cumsum(g):
@@ -315,9 +322,23 @@ def _gram_chunk_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_
         spread = jnp.maximum(spread, jnp.max(jnp.abs(G - G_mid)))
         x = exp(G - G_mid)  # each row toward its block's middle row
         left_q, left_k = jnp.split(q * (scale * x), nb, axis=0), jnp.split(k * x, nb, axis=0)
+        if GRAM_KEYS_VIA_NEXT_MIDDLE:
+            own = keys_toward(k, G, G_mid)  # block a's keys toward its own middle row (clamped as before)
+            G_next = mids[-1]
+            for b in range(nb - 2, -1, -1):
+                G_next = jnp.where(block_of_row == b, mids[b + 1], G_next)
+            ahead = k * exp(G_next - G)  # each key of block b < nb - 1 toward the middle row of block b + 1
         new = []
         for a in range(nb):
-            kc = keys_toward(k, G, mids[a])
+            if not GRAM_KEYS_VIA_NEXT_MIDDLE:
+                kc = keys_toward(k, G, mids[a])
+            elif a == 0:
+                kc = own  # (the keys of later blocks meet masked entries only, and are finite)
+            else:
+                step = jnp.ones_like(mids[a])
+                for b in range(a - 1):
+                    step = jnp.where(block_of_row == b, exp(mids[a] - mids[b + 1]), step)
+                kc = jnp.where(block_of_row < a, ahead * step, own)
             new.append((acc[a][0] + dot(left_q[a], kc, prec, trans_b=True),
                         acc[a][1] + dot(left_k[a], kc, _a_prec(prec), trans_b=True)))
         return spread, new
