@@ -840,10 +840,10 @@ def test_gram_chunks_form_the_gate_cumsum_themselves(dtype, gates):
 def test_gram_keys_via_the_next_middle_row(dtype, gates, monkeypatch):
     # `gram.GRAM_KEYS_VIA_NEXT_MIDDLE`: the keys of earlier blocks toward a block's middle row as two factors <= 1
     # (toward the next block's middle row, then a [1, K] row) instead of one exp per block: M and A (after the exact
-    # rewrite of flagged chunks) within 1e-6 relative RMS of the one-exp form in fp32 (CPU: ~1e-7, the factors' two
-    # roundings), 3e-4 in bf16 with tf32 products (a rounding flip of an operand); Qin, Kg, Kin, e^(G_C) and the
-    # flags bit for bit. At the lower bound (-5 a token) the middle rows of blocks two apart lie 160 nats apart: the
-    # factor underflows to 0 there, as the one exp does.
+    # rewrite of flagged chunks) within 1e-6 relative RMS of the one-exp form in fp32 (CPU: 1e-8, the factors' two
+    # roundings), 3e-4 in bf16 with tf32 products (CPU: 1e-8; on a GPU a rounding flip of an operand); Qin, Kg, Kin,
+    # e^(G_C) and the flags bit for bit. At the lower bound (-5 a token) the middle rows of blocks two apart lie 160
+    # nats apart: the factor underflows to 0 there, as the one exp does.
     from lineattn.ops.pallas import gram
     q, k, g, beta, kw, exact = _gram_chunk_case(dtype, gates)
     outs = {}
