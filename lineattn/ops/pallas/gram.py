@@ -299,6 +299,13 @@ def _gram_chunk_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_
     rows = iota((C, bk), 0)
     block_of_row = rows // SUB
 
+    def by_block(values):
+        """[C, bk]: values[b] [1, bk] in the rows of 16-row block b."""
+        out = values[0]
+        for b in range(1, nb):
+            out = jnp.where(block_of_row == b, values[b], out)
+        return out
+
     def gate(d):
         G = chunk_cumsum(g_ref[:, d].astype(f32))
         return G, jnp.sum(jnp.where(rows == C - 1, G, 0.0), axis=0, keepdims=True)
@@ -316,17 +323,13 @@ def _gram_chunk_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_
             kin_ref[:, d] = (k * eG).astype(kin_ref.dtype)
         kg_ref[:, d] = (k * exp(G_C - G)).astype(kg_ref.dtype)
         mids = middle_rows(G)
-        G_mid = mids[0]
-        for a in range(1, nb):
-            G_mid = jnp.where(block_of_row == a, mids[a], G_mid)
+        G_mid = by_block(mids)
         spread = jnp.maximum(spread, jnp.max(jnp.abs(G - G_mid)))
         x = exp(G - G_mid)  # each row toward its block's middle row
         left_q, left_k = jnp.split(q * (scale * x), nb, axis=0), jnp.split(k * x, nb, axis=0)
         if GRAM_KEYS_VIA_NEXT_MIDDLE:
             own = keys_toward(k, G, G_mid)  # block a's keys toward its own middle row (clamped as before)
-            G_next = mids[-1]
-            for b in range(nb - 2, -1, -1):
-                G_next = jnp.where(block_of_row == b, mids[b + 1], G_next)
+            G_next = by_block(mids[1:] + mids[-1:])
             ahead = k * exp(G_next - G)  # each key of block b < nb - 1 toward the middle row of block b + 1
         new = []
         for a in range(nb):
