@@ -791,8 +791,8 @@ def _gram_chunk_case(dtype, gates):
     g, beta = jnp.asarray(g, jnp.float32), jnp.asarray(rng.uniform(0, 1, (B, Tp, H)), dtype)
     prec = "ieee" if dtype == jnp.float32 else "tf32"
     kw = dict(C=C, scale=K**-0.5, store=jnp.float32 if dtype == jnp.float32 else dtype, prec=prec, interpret=True)
-    exact = lambda flags, G, m, A, rows=(): gram.gram_exact_chunks(flags, q, k, G, beta, m, A, C=C, scale=K**-0.5,
-                                                                        interpret=True, prec=prec, rows=rows)
+    exact = lambda flags, G, m, A: gram.gram_exact_chunks(flags, q, k, G, beta, m, A, C=C, scale=K**-0.5,
+                                                               interpret=True, prec=prec)
     return q, k, g, beta, kw, exact
 
 
@@ -824,47 +824,50 @@ def test_gram_chunks_form_the_gate_cumsum_themselves(dtype, gates):
         assert np.sqrt(np.mean((x - y) ** 2) / max(np.mean(y**2), 1e-30)) <= 3e-4, name
     if gates == "cut":  # (G is written in the flagged chunk only)
         np.testing.assert_allclose(np.asarray(got_G[:, C:]), np.asarray(G[:, C:]), rtol=2e-6, atol=1e-5)
-    # keep_g (the saving forward and the solve's forms: G in every chunk for them) and without Kin: the same M, A
-    # (after the exact rewrite, which reads its G), Qin, Kg, e^(G_C) and flags, bit for bit, and G in both chunks to
-    # fp32 rounding. (Compared in fp32: the fast path's M and A before the rewrite hold NaNs in a flagged chunk.)
+    # keep_g (the saving forward and the solve's forms: G in every chunk for them) and without Kin: the same Qin, Kg,
+    # e^(G_C) and flags, bit for bit, M and A (after the exact rewrite, which reads its G) within 1e-6 relative RMS
+    # in fp32, 3e-4 in bf16 (its keys' factors are GRAM_FACTORS_KEEP_G's, not GRAM_FACTORS'), and G in both chunks to
+    # fp32 rounding.
+    # (Compared in fp32: the fast path's M and A before the rewrite hold NaNs in a flagged chunk.)
     k_m, k_A, k_qin, k_kg, k_dend, k_flags, kept_G = gram.gram_chunks(q, k, g, beta, bk=16, kin=False,
                                                                            keep_g=True, **kw)
     kept = (*exact(k_flags, kept_G, k_m, k_A), k_qin, k_kg, jnp.swapaxes(k_dend, -1, -2), k_flags)
-    for x, y in zip(kept, (*got[:4], got[5], got_flags)):
+    for x, y in zip(kept[:2], got[:2]):
+        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+        assert np.sqrt(np.mean((x - y) ** 2) / max(np.mean(y**2), 1e-30)) <= (1e-6 if dtype == jnp.float32 else 3e-4)
+    for x, y in zip(kept[2:], (*got[2:4], got[5], got_flags)):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
     np.testing.assert_allclose(np.asarray(kept_G), np.asarray(G), rtol=2e-6, atol=1e-5)
 
 
-@pytest.mark.parametrize("factors", ["next-middle", "middle"])
+@pytest.mark.parametrize("factors", ["next-middle", "middle-keys"])
 @pytest.mark.parametrize("dtype,gates", [(jnp.float32, "weak"), (jnp.float32, "lower_bound"), (jnp.float32, "cut"),
                                          (jnp.bfloat16, "weak"), (jnp.bfloat16, "uniform"), (jnp.bfloat16, "zero")])
 def test_gram_factors_through_middle_rows(factors, dtype, gates, monkeypatch):
-    # `gram.GRAM_FACTORS` against "per-block" (one exp per key and block): "next-middle" (the keys of earlier blocks as
-    # two factors <= 1, toward the next block's middle row, then a [1, K] row) and "middle" (every key toward its own
-    # block's middle row, then a row e^(G_a' - G_b'); the gated rows Qin, Kg, Kin through the same factors, and
-    # rewritten by `gram_exact_chunks` in flagged chunks). M, A (after the exact rewrite), and for "middle" Qin, Kg,
-    # Kin, within 1e-6 relative RMS in fp32 (CPU: <= 4e-7, the factors' roundings) and 3e-4 in bf16 (CPU: <= 6e-7; on a
-    # GPU a bf16 rounding flip of a stored row or an operand); "next-middle"'s rows, and both's e^(G_C) and flags, bit
-    # for bit. At the lower bound (-5 a token) the middle rows of blocks two apart lie 160 nats apart: the factors
-    # underflow to 0 there, as the one exp does. The cut (-1000 at row 70) flags the second chunk.
+    # `gram.GRAM_FACTORS` / `GRAM_FACTORS_KEEP_G` against "per-block" (one exp per key and block): "next-middle" (the
+    # keys of earlier blocks as two factors <= 1, toward the next block's middle row, then a [1, K] row) and
+    # "middle-keys" (every key toward its own block's middle row, then a row e^(G_a' - G_b')), in both of
+    # `gram_chunks`' forms (Kin written; G kept). M and A (after the exact rewrite of flagged chunks) within 1e-6
+    # relative RMS in fp32 (CPU: <= 6e-8, the factors' roundings), 3e-4 in bf16 (CPU: <= 1.3e-7; on a GPU a rounding
+    # flip of an operand); Qin, Kg, Kin, e^(G_C), the flags and the kept G bit for bit. At the lower bound (-5 a
+    # token) the middle rows of blocks two apart lie 160 nats apart: the factors underflow to 0 there, as the one exp
+    # does. The cut (-1000 at row 70) flags the second chunk.
     from lineattn.ops.pallas import gram
     q, k, g, beta, kw, exact = _gram_chunk_case(dtype, gates)
-    outs = {}
-    for mode in ("per-block", factors):
-        monkeypatch.setattr(gram, "GRAM_FACTORS", mode)
-        m, A, qin, kg, kin, dend, flags, G = gram.gram_chunks(q, k, g, beta, bk=16, **kw)
-        rows = (qin, kg, kin) if gram.rows_rewritten() else ()
-        m, A, *rows = exact(flags, G, m, A, rows)
-        outs[mode] = (m, A, *(rows or (qin, kg, kin)), dend, flags)
-    assert float(jnp.max(outs[factors][-1])) == (1.0 if gates == "cut" else 0.0)
     tol = 1e-6 if dtype == jnp.float32 else 3e-4
-    close = 5 if factors == "middle" else 2
-    for name, x, y in zip(("M", "A", "Qin", "Kg", "Kin"), outs[factors][:close], outs["per-block"][:close]):
-        x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
-        assert np.all(np.isfinite(x)), name
-        assert np.sqrt(np.mean((x - y) ** 2) / np.mean(y**2)) <= tol, name
-    for x, y in zip(outs[factors][close:], outs["per-block"][close:]):
-        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    for keep_g in (False, True):
+        outs = {}
+        for mode in ("per-block", factors):
+            monkeypatch.setattr(gram, "GRAM_FACTORS_KEEP_G" if keep_g else "GRAM_FACTORS", mode)
+            m, A, *rest, flags, G = gram.gram_chunks(q, k, g, beta, bk=16, kin=not keep_g, keep_g=keep_g, **kw)
+            outs[mode] = (*exact(flags, G, m, A), *rest, flags) + ((G,) if keep_g else ())
+        assert float(jnp.max(outs[factors][-2 if keep_g else -1])) == (1.0 if gates == "cut" else 0.0)
+        for name, x, y in zip(("M", "A"), outs[factors], outs["per-block"]):
+            x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+            assert np.all(np.isfinite(x)), name
+            assert np.sqrt(np.mean((x - y) ** 2) / np.mean(y**2)) <= tol, (name, keep_g)
+        for x, y in zip(outs[factors][2:], outs["per-block"][2:]):
+            np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
 
 
 def test_chunk_cumsum_is_exact_to_fp32():

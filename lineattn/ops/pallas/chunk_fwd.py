@@ -79,12 +79,9 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
             m, A, qin, kg, *kin = gram_rows(q, k, G, gram_beta, C=C, scale=scale, store=store, prec=gram_prec,
                                             delta=delta, warps=warps, interpret=interpret, bk=gram.GRAM_BK,
                                             kin=inverse_in_pass)
-    if split:  # (with the rows of flagged chunks where `gram_chunks` left them wrong)
-        rows = (qin, kg, *kin) if forms_g and gram.rows_rewritten() else ()
-        m, A, *rows = gram_exact_chunks(flags, q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret,
-                                        prec=gram_prec, rows=rows)
-        if rows:
-            qin, kg, *kin = rows
+    if split:
+        m, A = gram_exact_chunks(flags, q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret,
+                                 prec=gram_prec)
     # saved for the backward: a channel gate's G and chunk flags (a scalar gate's G is K times its g: recomputed)
     gate = (None, None) if scalar else (G, flags if split else None)
     if not delta:

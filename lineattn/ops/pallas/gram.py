@@ -202,11 +202,11 @@ def gram_rows(q, k, G, beta, *, C, scale, store, prec, delta, warps, interpret, 
     )(q, k, G, beta)
 
 
-def _gram_exact_chunk_kernel(flag_ref, q_ref, k_ref, G_ref, beta_ref, *refs, C, scale, prec, bk, rows):
-    """One chunk: when flagged, rewrites all of M's and A's rows by the exact path, and with rows Qin, Kg (and Kin:
-    rows 3) from e^G and e^(G_C - G) (in place: the refs after beta's are the inputs aliased to the outputs after
-    them); the other programs read their flag only."""
-    m_ref, a_ref, *row_refs = refs[len(refs) // 2:]
+def _gram_exact_chunk_kernel(flag_ref, q_ref, k_ref, G_ref, beta_ref, m_in_ref, a_in_ref, m_ref, a_ref, *, C,
+                             scale, prec, bk):
+    """One chunk: when flagged, rewrites all of M's and A's rows by the exact path (in place: m_in, a_in alias m,
+    a); the other programs read their flag only."""
+    del m_in_ref, a_in_ref
 
     @pl.when(jnp.max(flag_ref[...]) > 0.0)
     def _():
@@ -217,14 +217,6 @@ def _gram_exact_chunk_kernel(flag_ref, q_ref, k_ref, G_ref, beta_ref, *refs, C, 
             return carry
 
         jax.lax.fori_loop(0, C // SUB, block, 0)
-        for t in range(k_ref.shape[-1] // bk if rows else 0):
-            d = pl.ds(t * bk, bk)
-            G, k = G_ref[:, d], k_ref[:, d].astype(f32)
-            eG = exp(G)
-            row_refs[0][:, d] = (q_ref[:, d].astype(f32) * scale * eG).astype(row_refs[0].dtype)
-            row_refs[1][:, d] = (k * exp(G_ref[pl.ds(C - 1, 1), d] - G)).astype(row_refs[1].dtype)
-            if rows == 3:
-                row_refs[2][:, d] = (k * eG).astype(row_refs[2].dtype)
 
 
 def chunk_flags(spreads, nb: int):
@@ -233,29 +225,24 @@ def chunk_flags(spreads, nb: int):
     return jnp.broadcast_to((jnp.max(spreads, axis=(3, 4)) > LIMIT).astype(f32)[..., None], spreads.shape[:3] + (nb,))
 
 
-def gram_exact_chunks(flags, q, k, G, beta, m, A, *, C, scale, interpret, prec, bk=64, rows=()):
+def gram_exact_chunks(flags, q, k, G, beta, m, A, *, C, scale, interpret, prec, bk=64):
     """M, A [B, H, Tp, C] with the chunks flagged in flags [B, H, N, C / 16] (`chunk_flags`; those that hold a 16-row
     block of spread > LIMIT) recomputed exactly (`_gram_exact`, products at `prec`), after a fast path that has no
-    exact path of its own (`gram_rows(fast_only=True)`, `gram_chunks`); q, k, G [B, Tp, H, K], beta [B, Tp, H].
-    rows: (Qin, Kg) or (Qin, Kg, Kin) [B, H, Tp, K] to rewrite in the flagged chunks too (`gram_chunks` with
-    GRAM_FACTORS "middle"), returned after M and A."""
+    exact path of its own (`gram_rows(fast_only=True)`, `gram_chunks`); q, k, G [B, Tp, H, K], beta [B, Tp, H]."""
     B, Tp, H, K = q.shape
     nb = C // SUB
     tok = pl.BlockSpec((None, C, None, K), lambda b, h, n: (b, n, h, 0))
-    mat = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
-    outs = [m, A, *rows]
-    specs = [mat(C), mat(C)] + [mat(K)] * len(rows)
+    mat = pl.BlockSpec((None, None, C, C), lambda b, h, n: (b, h, n, 0))
     return pallas_call(
-        functools.partial(_gram_exact_chunk_kernel, C=C, scale=scale, prec=prec, bk=min(bk, K), rows=len(rows)),
+        functools.partial(_gram_exact_chunk_kernel, C=C, scale=scale, prec=prec, bk=min(bk, K)),
         grid=(B, H, Tp // C),
         in_specs=[pl.BlockSpec((None, None, None, nb), lambda b, h, n: (b, h, n, 0)), tok, tok, tok,
-                  pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))] + specs,
-        out_specs=specs,
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in outs],
-        input_output_aliases={5 + i: i for i in range(len(outs))},
-        compiler_params=compiler_params(num_warps=GRAM_WARPS, num_stages=1),
+                  pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h)), mat, mat],
+        out_specs=[mat, mat],
+        out_shape=[jax.ShapeDtypeStruct(m.shape, m.dtype), jax.ShapeDtypeStruct(A.shape, A.dtype)],
+        input_output_aliases={5: 0, 6: 1}, compiler_params=compiler_params(num_warps=GRAM_WARPS, num_stages=1),
         interpret=interpret, name="lineattn_chunk_gram_exact",
-    )(flags, q, k, G, beta, *outs)
+    )(flags, q, k, G, beta, m, A)
 
 
 # GRAM_FORMS_G: for a per-channel gate (with the split Gram stage), one program per chunk forms the gate's in-chunk
@@ -279,20 +266,25 @@ GRAM_FORMS_G = True
 # and cumsum kernels it replaces. (Each row block's products against the keys up to its end only, 16, 32, 64 and 64
 # rows split from the chunk's, took 0.706 ms against 0.684: run40c, history ff1450c.)
 GRAM_CHUNK_BK, GRAM_CHUNK_WARPS, GRAM_CHUNK_STAGES = 16, 2, 3
-# GRAM_FACTORS: how that kernel scales each 16-row block a's keys toward a's middle row a' (e^(G_a' - G_j) k_j) and
-# forms its gated rows (read when traced):
-#   - "per-block": one exp per key and block, e^(min(G_a' - G_j, LIMIT)), and e^G, e^(G_C - G) for the rows: seven exps
-#     a tile element;
-#   - "next-middle" (session 43): a key j of an earlier block b as (e^(G_b'' - G_j) k_j) e^(G_a' - G_b''), b'' the
-#     middle row of block b + 1: the first factor formed once for all blocks, the second a [1, |d|] row, both <= 1
-#     (G falls along the chunk), so no factor underflows unless the product does: five exps;
-#   - "middle": every key toward its own block's middle row once, e^(min(G_b' - G_j, LIMIT)) k_j, times the row
-#     e^(G_a' - G_b') (<= 1 for b < a), and the rows through the same factors, e^G = e^(G - G_b') e^(G_b') and
-#     e^(G_C - G) = e^(G_b' - G) e^(G_C - G_b'): two exps a tile element. In a chunk whose rows all lie within LIMIT
-#     nats of their middle row no factor overflows (<= e^40), and a factor <= 1 underflows only where the product is
-#     below e^-47; in a flagged chunk the rows are wrong here and `gram_exact_chunks` rewrites them (rows=).
-# Not yet timed on the GPU (sessions 43-44); the CPU suite passes with each.
-GRAM_FACTORS = "per-block"
+# GRAM_FACTORS (a forward alone, which writes Kin for the state pass) and GRAM_FACTORS_KEEP_G (the forwards that keep
+# G for the solve or the backward, no Kin): how that kernel scales each 16-row block a's keys toward a's middle row a',
+# e^(G_a' - G_j) k_j (read when traced):
+#   - "per-block": one exp per key and block, e^(min(G_a' - G_j, LIMIT)): four exps a tile element, seven with the
+#     rows' e^G and e^(G_C - G) and the left operands' e^(G - G_a');
+#   - "next-middle": a key j of an earlier block b as (e^(G_b'' - G_j) k_j) e^(G_a' - G_b''), b'' the middle row of
+#     block b + 1: the first factor formed once for all blocks, the second a [1, |d|] row, both <= 1 (G falls along
+#     the chunk), so a factor underflows only where the product does: five exps in all;
+#   - "middle-keys": every key toward its own block's middle row once, e^(min(G_b' - G_j, LIMIT)) k_j, times the row
+#     e^(G_a' - G_b') (<= 1 for b < a): four exps in all. No factor exceeds e^40, and the row underflows only where
+#     the product is below e^-47 (the exact rewrite takes the chunks where a row lies beyond LIMIT).
+# H200, KDA 8 x 4096 bf16, the kernel's time in one profile (run43c, repeated in run43d to 0.001 ms): a forward alone
+# 0.500 ms per-block, 0.483 next-middle, 0.543 middle-keys; the forward that saves for the backward 0.601, 0.579,
+# 0.502: forward kernels 0.869 -> 0.852 ms, forward+backward 4.030 -> 3.932 with the pair chosen here (Triton's
+# schedule, not the count of exps, decides: K tiles pipelined two deep were 0.03-0.1 ms slower with either). With
+# "middle", the rows e^G and e^(G_C - G) also through the middle rows (two exps in all, the flagged chunks' rows
+# rewritten after): 0.585 / 0.597 (removed; history e79f86b). With the rows' stores after the middle rows' exps (the
+# kernel's order changed, nothing else) per-block took 0.618 ms against 0.500 (run43b).
+GRAM_FACTORS, GRAM_FACTORS_KEEP_G = "next-middle", "middle-keys"
 
 
 def chunk_cumsum(g):
@@ -337,6 +329,11 @@ def _gram_chunk_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_
             step = jnp.where(block_of_row == b, exp(Ga - anchor), step)
         return step
 
+    factors = GRAM_FACTORS_KEEP_G if keep_g else GRAM_FACTORS
+    if factors not in ("per-block", "next-middle", "middle-keys"):
+        raise ValueError(f"gram.GRAM_FACTORS{'_KEEP_G' if keep_g else ''} must be 'per-block', 'next-middle' or "
+                         f"'middle-keys', got {factors!r}")
+
     def tile(d, carry):
         spread, acc = carry
         G, G_C = gate(d)
@@ -344,34 +341,30 @@ def _gram_chunk_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_
             G_ref[:, d] = G
         dend_ref[d] = exp(G_C[0])
         q, k = q_ref[:, d].astype(f32), k_ref[:, d].astype(f32)
+        eG = exp(G)
+        qin_ref[:, d] = (q * scale * eG).astype(qin_ref.dtype)
+        if kin:
+            kin_ref[:, d] = (k * eG).astype(kin_ref.dtype)
+        kg_ref[:, d] = (k * exp(G_C - G)).astype(kg_ref.dtype)
         mids = middle_rows(G)
         G_mid = by_block(mids)
         spread = jnp.maximum(spread, jnp.max(jnp.abs(G - G_mid)))
         x = exp(G - G_mid)  # each row toward its block's middle row
-        if GRAM_FACTORS == "middle":
-            to_mid = exp(jnp.minimum(G_mid - G, LIMIT))  # (`keys_toward`'s factor for each row's own block)
-            eG = x * by_block([exp(m) for m in mids])
-            to_end = to_mid * by_block([exp(G_C - m) for m in mids])
-        else:
-            eG, to_end = exp(G), exp(G_C - G)
-        qin_ref[:, d] = (q * scale * eG).astype(qin_ref.dtype)
-        if kin:
-            kin_ref[:, d] = (k * eG).astype(kin_ref.dtype)
-        kg_ref[:, d] = (k * to_end).astype(kg_ref.dtype)
         left_q, left_k = jnp.split(q * (scale * x), nb, axis=0), jnp.split(k * x, nb, axis=0)
-        if GRAM_FACTORS == "middle":
-            own = k * to_mid
-        elif GRAM_FACTORS == "next-middle":
-            own = keys_toward(k, G, G_mid)  # block a's keys toward its own middle row (clamped as before)
+        if factors != "per-block":
+            own = keys_toward(k, G, G_mid)  # every key toward its own block's middle row
+        if factors == "next-middle":
             ahead = k * exp(by_block(mids[1:] + mids[-1:]) - G)  # each key of block b toward block b + 1's middle
         new = []
         for a in range(nb):
-            if GRAM_FACTORS == "per-block":
+            if factors == "per-block":
                 kc = keys_toward(k, G, mids[a])
-            elif GRAM_FACTORS == "middle":
-                kc = own * toward(mids[a], mids[:a]) if a else own
-            else:  # (the keys of later blocks meet masked entries only, and are finite)
-                kc = jnp.where(block_of_row < a, ahead * toward(mids[a], mids[1:a + 1]), own) if a else own
+            elif a == 0:
+                kc = own  # (the keys of later blocks meet masked entries only, and are finite)
+            elif factors == "middle-keys":
+                kc = own * toward(mids[a], mids[:a])
+            else:
+                kc = jnp.where(block_of_row < a, ahead * toward(mids[a], mids[1:a + 1]), own)
             new.append((acc[a][0] + dot(left_q[a], kc, prec, trans_b=True),
                         acc[a][1] + dot(left_k[a], kc, _a_prec(prec), trans_b=True)))
         return spread, new
@@ -395,20 +388,12 @@ def _gram_chunk_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_
         common.over_tiles(K // bk, bk, write, 0)
 
 
-def rows_rewritten() -> bool:
-    """Whether `gram_chunks` leaves the flagged chunks' Qin, Kg, Kin for `gram_exact_chunks(rows=...)` to rewrite."""
-    return GRAM_FACTORS == "middle"
-
-
 def gram_chunks(q, k, g, beta, *, C, scale, store, prec, interpret, bk=None, kin=True, keep_g=False):
     """From the raw per-channel log gate g [B, Tp, H, K] fp32 (no gate-cumsum kernel before it; see GRAM_FORMS_G):
     M, A, Qin, Kg, (with kin) Kin [B, H, Tp, .] (`gram_rows(fast_only=True, kin=kin)`'s), e^(G_C) [B, H, N, K], the
     chunks' flags [B, H, N, C / 16] (1.0 where `gram_exact_chunks` must rewrite the chunk) and G [B, Tp, H, K] fp32,
     written in every chunk with keep_g (for the solve and the backward), else in the flagged chunks only (elsewhere
-    unset). q, k [B, Tp, H, K], beta [B, Tp, H]. With GRAM_FACTORS "middle" the flagged chunks' Qin, Kg, Kin are
-    wrong too, and `gram_exact_chunks(rows=...)` must rewrite them (`rows_rewritten`)."""
-    if GRAM_FACTORS not in ("per-block", "next-middle", "middle"):
-        raise ValueError(f"gram.GRAM_FACTORS must be 'per-block', 'next-middle' or 'middle', got {GRAM_FACTORS!r}")
+    unset). q, k [B, Tp, H, K], beta [B, Tp, H]."""
     B, Tp, H, K = q.shape
     N, nb = Tp // C, C // SUB
     bk = min(bk or GRAM_CHUNK_BK, K)
