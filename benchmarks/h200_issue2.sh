@@ -120,11 +120,13 @@
 #   1.533 / 1.584, fwd+bwd 0.709x-0.792x jla's; decode 3.77 TB/s of kernel time (run42a-b).
 #   The sequence of 262144 alone (BENCH_ARGS="--iters 10 --shapes= --decode= --fla= --long 262144", 122 s):
 #   forward 11.59 ms, forward+backward 38.38 ms, peaks 13.55 / 21.59 GiB (run42d).
-#   Next: gram.GRAM_KEYS_VIA_NEXT_MIDDLE (session 43, off, not yet timed; 7 exps a tile element down to 5 in the
-#   Gram kernel): its kernel time and errors beside the default (about 2 minutes); if it wins, turn it on and run the
-#   GPU suite with it:
-#     PROFILE=1 PROFILE_ARGS="--impls lineattn --check --configs default;gram.GRAM_KEYS_VIA_NEXT_MIDDLE=True"
-#       bash benchmarks/h200_issue2.sh
+#   Run43 (session 44): the Gram kernel's keys toward each block's middle row with fewer exps (gram.GRAM_FACTORS
+#   "next-middle" for a forward alone, GRAM_FACTORS_KEEP_G "middle-keys" for the forwards that keep G): the kernel
+#   0.500 -> 0.483 ms and 0.601 -> 0.502, forward kernels 0.852 ms, fwd+bwd 3.932 (run43c-d); the order of the
+#   kernel's stores matters as much (0.618 ms with the rows' stores moved after the middle rows, run43b). The whole
+#   GPU suite passed (150, SHARDS=8 TEST_TIMEOUT=420: 283-348 s a shard, run43e); bench in two calls (run43f-g):
+#   KDA (8, 4096) fwd 1.500 / 1.304 ms against jla's 1.405 / 1.830, fwd+bwd 0.742x / 0.815x jla's.
+#   Note: without SKIP_TESTS=1 a PROFILE=1 call runs the tests first (run43a lost 200 s to that).
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
 #   --rule gdn for Gated DeltaNet, e.g. PROFILE_ARGS='--rule gdn --check --configs default;api.SCALAR_GATE=1')
