@@ -870,6 +870,16 @@ def test_gram_factors_through_middle_rows(factors, dtype, gates, monkeypatch):
             np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
 
 
+def test_gram_factors_unknown_is_a_value_error(monkeypatch):
+    # A misspelt or removed `gram.GRAM_FACTORS` ("middle", removed in session 44) fails when traced, naming the setting.
+    from lineattn.ops.pallas import gram
+    q, k, g, beta, kw, _ = _gram_chunk_case(jnp.float32, "uniform")
+    for name, keep_g in (("GRAM_FACTORS", False), ("GRAM_FACTORS_KEEP_G", True)):
+        monkeypatch.setattr(gram, name, "middle")
+        with pytest.raises(ValueError, match=f"gram.{name} must be"):
+            gram.gram_chunks(q, k, g, beta, bk=16, kin=not keep_g, keep_g=keep_g, **kw)
+
+
 def test_chunk_cumsum_is_exact_to_fp32():
     # `gram.chunk_cumsum` (the in-chunk cumsum of `gram_chunks` as products with the triangle of ones, g in three
     # bf16 parts) against the cumsum in fp64: within 2e-7 relative (CPU: 6e-8, where fp32's sequential cumsum is
