@@ -127,6 +127,9 @@
 #   GPU suite passed (150, SHARDS=8 TEST_TIMEOUT=420: 283-348 s a shard, run43e); bench in two calls (run43f-g):
 #   KDA (8, 4096) fwd 1.500 / 1.304 ms against jla's 1.405 / 1.830, fwd+bwd 0.742x / 0.815x jla's.
 #   Note: without SKIP_TESTS=1 a PROFILE=1 call runs the tests first (run43a lost 200 s to that).
+#   Next: the committed pair's kernel time as one config (run43c timed each setting in a config of its own), at
+#   both shapes beside jla's: SKIP_TESTS=1 PROFILE=1 PROFILE_ARGS="--impls lineattn,jla" bash benchmarks/h200_issue2.sh
+#   (and --shape 1x32768 in a second profile with its own --out, as in run34's sweep above).
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
 #   --rule gdn for Gated DeltaNet, e.g. PROFILE_ARGS='--rule gdn --check --configs default;api.SCALAR_GATE=1')
