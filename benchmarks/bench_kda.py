@@ -68,14 +68,40 @@ def forward_backward(f, do):
     return step
 
 
-def time_jax(fn, args, iters):
+def call_times(fn, args, iters):
+    """Seconds of each of `iters` calls of fn(*args), each ended by `block_until_ready`, after one warm-up call."""
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(iters):
         start = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times))
+    return times
+
+
+def time_jax(fn, args, iters):
+    """Milliseconds: the median of `call_times`."""
+    return 1e3 * float(np.median(call_times(fn, args, iters)))
+
+
+def time_interleaved(fns, args, iters, rounds, on_error=None):
+    """{key: (median ms over all calls, [each round's median ms])} for the functions fns {key: fn}, timed in turn:
+    `rounds` rounds, each giving every function iters / rounds calls (`call_times`, a warm-up call first), so that a
+    machine whose speed drifts during the run (a host's load, clocks) slows all of them alike, not the ones timed
+    last. A function that raises is dropped from the later rounds and from the result, after on_error(key, exc)."""
+    if rounds < 1 or iters % rounds:
+        raise ValueError(f"rounds must be >= 1 and divide iters = {iters}, got {rounds}")
+    times = {key: [] for key in fns}
+    for _ in range(rounds):
+        for key in list(times):
+            try:
+                times[key].append(call_times(fns[key], args, iters // rounds))
+            except Exception as exc:  # (a peer may fail on a shape: the others are still timed)
+                del times[key]
+                if on_error is not None:
+                    on_error(key, exc)
+    return {key: (1e3 * float(np.median(np.concatenate(ts))), [1e3 * float(np.median(t)) for t in ts])
+            for key, ts in times.items()}
 
 
 def _planes(trace_dir: str):

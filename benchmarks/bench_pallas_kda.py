@@ -3,15 +3,18 @@
     python benchmarks/bench_pallas_kda.py --out $OUT          # on the H200 (see benchmarks/h200_issue2.sh)
 
 For each shape: bf16 q, k (L2-normalised), v, beta; fp32 g in (-5, 0); H = 16, K = V = 128. First every
-implementation's forward output is compared with lineattn's XLA chunk form in fp32 on the same rounded inputs
-(max relative error and relative RMS error); then forward and forward+backward (o and the five gradients of
-sum(o * do), `bench_kda.forward_backward`; before run 12 only the gradients, which let XLA drop lineattn's forward
-state pass) are timed (JAX: jit, warm-up,
-median of --iters calls ended by block_until_ready; FLA: triton do_bench median). Then GDN, the decode step
-(B = 256 requests, one token, fp32 state [B, 16, 128, 128] updated in place: TB/s of state read + write, from the
-wall clock of 50 steps in one jitted loop, and from the kernel's device time in a profiler trace of that loop), and
-one long sequence. Writes <out>/<date>-h200-kda.json: a list of {"op", "impl", "mode", "B", "T", "H", "K", "V", "ms",
-"device", "versions", ...} records, rewritten after every record so a cut-short run keeps what it measured.
+implementation's forward output is compared with lineattn's XLA chunk form in fp32 on the same rounded inputs (max
+relative error and relative RMS error); then forward and forward+backward (o and the five gradients of sum(o * do),
+`bench_kda.forward_backward`; before run 12 only the gradients, which let XLA drop lineattn's forward state pass) are
+timed (JAX: jit, warm-up, median of --iters calls ended by block_until_ready, the implementations in turn over
+--rounds rounds of --iters / --rounds calls each, so that drift of the machine during the run slows all alike
+(`bench_kda.time_interleaved`; --rounds 1, the default, times each implementation's calls at once, as every run before
+run 44); FLA: triton do_bench median). Then GDN, the decode step (B = 256 requests, one token, fp32 state [B, 16, 128,
+128] updated in place: TB/s of state read + write, from the wall clock of 50 steps in one jitted loop, and from the
+kernel's device time in a profiler trace of that loop), and one long sequence. Writes <out>/<date>-h200-kda.json: a
+list of {"op", "impl", "mode", "B", "T", "H", "K", "V", "ms", "device", "versions", ...} records ("rounds_ms": each
+round's median), rewritten after every record so a cut-short run keeps what it measured (the JAX rows of a shape are
+written together, once all are timed).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_kda import forward_backward, kernel_times, make_inputs, rel_err, time_jax, versions  # noqa: E402
+from bench_kda import (forward_backward, kernel_times, make_inputs, rel_err, time_interleaved, time_jax,  # noqa: E402
+                       versions)
 
 from lineattn import ops  # noqa: E402
 from lineattn.ops.pallas.common import compiler_params, interpret_mode  # noqa: E402
@@ -118,6 +122,7 @@ def bench_shape(op, B, T, a, skip, fla_modes):
     impls = {n: f for n, f in jax_kda_impls(op).items() if n not in skip}
     ref_args = [y.astype(jnp.float32) for y in args]
     reference = np.asarray(jax.jit(jax_kda_impls(op)["lineattn-chunk"])(*ref_args), np.float32)
+    timed, errs = {}, {}
     for name, f in impls.items():
         fwd = jax.jit(f)
         try:
@@ -125,17 +130,14 @@ def bench_shape(op, B, T, a, skip, fla_modes):
         except Exception as exc:
             print(f"{name} {op} B={B} T={T}: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             continue
-        errs = dict(max_rel_err=rel_err(o, reference), rel_rms_err=rel_rms(o, reference))
-        fwdbwd = jax.jit(forward_backward(f, do))
-        modes = [("fwd", fwd)] + ([] if name == "lineattn-chunk" and op == "gdn"
-                                  else [("fwdbwd", fwdbwd)])
-        for mode, fn in modes:
-            try:
-                ms = time_jax(fn, args, a.iters)
-            except Exception as exc:
-                print(f"{name} {mode}: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-                continue
-            record(a.out, op=op, impl=name, mode=mode, B=B, T=T, H=H, K=K, V=V, ms=ms, dtype="bfloat16", **errs)
+        errs[name] = dict(max_rel_err=rel_err(o, reference), rel_rms_err=rel_rms(o, reference))
+        timed[(name, "fwd")] = fwd
+        if not (name == "lineattn-chunk" and op == "gdn"):
+            timed[(name, "fwdbwd")] = jax.jit(forward_backward(f, do))
+    failed = lambda key, exc: print(f"{key[0]} {key[1]}: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    for (name, mode), (ms, rounds_ms) in time_interleaved(timed, args, a.iters, a.rounds, failed).items():
+        record(a.out, op=op, impl=name, mode=mode, B=B, T=T, H=H, K=K, V=V, ms=ms, dtype="bfloat16",
+               rounds_ms=[round(t, 3) for t in rounds_ms], **errs[name])
     fn = fla_fn(op) if fla_modes else None
     if fn is None:
         return
@@ -287,6 +289,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="JAX implementations timed in turn in this many rounds of --iters / rounds calls each (the "
+                        "median over all calls): drift of the machine then slows all alike; 1: each in one go")
     p.add_argument("--shapes", default="8x4096,1x32768")
     p.add_argument("--skip", nargs="*", default=[])
     p.add_argument("--fla", default="fwd,fwdbwd", help="FLA modes to time ('' for none): autotuning is slow")

@@ -130,6 +130,10 @@
 #   Next: the committed pair's kernel time as one config (run43c timed each setting in a config of its own), at
 #   both shapes beside jla's: SKIP_TESTS=1 PROFILE=1 PROFILE_ARGS="--impls lineattn,jla" bash benchmarks/h200_issue2.sh
 #   (and --shape 1x32768 in a second profile with its own --out, as in run34's sweep above).
+#   The bench now times the JAX implementations in turn (--rounds, session 44: run43g's 0.815x came from a call in
+#   which our forward+backward took 0.36 ms longer than in the call before while jla's took 0.13 less); the next one:
+#     SKIP_TESTS=1 BENCH_TIMEOUT=250 BENCH_ARGS="--iters 30 --rounds 5 --shapes 8x4096,1x32768 --fla= --decode=
+#       --skip lineattn-chunk lineattn-pallas-kernels-mml2" bash benchmarks/h200_issue2.sh
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
 #   --rule gdn for Gated DeltaNet, e.g. PROFILE_ARGS='--rule gdn --check --configs default;api.SCALAR_GATE=1')

@@ -1,0 +1,56 @@
+"""The benchmarks' wall-clock helpers (benchmarks/bench_kda.py): interleaved rounds, medians, failures."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+import bench_kda  # noqa: E402
+
+
+class FakeClock:
+    """time.perf_counter for bench_kda that only the timed functions advance."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_time_interleaved_takes_turns_and_medians(monkeypatch):
+    # Three functions, 6 calls each in 3 rounds: each round calls every function (a warm-up, then 2 timed calls)
+    # before the next round starts; a function taking 1 s (clock time) then 3 s from the second round on has the
+    # median of all its calls (3 s = 3000 ms) and its rounds' medians [1000, 3000, 3000]; one that raises in the
+    # second round is reported through on_error and left out, the others still timed.
+    clock = FakeClock()
+    monkeypatch.setattr(bench_kda.time, "perf_counter", clock)
+    calls = []
+
+    def make(key, seconds):
+        def fn(*args):
+            calls.append(key)
+            if key == "bad" and calls.count("bad") > 3:
+                raise RuntimeError("no kernel for this shape")
+            clock.now += seconds()
+            return 0.0
+        return fn
+
+    drifting = lambda: 1.0 if calls.count("drift") <= 3 else 3.0  # (the first round's three calls take 1 s)
+    fns = {"fixed": make("fixed", lambda: 0.5), "drift": make("drift", drifting), "bad": make("bad", lambda: 2.0)}
+    errors = []
+    got = bench_kda.time_interleaved(fns, (), iters=6, rounds=3, on_error=lambda key, exc: errors.append(key))
+    assert calls[:9] == ["fixed"] * 3 + ["drift"] * 3 + ["bad"] * 3
+    assert calls[9:15] == ["fixed"] * 3 + ["drift"] * 3 and calls[15] == "bad"
+    assert calls[16:] == ["fixed"] * 3 + ["drift"] * 3
+    assert errors == ["bad"] and set(got) == {"fixed", "drift"}
+    assert got["fixed"] == (500.0, [500.0, 500.0, 500.0])
+    assert got["drift"] == (3000.0, [1000.0, 3000.0, 3000.0])
+
+
+def test_time_interleaved_needs_rounds_dividing_iters():
+    with pytest.raises(ValueError, match="rounds must be >= 1 and divide iters = 10"):
+        bench_kda.time_interleaved({"f": lambda: 0.0}, (), iters=10, rounds=3)
+    with pytest.raises(ValueError, match="rounds must be"):
+        bench_kda.time_interleaved({"f": lambda: 0.0}, (), iters=10, rounds=0)
