@@ -3,11 +3,12 @@
     python benchmarks/ab_pallas_kda.py --out $OUT --configs "default;solve.SOLVE_IMPL=triton" \
         [--rule gdn] [--shapes 8x4096,1x32768] [--rounds 3] [--iters 10]
 
-The same timing as bench_pallas_kda.py (median of --iters calls, each followed by `block_until_ready`: dispatch
-and launch overheads included), but every configuration (module constants of `lineattn.ops.pallas`, as
-profile_pallas_kda.py's --configs) is compiled ahead of time and the configurations are timed in turn for
---rounds rounds, so that a difference between them is not drift of the machine. Writes
-<out>/<date>-h200-<rule>-ab.json: a list of {"shape", "config", "mode", "ms" (median over rounds), "rounds_ms"}.
+The same timing as bench_pallas_kda.py (calls each followed by `block_until_ready`: dispatch and launch overheads
+included), but every configuration (module constants of `lineattn.ops.pallas`, as profile_pallas_kda.py's --configs)
+is compiled ahead of time and the configurations are timed in turn for --rounds rounds of --iters calls
+(`bench_kda.time_interleaved`), so that a difference between them is not drift of the machine. Writes
+<out>/<date>-h200-<rule>-ab.json: a list of {"shape", "config", "mode", "ms" (the median over all calls; before
+session 44 the median of the rounds' medians), "rounds_ms" (each round's median)}.
 GDN (--rule gdn) takes the same inputs with the gate's first channel as its head gate, as bench_pallas_kda.py.
 """
 
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_kda import forward_backward, make_inputs, time_jax, versions  # noqa: E402
+from bench_kda import forward_backward, make_inputs, time_interleaved, versions  # noqa: E402
 
 from lineattn import ops  # noqa: E402
 from lineattn.ops.pallas import tuning  # noqa: E402
@@ -63,15 +64,12 @@ def main():
         for config in a.configs.split(";"):
             with tuning.override(tuning.parse(config)):
                 fns[config] = compiled_pair(a.rule, args, do)
-        times = {(c, m): [] for c in fns for m in ("fwd", "fwdbwd")}
-        for _ in range(a.rounds):
-            for (config, mode), ts in times.items():
-                ts.append(time_jax(fns[config][mode], args, a.iters))
-        for (config, mode), ts in times.items():
-            rec = dict(shape=shape, config=config, mode=mode, ms=float(np.median(ts)), rounds_ms=ts)
-            records.append(rec)
-            print(f"  {shape:8s} {mode:7s} {float(np.median(ts)):7.3f} ms  {config}  (rounds: "
-                  + ", ".join(f"{t:.3f}" for t in ts) + ")", flush=True)
+        calls = {(c, m): fns[c][m] for c in fns for m in ("fwd", "fwdbwd")}
+        for (config, mode), (ms, ts) in time_interleaved(calls, args, a.iters * a.rounds, a.rounds).items():
+            records.append(dict(shape=shape, config=config, mode=mode, ms=ms, rounds_ms=ts))
+            print(f"  {shape:8s} {mode:7s} {ms:7.3f} ms  {config}  (rounds: " + ", ".join(f"{t:.3f}" for t in ts)
+                  + ")", flush=True)
+    a.out.mkdir(parents=True, exist_ok=True)
     out = a.out / f"{datetime.date.today()}-h200-{a.rule}-ab.json"
     out.write_text(json.dumps({"device": jax.devices()[0].device_kind, "versions": versions(),
                                "records": records}, indent=1))

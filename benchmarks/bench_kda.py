@@ -88,7 +88,8 @@ def time_interleaved(fns, args, iters, rounds, on_error=None):
     """{key: (median ms over all calls, [each round's median ms])} for the functions fns {key: fn}, timed in turn:
     `rounds` rounds, each giving every function iters / rounds calls (`call_times`, a warm-up call first), so that a
     machine whose speed drifts during the run (a host's load, clocks) slows all of them alike, not the ones timed
-    last. A function that raises is dropped from the later rounds and from the result, after on_error(key, exc)."""
+    last. With on_error, a function that raises is dropped from the later rounds and from the result after
+    on_error(key, exc); without, its exception propagates."""
     if rounds < 1 or iters % rounds:
         raise ValueError(f"rounds must be >= 1 and divide iters = {iters}, got {rounds}")
     times = {key: [] for key in fns}
@@ -97,9 +98,10 @@ def time_interleaved(fns, args, iters, rounds, on_error=None):
             try:
                 times[key].append(call_times(fns[key], args, iters // rounds))
             except Exception as exc:  # (a peer may fail on a shape: the others are still timed)
+                if on_error is None:
+                    raise
                 del times[key]
-                if on_error is not None:
-                    on_error(key, exc)
+                on_error(key, exc)
     return {key: (1e3 * float(np.median(np.concatenate(ts))), [1e3 * float(np.median(t)) for t in ts])
             for key, ts in times.items()}
 

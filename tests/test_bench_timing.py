@@ -23,7 +23,7 @@ def test_time_interleaved_takes_turns_and_medians(monkeypatch):
     # Three functions, 6 calls each in 3 rounds: each round calls every function (a warm-up, then 2 timed calls)
     # before the next round starts; a function taking 1 s (clock time) then 3 s from the second round on has the
     # median of all its calls (3 s = 3000 ms) and its rounds' medians [1000, 3000, 3000]; one that raises in the
-    # second round is reported through on_error and left out, the others still timed.
+    # second round is reported through on_error and left out, the others still timed (without on_error: raised).
     clock = FakeClock()
     monkeypatch.setattr(bench_kda.time, "perf_counter", clock)
     calls = []
@@ -47,6 +47,8 @@ def test_time_interleaved_takes_turns_and_medians(monkeypatch):
     assert errors == ["bad"] and set(got) == {"fixed", "drift"}
     assert got["fixed"] == (500.0, [500.0, 500.0, 500.0])
     assert got["drift"] == (3000.0, [1000.0, 3000.0, 3000.0])
+    with pytest.raises(RuntimeError, match="no kernel"):  # without on_error a failure is not dropped silently
+        bench_kda.time_interleaved(fns, (), iters=6, rounds=3)
 
 
 def test_time_interleaved_needs_rounds_dividing_iters():
