@@ -18,6 +18,7 @@ import pytest
 from conftest import assert_close, grad_jaxpr, loss_and_grads, make_inputs
 from lineattn import ops
 from lineattn.ops.pallas import api as pallas_api
+from lineattn.ops.pallas import chunk as pallas_chunk
 from lineattn.ops.pallas.common import on_gpu
 from lineattn.ops.pallas.decode import decode_step
 from lineattn.ops.recurrent import recurrent
@@ -36,6 +37,13 @@ def _compare(rule, inputs, tol=TOL, cu_seqlens=None, chunk_size=32, got=None):
     o_ref, ht_ref, grads_ref = loss_and_grads(rule, inputs, backend="recurrent", cu_seqlens=cu_seqlens)
     assert_close({"o": o, "ht": ht, **grads}, {"o": o_ref, "ht": ht_ref, **grads_ref}, tol, f"{rule}/pallas")
     return got
+
+
+def _cut(g):
+    """g [B, T, ...] with log 0, -1e30, -1000 and ops.LOG_GATE_FLOOR itself at tokens 3, 20, 32 and 61 (32: a chunk's
+    first row at chunk 32)."""
+    cuts = np.array([-np.inf, -1e30, -1000.0, ops.LOG_GATE_FLOOR]).reshape((-1,) + (1,) * (g.ndim - 2))
+    return g.at[:, jnp.array([3, 20, 32, 61])].set(jnp.asarray(cuts, g.dtype))
 
 
 @pytest.mark.parametrize("rule", ["kda", "gdn", "deltanet", "gla"])
@@ -58,14 +66,14 @@ def test_pallas_variants_chunk_64_unequal_dims(rule, backward, chunk_size, monke
                                            ("zero", None), ("cut", "kernels-mml2"), ("cut", "kernels-saved")])
 def test_pallas_gate_extremes(gate, backward, monkeypatch):
     # Every token at -5 (a chunk's cumulative decay reaches -160 at chunk 32; a 16-row block's rows are then exactly
-    # 40 nats from its middle row: the Gram kernels' fast path at its limit), at 0, or -1000 at a few tokens
-    # (cuts: the API raises them to ops.LOG_GATE_FLOOR, -120, so the in-chunk cumsum rounds at ulp(120), not
-    # ulp(1000), and the fp32 tolerance holds, as for the chunk backend; the Gram kernels take their exact path in
-    # the blocks that hold a cut).
+    # 40 nats from its middle row: the Gram kernels' fast path at its limit), at 0, or cuts at a few tokens (`_cut`:
+    # the kernels raise gates below ops.LOG_GATE_FLOOR, -120, to it as they load g, so the in-chunk cumsum rounds at
+    # ulp(120), not ulp(1000), and the fp32 tolerance holds, as for the chunk backend; dg is 0 below the floor, as the
+    # oracle's; the Gram kernels take their exact path in the blocks that hold a cut).
     low, high = {"lower_bound": (-5.0, -5.0), "zero": (0.0, 0.0), "cut": (-1.0, 0.0)}[gate]
     inputs = make_inputs("kda", B=1, **SMALL, g_low=low, g_high=high, seed=5)
     if gate == "cut":
-        inputs["g"] = inputs["g"].at[:, jnp.array([3, 20, 32, 61])].set(-1000.0)
+        inputs["g"] = _cut(inputs["g"])
     if backward is not None:
         monkeypatch.setattr(pallas_api, "BACKWARD", backward)
     _compare("kda", inputs)
@@ -76,18 +84,75 @@ def test_pallas_gate_extremes(gate, backward, monkeypatch):
                                                ("gdn", None, "kernels-mml2"), ("deltanet", None, "kernels-mml2")])
 def test_pallas_scalar_gate_kernels(rule, gate, backward, monkeypatch):
     # `api.SCALAR_GATE`: GDN and DeltaNet through the one-program-per-chunk Gram kernels (forward and gradients),
-    # chunk 32 and 64, T = 80 ragged, initial state; head gates at -5 per token, or -1000 at a few tokens.
+    # chunk 32 and 64, T = 80 ragged, initial state; head gates at -5 per token, or cut at a few tokens (`_cut`).
     monkeypatch.setattr(pallas_api, "SCALAR_GATE", True)
     monkeypatch.setattr(pallas_api, "BACKWARD", backward)
     low, high = {None: (-5.0, 0.0), "lower_bound": (-5.0, -5.0), "cut": (-1.0, 0.0)}[gate]
     inputs = make_inputs(rule, B=2, T=80, H=2, K=32, V=64, g_low=low, g_high=high, seed=14)
     if gate == "cut":
-        inputs["g"] = inputs["g"].at[:, jnp.array([3, 20, 32, 61])].set(-1000.0)
+        inputs["g"] = _cut(inputs["g"])
     for chunk_size in (32, 64):
         _compare(rule, inputs, chunk_size=chunk_size)
     jaxpr = grad_jaxpr(rule, inputs, backend="pallas")  # the scalar kernels ran, not the broadcast path
     assert "lineattn_chunk_gram_scalar" in jaxpr and "lineattn_gram_bwd_scalar" in jaxpr
     assert "lineattn_chunk_gram\n" not in jaxpr and "lineattn_chunk_gram " not in jaxpr
+
+
+@pytest.mark.parametrize("rule", ["kda", "gdn"])
+def test_gate_floor_in_the_kernels_equals_the_floor_in_xla(rule, monkeypatch):
+    # `chunk.GATE_FLOOR`: "kernels" (the default) hands g to the kernels as given; they raise it to the floor as they
+    # load it, and dg is zeroed below the floor by the dg kernel (a channel gate) or in XLA (a head gate). "xla"
+    # raises g in XLA first, as the API did before. With cuts down to -inf (`_cut`), T = 80 ragged: the same o, final
+    # state and gradients bit for bit, dg exactly 0 below the floor; KDA's other backwards against the oracle.
+    inputs = make_inputs(rule, B=1, T=80, H=2, K=16, V=16, g_low=-1.0, seed=21)
+    inputs["g"] = _cut(inputs["g"])
+    below = np.asarray(inputs["g"]) < ops.LOG_GATE_FLOOR
+    results = {}
+    for floor in ("kernels", "xla"):
+        monkeypatch.setattr(pallas_chunk, "GATE_FLOOR", floor)
+        o, ht, grads = results[floor] = loss_and_grads(rule, inputs, backend="pallas", chunk_size=32)
+        assert np.all(np.asarray(grads["dg"])[below] == 0.0), floor
+    for name, got, want in zip(["o", "ht", "grads"], results["kernels"], results["xla"]):
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name), got, want)
+    _compare(rule, inputs, got=results["kernels"])
+    if rule == "kda":  # the recomputing backward and autodiff of the XLA chunk form, on the raw g too
+        monkeypatch.setattr(pallas_chunk, "GATE_FLOOR", "kernels")
+        for backward in ("kernels-mml2", "xla"):
+            monkeypatch.setattr(pallas_api, "BACKWARD", backward)
+            got = _compare(rule, inputs, chunk_size=32)
+            assert np.all(np.asarray(got[2]["dg"])[below] == 0.0), backward
+
+
+def _consumers(jaxpr, var) -> list[str]:
+    """The primitives that read `var` in a jaxpr, following it into calls (pjit, custom_vjp_call, ...) but not into a
+    pallas_call (a kernel reads it there)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        for slot in [i for i, x in enumerate(eqn.invars) if x is var]:
+            inner = [p for p in eqn.params.values() if hasattr(p, "eqns") or hasattr(getattr(p, "jaxpr", None), "eqns")]
+            inner = [getattr(p, "jaxpr", p) for p in inner]
+            inner = [j for j in inner if len(j.invars) == len(eqn.invars)]
+            if eqn.primitive.name == "pallas_call" or not inner:
+                found.append(eqn.primitive.name)
+            else:
+                found += _consumers(inner[0], inner[0].invars[slot])
+    return found
+
+
+def test_pallas_forward_hands_the_channel_gate_to_the_kernels_untouched(monkeypatch):
+    # A channel gate is [B, T, H, K] fp32 (268 MB at 8 x 4096 x 16 x 128): any XLA op on it before the kernels is a
+    # pass through device memory of its own, outside every kernel. With GATE_FLOOR "kernels" the forward alone's only
+    # reader of g is the Gram kernel (`gram.gram_chunks`), which raises it to the floor as it loads it; with "xla" the
+    # floor's own ops read it first (the walk sees them).
+    x = make_inputs("kda", B=1, T=64, H=2, K=16, V=16)
+    readers = {}
+    for floor in ("kernels", "xla"):
+        monkeypatch.setattr(pallas_chunk, "GATE_FLOOR", floor)  # (a new function each time: make_jaxpr caches)
+        forward = lambda g: ops.linear_attention("kda", x["q"], x["k"], x["v"], g, x["beta"], backend="pallas")[0]
+        closed = jax.make_jaxpr(forward)(x["g"])
+        readers[floor] = _consumers(closed.jaxpr, closed.jaxpr.invars[0])
+    assert readers["kernels"] == ["pallas_call"], readers
+    assert "pallas_call" not in readers["xla"] and readers["xla"], readers
 
 
 def test_pallas_scalar_gate_bf16_and_varlen(monkeypatch):

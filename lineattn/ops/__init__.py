@@ -2,7 +2,6 @@
 
 from lineattn.ops.api import (
     BACKENDS,
-    LOG_GATE_FLOOR,
     chunk_delta_rule,
     chunk_gated_delta_rule,
     chunk_gla,
@@ -12,7 +11,7 @@ from lineattn.ops.api import (
     select_backend,
 )
 from lineattn.ops.context_parallel import context_parallel_attention
-from lineattn.ops.gates import safe_gate, softplus_gate
+from lineattn.ops.gates import LOG_GATE_FLOOR, safe_gate, softplus_gate
 from lineattn.ops.rules import GATES, RULES, WRITE_MODES, Rule, resolve_rule
 
 __all__ = [

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from lineattn.checks import check_real, is_concrete
 from lineattn.ops import checkpoints, varlen
 from lineattn.ops.columns import per_value_column
+from lineattn.ops.gates import floor_gate
 from lineattn.ops.chunk import SUB_CHUNK, chunk
 from lineattn.ops.pallas import api as pallas_api
 from lineattn.ops.recurrent import recurrent
@@ -23,10 +24,6 @@ from lineattn.ops.scan import scan
 
 BACKENDS = ("auto", "recurrent", "chunk", "scan", "pallas")
 _NORMALIZER_EPS = 1e-6
-# Log gates below this are raised to it before any backend runs: e^-120 is 0 in fp32, so the recurrence gives the
-# same numbers, while the chunk forms' in-chunk cumsums stay finite (-inf - -inf is NaN) and keep their precision
-# (a cumsum through -1e30 would absorb every later gate of its chunk).
-LOG_GATE_FLOOR = -120.0
 
 
 def _shape_error(name, expected, x):
@@ -37,11 +34,6 @@ def _shape_error(name, expected, x):
 def _check_float(name, x, expected):
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise _shape_error(name, f"a floating-point array {expected}", x)
-
-
-def floor_gate(g):
-    """g with values below LOG_GATE_FLOOR raised to it (the gradient passes where g >= the floor)."""
-    return None if g is None else jnp.where(g < LOG_GATE_FLOOR, LOG_GATE_FLOOR, g)
 
 
 def _validate(rule: Rule, q, k, v, g, beta, initial_state, cu_seqlens, backend, chunk_size, scale=None):
@@ -178,7 +170,6 @@ def linear_attention(
     """
     rule = resolve_rule(rule)
     cu = _validate(rule, q, k, v, g, beta, initial_state, cu_seqlens, backend, chunk_size, scale)
-    g = floor_gate(g)
     B, T, H, K = q.shape
     V = v.shape[-1]
     out_dtype = q.dtype
@@ -197,6 +188,8 @@ def linear_attention(
         elif name not in ("chunk", "recurrent", "pallas"):
             raise ValueError(f"checkpoint_positions: backend {name!r} cannot export states; use 'chunk', 'pallas' "
                              "or 'recurrent'")
+    if name != "pallas":  # (the kernels raise g to the floor as they load it: `pallas.chunk.GATE_FLOOR`)
+        g = floor_gate(g)
     f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
     if name == "pallas":  # the kernels take q, k, v in one dtype (bf16 or fp32), beta bf16 or fp32, an fp32 gate
         if beta is not None and beta.dtype not in pallas_api.DTYPES:

@@ -44,6 +44,7 @@ from jax.sharding import Mesh, PartitionSpec
 from lineattn.ops import api
 from lineattn.ops import chunk as chunk_form
 from lineattn.ops.common import einsum
+from lineattn.ops.gates import floor_gate
 from lineattn.ops.rules import Rule, resolve_rule
 from lineattn.ops.scan import _compose_affine, chunk_transitions
 
@@ -317,7 +318,7 @@ def context_parallel_attention(
     def body(args):
         f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)
         q, k, v, g, beta, h0 = (f32(args.get(n)) for n in ("q", "k", "v", "g", "beta", "initial_state"))
-        g = api.floor_gate(g)
+        g = floor_gate(g)
         if rule.gate == "fixed":
             g = jnp.broadcast_to(g, q.shape[:3])
         if rule.normalize:

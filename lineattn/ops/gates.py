@@ -11,6 +11,17 @@ import math
 import jax
 import jax.numpy as jnp
 
+# Log gates below this are raised to it before any recurrence: e^-120 is 0 in fp32, so the recurrence gives the same
+# numbers, while the chunk forms' in-chunk cumsums stay finite (-inf - -inf is NaN) and keep their precision (a
+# cumsum through -1e30 would absorb every later gate of its chunk).
+LOG_GATE_FLOOR = -120.0
+
+
+def floor_gate(g):
+    """g with values below LOG_GATE_FLOOR raised to it (NaN stays NaN; the gradient passes where g >= the floor).
+    Also used inside the Pallas kernels, on each tile of g they load."""
+    return None if g is None else jnp.where(g < LOG_GATE_FLOOR, LOG_GATE_FLOOR, g)
+
 
 def _rate(x, A_log, dt_bias):
     """exp(A_log) shaped to broadcast against x, after checking the three shapes agree."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from lineattn.ops.gates import floor_gate
 from lineattn.ops.pallas.common import is_pow2, on_gpu
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -66,11 +67,14 @@ def _kernel_gate(g, shape, scalar=None):
 
 
 def run(q, k, v, g, beta, *, scale: float, initial_state, chunk_size: int = 64):
-    """Backend entry (`lineattn.ops.common` shapes; q, k, v in one dtype, beta bf16 or fp32, g fp32 or None)."""
-    from lineattn.ops.pallas.chunk import chunk_pallas
+    """Backend entry (`lineattn.ops.common` shapes; q, k, v in one dtype, beta bf16 or fp32, g fp32 or None; g may
+    lie below `ops.LOG_GATE_FLOOR`: the kernels raise it, see `chunk.GATE_FLOOR`)."""
+    from lineattn.ops.pallas import chunk
 
-    return chunk_pallas(q, k, v, _kernel_gate(g, q.shape), beta, initial_state, float(scale), chunk_size, None,
-                        BACKWARD)
+    if chunk.GATE_FLOOR == "xla":
+        g = floor_gate(g)
+    return chunk.chunk_pallas(q, k, v, _kernel_gate(g, q.shape), beta, initial_state, float(scale), chunk_size, None,
+                              BACKWARD)
 
 
 def run_checkpoints(q, k, v, g, beta, *, scale: float, initial_state, positions, chunk_size: int = 64):
@@ -78,5 +82,6 @@ def run_checkpoints(q, k, v, g, beta, *, scale: float, initial_state, positions,
     `lineattn.ops.pallas.checkpoints`; its in-chunk advance takes the per-channel gate)."""
     from lineattn.ops.pallas.checkpoints import chunk_pallas_checkpoints
 
+    g = floor_gate(g)  # (in XLA: this serving path's in-chunk advance and backward read g too)
     return chunk_pallas_checkpoints(q, k, v, _kernel_gate(g, q.shape, scalar=False), beta, initial_state,
                                     float(scale), chunk_size, tuple(int(p) for p in positions), None)

@@ -21,6 +21,8 @@ g is [B, T, H, K] (a channel gate) or [B, T, H] (equal across K: the scalar Gram
 shape). Transient memory of `backward_fast`: about 6 KB per token and head at K = V = 128, C = 64 (per-chunk
 states, state cotangents K*V/C and E in bf16, cotangents of the terms (dU, dW in bf16, the rest fp32: see
 `chunk_bwd.COT_DTYPE`), Gram gradients).
+g may hold values below `ops.LOG_GATE_FLOOR` (-inf too): the kernels raise them to it as they load g, and dg is 0
+there, as for `jnp.where(g < floor, floor, g)` (see GATE_FLOOR).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from lineattn.ops.chunk import chunk as xla_chunk
+from lineattn.ops.gates import LOG_GATE_FLOOR, floor_gate
 from lineattn.ops.pallas import chunk_bwd
 from lineattn.ops.pallas.chunk_fwd import forward, saved_gate
 
@@ -45,11 +48,27 @@ BACKWARDS = ("kernels-saved", "kernels-mml2", "xla")
 # the caller needs o, as a model does, that is 0.15 ms less; with the gradients of a loss linear in o alone, XLA
 # drops the forward's state pass without SAVE_STATES, which then looks 0.2 ms faster.)
 SAVE_STATES = True
+# Where a log gate below ops.LOG_GATE_FLOOR is raised to it on the way into the kernels. "kernels" (the default):
+# as the kernels load g (`gates.floor_gate` in `gram`), with no XLA pass over g; under differentiation the forward
+# also keeps where g < floor (int8, one byte per value of g, as autodiff of the `jnp.where` kept) and the dg kernel
+# zeroes dg there. "xla": `pallas.api.run` raises g in XLA first and the custom VJP keeps no mask (the form of
+# sessions 42-44; for A/B timing). A channel gate at (8, 4096) is 268 MB of fp32: that pass read and wrote it
+# (about 0.13 ms of H200 bandwidth in every forward call, plus its transpose over dg in the backward), outside the
+# kernels the profiles timed. Read when a call is traced.
+GATE_FLOOR = "kernels"
 
 
 def _check(backward):
     if backward not in BACKWARDS:
         raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
+    if GATE_FLOOR not in ("kernels", "xla"):
+        raise ValueError(f"chunk.GATE_FLOOR must be 'kernels' or 'xla', got {GATE_FLOOR!r}")
+
+
+def below_floor(g):
+    """int8 1 where g < ops.LOG_GATE_FLOOR (where the raised gate's gradient is 0), in g's shape; None with
+    GATE_FLOOR "xla" (g comes in raised)."""
+    return (g < LOG_GATE_FLOOR).astype(jnp.int8) if GATE_FLOOR == "kernels" else None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
@@ -62,31 +81,34 @@ def chunk_pallas(q, k, v, g, beta, h0, scale, chunk_size=64, interpret=None, bac
 
 def _fwd(q, k, v, g, beta, h0, scale, chunk_size, interpret, backward):
     _check(backward)
+    if backward == "xla":  # (its backward raises g itself, by autodiff of `floor_gate`)
+        out = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret)
+        return out, ((q, k, v, g, beta, h0), None, None)
+    below = below_floor(g)
     if backward == "kernels-saved":  # the forward's intra-chunk terms are kept for the backward
         o, ht, saved = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret,
                                save=True, states_dtype=chunk_bwd.STATES_DTYPE if SAVE_STATES else None)
         if saved_gate(saved)[0] is not None:  # G saved in g's place (the backward needs g's rank and dtype only)
             g = jnp.zeros((0,) * g.ndim, g.dtype)
-        return (o, ht), (q, k, v, g, beta, h0, saved)
+        return (o, ht), ((q, k, v, g, beta, h0), below, saved)
     out = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret)
-    return out, (q, k, v, g, beta, h0)
+    return out, ((q, k, v, g, beta, h0), below, None)
 
 
 def _bwd(scale, chunk_size, interpret, backward, residuals, cotangents):
+    inputs, below, saved = residuals
     do, dht = cotangents
-    if backward == "kernels-saved":
-        return chunk_bwd.backward_fast(*residuals[:6], do, dht, scale=scale, chunk_size=chunk_size,
-                                       interpret=interpret, saved=residuals[6])
-    if backward == "kernels-mml2":
-        return chunk_bwd.backward_fast(*residuals, do, dht, scale=scale, chunk_size=chunk_size, interpret=interpret)
+    if backward != "xla":
+        return chunk_bwd.backward_fast(*inputs, do, dht, scale=scale, chunk_size=chunk_size, interpret=interpret,
+                                       saved=saved, below=below)
     as_f32 = lambda x: None if x is None else x.astype(f32)
 
     def xla(q, k, v, g, beta, h0):
-        return xla_chunk(q, k, v, g, beta, scale=scale, initial_state=h0, chunk_size=chunk_size)
+        return xla_chunk(q, k, v, floor_gate(g), beta, scale=scale, initial_state=h0, chunk_size=chunk_size)
 
-    _, vjp = jax.vjp(xla, *map(as_f32, residuals))
+    _, vjp = jax.vjp(xla, *map(as_f32, inputs))
     grads = vjp((do.astype(f32), dht.astype(f32)))
-    return tuple(None if x is None else dx.astype(x.dtype) for dx, x in zip(grads, residuals))
+    return tuple(None if x is None else dx.astype(x.dtype) for dx, x in zip(grads, inputs))
 
 
 chunk_pallas.defvjp(_fwd, _bwd)

@@ -184,22 +184,27 @@ def _reverse_cumsum_rows(dG, dG_end):
     return jnp.sum(dG, axis=0)[None, :] - jnp.cumsum(dG, axis=0) + dG
 
 
-def _dg_kernel(dG_ref, r_ref, dend_ref, ddend_ref, dg_ref):
+def _dg_kernel(dG_ref, r_ref, dend_ref, ddend_ref, *refs):
     """dg for one chunk and K tile from dG and the 16-row blocks' sums of Kg * dKg (`gram_bwd._gram_bwd_kernel` with
-    combine)."""
+    combine); with a mask ref (int8, 1 where g was below the floor) before dg_ref, 0 there."""
+    *below_ref, dg_ref = refs
     dG_end = jnp.sum(r_ref[...], axis=0)[None, :] + dend_ref[...][None, :] * ddend_ref[...][None, :]
-    dg_ref[...] = _reverse_cumsum_rows(dG_ref[...], dG_end).astype(dg_ref.dtype)
+    dg = _reverse_cumsum_rows(dG_ref[...], dG_end)
+    if below_ref:
+        dg = jnp.where(below_ref[0][...] != 0, 0.0, dg)
+    dg_ref[...] = dg.astype(dg_ref.dtype)
 
 
 def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: int, interpret=None,
-                  gram_warps: int = 2, grads_warps: int | None = None, saved=None):
+                  gram_warps: int = 2, grads_warps: int | None = None, saved=None, below=None):
     """The VJP of `chunk_fwd.forward`: (dq, dk, dv, dg, dbeta, dh0), every chunk-parallel stage a Pallas kernel
     (see the comment above); do [B, T, H, V] and dht [B, H, K, V] are the cotangents of o and the final state.
     saved: `chunk_fwd.forward(..., save=True)`'s terms (backward "kernels-saved"): no Gram recompute and no solve
     here, and the state passes read the stored (bf16 for bf16 inputs) Qin, Kg, M, W, U; where saved holds the
     gate's cumsum G, g is read for its rank and dtype only (`chunk.chunk_pallas` then keeps an empty stand-in).
     g [B, T, H] (a gate equal across K) takes the scalar Gram kernels (`gram.gram_scalar`,
-    `gram_grads_scalar`) and gets dg [B, T, H]."""
+    `gram_grads_scalar`) and gets dg [B, T, H]. below: None or int8 in g's shape, 1 where g was below
+    `ops.LOG_GATE_FLOOR` (the kernels raised it): dg is 0 there (`chunk.below_floor`)."""
 
     C = chunk_size
     B, T, H, K = q.shape
@@ -270,7 +275,10 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     if scalar:  # dg straight from the Gram gradients, [B, H, Tp]
         dq, dk, dg = gram_grads_scalar(*grads, dend_KN, ddend_KN, C=C, scale=scale, exact=exact,
                                        interpret=interpret, delta=delta)
-        return cut(dq), cut(dk), cut(dv), cut(jnp.moveaxis(dg, 1, 2).astype(g.dtype)), cut(dbeta), dh0.astype(h0.dtype)
+        dg = cut(jnp.moveaxis(dg, 1, 2))
+        if below is not None:
+            dg = jnp.where(below != 0, 0.0, dg)
+        return cut(dq), cut(dk), cut(dv), dg.astype(g.dtype), cut(dbeta), dh0.astype(h0.dtype)
     dq, dk, dG, kg_dkg = gram_grads_fused(*grads, C=C, scale=scale, exact=exact, interpret=interpret,
                                           warps=grads_warps or gram_bwd.GRADS_WARPS, delta=delta,
                                           bk=gram_bwd.GRADS_BK, flags=flags if grads_split else None)
@@ -279,13 +287,15 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     kchunk = pl.BlockSpec((None, None, C, bk), lambda b, h, n, t: (b, h, n, t))
     kn = pl.BlockSpec((None, None, bk, None), lambda b, h, n, t: (b, h, t, n))
     nr = kg_dkg.shape[2] // N  # rows of Kg * dKg column sums per chunk (the 16-row blocks)
+    masks = [] if below is None else [jnp.pad(below, [(0, 0), (0, Tp - T), (0, 0), (0, 0)]) if Tp > T else below]
     dg = pallas_call(
         _dg_kernel, grid=(B, H, N, K // bk),
-        in_specs=[kchunk, pl.BlockSpec((None, None, nr, bk), lambda b, h, n, t: (b, h, n, t)), kn, kn],
+        in_specs=[kchunk, pl.BlockSpec((None, None, nr, bk), lambda b, h, n, t: (b, h, n, t)), kn, kn]
+        + [ktok] * len(masks),
         out_specs=ktok, out_shape=jax.ShapeDtypeStruct((B, Tp, H, K), g.dtype),
         compiler_params=compiler_params(num_warps=DG_WARPS, num_stages=1), interpret=interpret,
         name="lineattn_chunk_bwd_dg",
-    )(dG, kg_dkg, dend_KN, ddend_KN)
+    )(dG, kg_dkg, dend_KN, ddend_KN, *masks)
     return cut(dq), cut(dk), cut(dv), cut(dg), cut(dbeta), dh0.astype(h0.dtype)
 
 

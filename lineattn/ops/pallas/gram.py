@@ -11,6 +11,10 @@ e^G, Kg = k e^(G_C - G) (and Kin = k e^G) that the solve and the state pass read
   - `gate_cumsum` and `gram_rows` (one program per 16-row block): the same from a precomputed G, for the 16-row
     form and the backward's recompute;
   - `gram_scalar`: a gate equal across K (GDN, DeltaNet), where the decay factors out of the products.
+
+The kernels that read the raw log gate g (`gram_chunks`, `gate_cumsum`, `gram_scalar`) raise values below
+`ops.LOG_GATE_FLOOR` to it on each tile they load (`gates.floor_gate`), so g comes in as the caller gave it: no XLA
+pass over g before them (see `chunk.GATE_FLOOR`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from lineattn.ops.gates import floor_gate
 from lineattn.ops.pallas import common
 from lineattn.ops.pallas.common import SUB, compiler_params, dot, exp, iota, pallas_call
 
@@ -319,7 +324,7 @@ def _gram_chunk_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_
         return out
 
     def gate(d):
-        G = chunk_cumsum(g_ref[:, d].astype(f32))
+        G = chunk_cumsum(floor_gate(g_ref[:, d].astype(f32)))
         return G, jnp.sum(jnp.where(rows == C - 1, G, 0.0), axis=0, keepdims=True)
 
     def toward(Ga, anchors):
@@ -423,8 +428,8 @@ def gram_chunks(q, k, g, beta, *, C, scale, store, prec, interpret, bk=None, kin
 
 def scalar_decay(g_ref):
     """From one chunk of a scalar log gate [C]: its in-chunk cumsum G as a column [C, 1], the decay
-    D_ij = e^(G_i - G_j) for j <= i (0 above the diagonal) [C, C], and G_C (the chunk's sum)."""
-    g = g_ref[...].astype(f32)
+    D_ij = e^(G_i - G_j) for j <= i (0 above the diagonal) [C, C], and G_C (the chunk's sum); g floored as loaded."""
+    g = floor_gate(g_ref[...].astype(f32))
     Gs = jnp.cumsum(g)
     C = g.shape[0]
     decay = exp(jnp.where(iota((C, C), 1) <= iota((C, C), 0), Gs[:, None] - Gs[None, :], -jnp.inf))
@@ -480,7 +485,7 @@ def gram_scalar(q, k, g, beta, *, C, scale, store, exact, delta, interpret, a_dt
 
 
 def _cumsum_kernel(g_ref, G_ref, dend_ref, *spread_ref):
-    g = g_ref[...].astype(f32)
+    g = floor_gate(g_ref[...].astype(f32))
     if g.ndim == 1:  # a gate equal across K: one cumsum, e^(G_C) broadcast over K for the state passes
         G_ref[...] = jnp.cumsum(g)
         dend_ref[...] = jnp.broadcast_to(exp(jnp.sum(g)), dend_ref.shape)
