@@ -3,6 +3,7 @@
 # (lineattn-pallas variants beside jax-linear-attention's Mosaic GPU kernels and FLA, same inputs). Run through
 # the device tool with `.whl` carried (see ../shared/BENCHMARKING.md); writes into $OUT.
 #   SKIP_TESTS=1 / SKIP_BENCH=1   one part only        TESTS_K="expr"   a subset of the tests (pytest -k)
+#   AB=1 AB_ARGS="..."   ab_pallas_kda.py (wall clocks of settings in turn) in place of the bench
 #   BENCH_ARGS="..."   replaces the bench flags below; TEST_TIMEOUT / BENCH_TIMEOUT in seconds. The one long
 #   sequence alone (run6's call ran out of time before it): BENCH_ARGS="--shapes= --decode= --fla= --long 262144"
 #   The default bench (the whole table, T = 262144 included) fit one call in run8c (563 s) but not in run9c (cut
@@ -127,6 +128,14 @@
 #   GPU suite passed (150, SHARDS=8 TEST_TIMEOUT=420: 283-348 s a shard, run43e); bench in two calls (run43f-g):
 #   KDA (8, 4096) fwd 1.500 / 1.304 ms against jla's 1.405 / 1.830, fwd+bwd 0.742x / 0.815x jla's.
 #   Note: without SKIP_TESTS=1 a PROFILE=1 call runs the tests first (run43a lost 200 s to that).
+#   Session 45 (no GPU): the gate floor moved into the kernels (chunk.GATE_FLOOR "kernels"): every bench call since
+#   run42 ran an XLA pass over the fp32 g before them (and its select over dg in the backward), which the profiles,
+#   calling chunk_pallas directly, never showed. Changed kernels: the Gram, gate-cumsum and scalar Gram kernels (a
+#   `where` on each g tile) and the dg kernel (an int8 mask read). Next, in this order: the GPU suite (SHARDS=8
+#   TEST_TIMEOUT=420 SKIP_BENCH=1, ~360 s), then the A/B of the floor's two places, interleaved (~150 s):
+#     SKIP_TESTS=1 AB=1 BENCH_TIMEOUT=300 AB_ARGS="--configs default;chunk.GATE_FLOOR=xla --rounds 5 --iters 10"
+#       bash benchmarks/h200_issue2.sh
+#   then the profile and the bench below (the profile shows whether the Gram kernel's `where` moved its time).
 #   Next: the committed pair's kernel time as one config (run43c timed each setting in a config of its own), at
 #   both shapes beside jla's: SKIP_TESTS=1 PROFILE=1 PROFILE_ARGS="--impls lineattn,jla" bash benchmarks/h200_issue2.sh
 #   (and --shape 1x32768 in a second profile with its own --out, as in run34's sweep above).
@@ -165,6 +174,11 @@ if [ -n "${NCU:-}" ]; then  # Nsight Compute's counters for each kernel (NCU_KER
   echo "ncu rc=$?"
   keys="^  [a-z_]+.*\(|Duration|Registers Per|Occupancy  |Block Limit|Memory Throughput|Shared Memory Per|Spilling|ncu:"
   grep -E "$keys" $OUT/ncu.log | cut -c1-160 | head -400
+  exit 0
+fi
+if [ -n "${AB:-}" ]; then  # wall clocks of settings timed in turn (AB_ARGS: ab_pallas_kda.py's flags)
+  timeout ${BENCH_TIMEOUT:-300} python3 benchmarks/ab_pallas_kda.py --out $OUT ${AB_ARGS:-} 2>&1 \
+    | grep --line-buffered -v "slow_operation_alarm\|Constant folding\|^$" | tee $OUT/ab.log
   exit 0
 fi
 if [ -n "${PROFILE:-}" ]; then  # per-kernel device times from a profiler trace (PROFILE_ARGS: its flags)
