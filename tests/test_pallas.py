@@ -139,20 +139,21 @@ def _consumers(jaxpr, var) -> list[str]:
     return found
 
 
-def test_pallas_forward_hands_the_channel_gate_to_the_kernels_untouched(monkeypatch):
-    # A channel gate is [B, T, H, K] fp32 (268 MB at 8 x 4096 x 16 x 128): any XLA op on it before the kernels is a
-    # pass through device memory of its own, outside every kernel. With GATE_FLOOR "kernels" the forward alone's only
-    # reader of g is the Gram kernel (`gram.gram_chunks`), which raises it to the floor as it loads it; with "xla" the
-    # floor's own ops read it first (the walk sees them).
+def test_pallas_forward_hands_its_inputs_to_the_kernels_untouched(monkeypatch):
+    # Any XLA op on an input before the kernels is a pass through device memory of its own, outside every kernel (a
+    # channel gate is [B, T, H, K] fp32: 268 MB at 8 x 4096 x 16 x 128). So KDA's forward alone (T a multiple of the
+    # chunk) reads q, k, v, g and beta in kernels only: with GATE_FLOOR "kernels" the Gram kernel (`gram.gram_chunks`)
+    # raises g to the floor as it loads it; with "xla" the floor's own ops read g first (the walk sees them).
     x = make_inputs("kda", B=1, T=64, H=2, K=16, V=16)
+    names = ("q", "k", "v", "g", "beta")
     readers = {}
     for floor in ("kernels", "xla"):
         monkeypatch.setattr(pallas_chunk, "GATE_FLOOR", floor)  # (a new function each time: make_jaxpr caches)
-        forward = lambda g: ops.linear_attention("kda", x["q"], x["k"], x["v"], g, x["beta"], backend="pallas")[0]
-        closed = jax.make_jaxpr(forward)(x["g"])
-        readers[floor] = _consumers(closed.jaxpr, closed.jaxpr.invars[0])
-    assert readers["kernels"] == ["pallas_call"], readers
-    assert "pallas_call" not in readers["xla"] and readers["xla"], readers
+        forward = lambda *a: ops.linear_attention("kda", *a, backend="pallas")[0]
+        closed = jax.make_jaxpr(forward)(*[x[n] for n in names])
+        readers[floor] = {n: _consumers(closed.jaxpr, var) for n, var in zip(names, closed.jaxpr.invars)}
+    assert all(r and set(r) == {"pallas_call"} for r in readers["kernels"].values()), readers
+    assert readers["xla"]["g"] and "pallas_call" not in readers["xla"]["g"], readers
 
 
 def test_pallas_scalar_gate_bf16_and_varlen(monkeypatch):
