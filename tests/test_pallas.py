@@ -123,6 +123,13 @@ def test_gate_floor_in_the_kernels_equals_the_floor_in_xla(rule, monkeypatch):
             assert np.all(np.asarray(got[2]["dg"])[below] == 0.0), backward
 
 
+def test_gate_floor_unknown_is_a_value_error(monkeypatch):
+    monkeypatch.setattr(pallas_chunk, "GATE_FLOOR", "kernel")
+    x = make_inputs("kda", B=1, T=16, H=1, K=16, V=16)
+    with pytest.raises(ValueError, match="GATE_FLOOR must be 'kernels' or 'xla', got 'kernel'"):
+        ops.linear_attention("kda", x["q"], x["k"], x["v"], x["g"], x["beta"], backend="pallas")
+
+
 def _consumers(jaxpr, var) -> list[str]:
     """The primitives that read `var` in a jaxpr, following it into calls (pjit, custom_vjp_call, ...) but not into a
     pallas_call (a kernel reads it there)."""
