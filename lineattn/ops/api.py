@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from lineattn.checks import check_real, is_concrete
 from lineattn.ops import checkpoints, varlen
 from lineattn.ops.columns import per_value_column
-from lineattn.ops.gates import floor_gate
 from lineattn.ops.chunk import SUB_CHUNK, chunk
+from lineattn.ops.gates import floor_gate
 from lineattn.ops.pallas import api as pallas_api
 from lineattn.ops.recurrent import recurrent
 from lineattn.ops.rules import Rule, resolve_rule
