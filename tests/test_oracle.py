@@ -60,9 +60,10 @@ def test_oracle_matches_float64_state_equation(rule):
                                           ("gdn", "chunk"), ("gdn", "pallas"), ("gla", "chunk"), ("retnet", "chunk")])
 def test_gates_far_below_the_floor_match_the_float64_state_equation(rule, backend):
     # log 0 = -inf, -1e30 and -1000 at a few tokens: e^g is 0 at each, so the state restarts there. In a chunk form's
-    # cumsum -inf would give NaN (-inf - -inf) and -1e30 would absorb every later gate of its chunk; the API raises
-    # such gates to ops.LOG_GATE_FLOOR (-120, also 0 once exponentiated in fp32) first. The gradients stay finite and
-    # g's is 0 where it was raised (pallas: K = V = 16, its smallest head dims; interpret mode on the CPU).
+    # cumsum -inf would give NaN (-inf - -inf) and -1e30 would absorb every later gate of its chunk; every backend
+    # raises such gates to ops.LOG_GATE_FLOOR (-120, also 0 once exponentiated in fp32): the XLA ones first, the Pallas
+    # kernels as they load g. The gradients stay finite and g's is 0 where it was raised (pallas: K = V = 16, its
+    # smallest head dims; interpret mode on the CPU).
     K = V = 16 if backend == "pallas" else 8
     x = make_inputs(rule, B=1, T=100, H=2, K=K, V=V, seed=11, g_low=-1.0)
     g = np.array(x["g"])
