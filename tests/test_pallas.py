@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from conftest import assert_close, grad_jaxpr, loss_and_grads, make_inputs
 from lineattn import ops
@@ -131,18 +132,18 @@ def test_gate_floor_unknown_is_a_value_error(monkeypatch):
 
 
 def _consumers(jaxpr, var) -> list[str]:
-    """The primitives that read `var` in a jaxpr, following it into calls (pjit, custom_vjp_call, ...) but not into a
-    pallas_call (a kernel reads it there)."""
+    """The primitives that read `var` in a jaxpr, following it into calls (pjit, custom_vjp_call, ...: a sub-jaxpr
+    taking the equation's operands one for one) but not into a pallas_call (a kernel reads it there)."""
     found = []
     for eqn in jaxpr.eqns:
+        subs = [p.jaxpr if isinstance(p, ClosedJaxpr) else p for p in eqn.params.values()
+                if isinstance(p, (ClosedJaxpr, Jaxpr))]
+        calls = [j for j in subs if len(j.invars) == len(eqn.invars)]
         for slot in [i for i, x in enumerate(eqn.invars) if x is var]:
-            inner = [p for p in eqn.params.values() if hasattr(p, "eqns") or hasattr(getattr(p, "jaxpr", None), "eqns")]
-            inner = [getattr(p, "jaxpr", p) for p in inner]
-            inner = [j for j in inner if len(j.invars) == len(eqn.invars)]
-            if eqn.primitive.name == "pallas_call" or not inner:
+            if eqn.primitive.name == "pallas_call" or not calls:
                 found.append(eqn.primitive.name)
             else:
-                found += _consumers(inner[0], inner[0].invars[slot])
+                found += _consumers(calls[0], calls[0].invars[slot])
     return found
 
 

@@ -287,7 +287,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     kchunk = pl.BlockSpec((None, None, C, bk), lambda b, h, n, t: (b, h, n, t))
     kn = pl.BlockSpec((None, None, bk, None), lambda b, h, n, t: (b, h, t, n))
     nr = kg_dkg.shape[2] // N  # rows of Kg * dKg column sums per chunk (the 16-row blocks)
-    masks = [] if below is None else [jnp.pad(below, [(0, 0), (0, Tp - T), (0, 0), (0, 0)]) if Tp > T else below]
+    masks = [] if below is None else [jnp.pad(below, [(0, 0), (0, Tp - T), (0, 0), (0, 0)])]  # (as dop)
     dg = pallas_call(
         _dg_kernel, grid=(B, H, N, K // bk),
         in_specs=[kchunk, pl.BlockSpec((None, None, nr, bk), lambda b, h, n, t: (b, h, n, t)), kn, kn]
