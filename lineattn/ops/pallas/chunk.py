@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from lineattn.ops.chunk import chunk as xla_chunk
 from lineattn.ops.gates import LOG_GATE_FLOOR, floor_gate
 from lineattn.ops.pallas import chunk_bwd
-from lineattn.ops.pallas.chunk_fwd import forward, saved_gate
+from lineattn.ops.pallas.chunk_fwd import forward, saved_below, saved_gate
 
 f32 = jnp.float32
 
@@ -48,14 +48,21 @@ BACKWARDS = ("kernels-saved", "kernels-mml2", "xla")
 # the caller needs o, as a model does, that is 0.15 ms less; with the gradients of a loss linear in o alone, XLA
 # drops the forward's state pass without SAVE_STATES, which then looks 0.2 ms faster.)
 SAVE_STATES = True
-# Where a log gate below ops.LOG_GATE_FLOOR is raised to it on the way into the kernels. "kernels" (the default):
-# as the kernels load g (`gates.floor_gate` in `gram`), with no XLA pass over g; under differentiation the forward
-# also keeps where g < floor (int8, one byte per value of g, as autodiff of the `jnp.where` kept) and the dg kernel
-# zeroes dg there. "xla": `pallas.api.run` raises g in XLA first and the custom VJP keeps no mask (the form of
-# sessions 42-44; for A/B timing). A channel gate at (8, 4096) is 268 MB of fp32: that pass read and wrote it
-# (about 0.13 ms of H200 bandwidth in every forward call, plus its transpose over dg in the backward), outside the
-# kernels the profiles timed. Read when a call is traced.
+# Where a log gate below ops.LOG_GATE_FLOOR is raised to it on the way into the kernels. "kernels" (the default): as
+# the kernels load g (`gates.floor_gate` in `gram`), with no XLA pass over g; under differentiation the forward also
+# keeps where g < floor (int8, one byte per value of g, as autodiff of the `jnp.where` kept; see GATE_MASK) and the dg
+# kernel zeroes dg there. "xla": `pallas.api.run` raises g in XLA first and the custom VJP keeps no mask (the form of
+# sessions 42-44; for A/B timing). A channel gate at (8, 4096) is 268 MB of fp32: that pass read and wrote it (about
+# 0.13 ms of H200 bandwidth in every forward call, plus its transpose over dg in the backward), outside the kernels
+# the profiles timed. Read when a call is traced.
 GATE_FLOOR = "kernels"
+# Who forms that mask (GATE_FLOOR "kernels") in the forward that saves its terms ("kernels-saved") for a channel gate:
+# "gram" (the default), the Gram kernel that forms G (`gram.gram_chunks`) writes it from the tiles of g it loads
+# anyway (67 MB more written at (8, 4096)); "xla", a pass of its own over g (`below_floor`: 268 MB read, 67 MB
+# written, about 0.07 ms of H200 bandwidth). A head gate's mask ([B, T, H]) and "kernels-mml2"'s are formed in XLA.
+# Not yet timed on the H200 (the Gram kernel's schedule has moved with the order of its stores: run43b); for the A/B,
+# `ab_pallas_kda.py --configs "default;chunk.GATE_MASK=xla"`. Read when a call is traced.
+GATE_MASK = "gram"
 
 
 def _check(backward):
@@ -63,6 +70,8 @@ def _check(backward):
         raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
     if GATE_FLOOR not in ("kernels", "xla"):
         raise ValueError(f"chunk.GATE_FLOOR must be 'kernels' or 'xla', got {GATE_FLOOR!r}")
+    if GATE_MASK not in ("gram", "xla"):
+        raise ValueError(f"chunk.GATE_MASK must be 'gram' or 'xla', got {GATE_MASK!r}")
 
 
 def below_floor(g):
@@ -84,15 +93,19 @@ def _fwd(q, k, v, g, beta, h0, scale, chunk_size, interpret, backward):
     if backward == "xla":  # (its backward raises g itself, by autodiff of `floor_gate`)
         out = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret)
         return out, ((q, k, v, g, beta, h0), None, None)
-    below = below_floor(g)
     if backward == "kernels-saved":  # the forward's intra-chunk terms are kept for the backward
+        in_gram = GATE_FLOOR == "kernels" and GATE_MASK == "gram"
         o, ht, saved = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret,
-                               save=True, states_dtype=chunk_bwd.STATES_DTYPE if SAVE_STATES else None)
+                               save=True, states_dtype=chunk_bwd.STATES_DTYPE if SAVE_STATES else None,
+                               save_below=in_gram)
+        below = saved_below(saved) if in_gram else None
+        if below is None:  # (the Gram kernel did not write it: a head gate, or GATE_MASK "xla")
+            below = below_floor(g)
         if saved_gate(saved)[0] is not None:  # G saved in g's place (the backward needs g's rank and dtype only)
             g = jnp.zeros((0,) * g.ndim, g.dtype)
         return (o, ht), ((q, k, v, g, beta, h0), below, saved)
     out = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret)
-    return out, ((q, k, v, g, beta, h0), below, None)
+    return out, ((q, k, v, g, beta, h0), below_floor(g), None)
 
 
 def _bwd(scale, chunk_size, interpret, backward, residuals, cotangents):
