@@ -1,0 +1,54 @@
+"""No XLA pass over a large array outside the Pallas kernels in the programs the H200 bench times.
+
+XLA cannot fuse an op into a Pallas kernel, so such an op is a pass through device memory of its own, which a profile
+of the kernels alone does not show (sessions 42-45 timed an XLA `where` over the fp32 gate, 268 MB read and written
+per call at (8, 4096), without seeing it). `scripts/xla_passes.py` traces the bench's forward and forward+backward as
+on an H200 (the GPU faked; kernels traced, never compiled) and lists the ops between the kernels.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from lineattn.ops.pallas import chunk as pallas_chunk
+
+_path = Path(__file__).resolve().parents[1] / "scripts" / "xla_passes.py"
+_spec = importlib.util.spec_from_file_location("xla_passes", _path)
+xla_passes = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(xla_passes)
+
+# Larger than the segmented passes' K x K maps at (1, 32768) (16.8 MB: a concatenate and two slices), smaller than
+# any [B, T, H, .] array of the bench's shapes (a channel gate's int8 mask: 67 MB).
+LIMIT = 32e6
+
+
+def _passes(rule, B, T):
+    """{mode: [(op, bytes)]}: the ops outside the kernels, not layout-only, over LIMIT."""
+    return {mode: [(xla_passes.describe(e), n) for kind, e, n in xla_passes.program_ops(jaxpr)
+                   if kind == "op" and n > LIMIT and not xla_passes.free(e)]
+            for mode, jaxpr in xla_passes.bench_programs(rule, B, T).items()}
+
+
+@pytest.mark.parametrize("rule", ["kda", "gdn"])
+@pytest.mark.parametrize("B,T", [(8, 4096), (1, 32768)])
+def test_bench_programs_move_large_arrays_in_kernels_only(rule, B, T):
+    # KDA and GDN, forward and forward+backward (backend "pallas", the defaults, bf16, H = 16, K = V = 128): between
+    # the kernels only reshapes, zero-width pads and ops on arrays of at most 32 MB.
+    found = _passes(rule, B, T)
+    assert found == {"fwd": [], "fwdbwd": []}, found
+
+
+def test_bench_programs_check_sees_the_gate_passes(monkeypatch):
+    # The check above finds the XLA passes over g of the older forms (KDA at (8, 4096)): the floor's `where` (chunk.
+    # GATE_FLOOR "xla", in the forward), and the mask of g below the floor formed in XLA (GATE_MASK "xla", in the
+    # forward+backward only).
+    monkeypatch.setattr(pallas_chunk, "GATE_FLOOR", "xla")
+    found = _passes("kda", 8, 4096)
+    assert any(op.startswith("select_n") and n == 8 * 4096 * 16 * 128 * 4 for op, n in found["fwd"]), found
+    monkeypatch.setattr(pallas_chunk, "GATE_FLOOR", "kernels")
+    monkeypatch.setattr(pallas_chunk, "GATE_MASK", "xla")
+    found = _passes("kda", 8, 4096)
+    assert found["fwd"] == [] and any(op.startswith("lt") for op, _ in found["fwdbwd"]), found
