@@ -104,8 +104,9 @@ def _fwd(q, k, v, g, beta, h0, scale, chunk_size, interpret, backward):
         if saved_gate(saved)[0] is not None:  # G saved in g's place (the backward needs g's rank and dtype only)
             g = jnp.zeros((0,) * g.ndim, g.dtype)
         return (o, ht), ((q, k, v, g, beta, h0), below, saved)
+    below = below_floor(g)
     out = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret)
-    return out, ((q, k, v, g, beta, h0), below_floor(g), None)
+    return out, ((q, k, v, g, beta, h0), below, None)
 
 
 def _bwd(scale, chunk_size, interpret, backward, residuals, cotangents):
