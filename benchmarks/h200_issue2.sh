@@ -161,8 +161,8 @@ if [ -z "${SKIP_TESTS:-}" ]; then  # SHARDS=n: n pytest processes side by side o
   python3 -m pytest -q --collect-only -p no:cacheprovider $tests ${TESTS_K:+-k "$TESTS_K"} | grep "::" > $OUT/ids
   echo "$(wc -l < $OUT/ids) tests in ${SHARDS:-1} shard(s)"
   for i in $(seq 0 $(( ${SHARDS:-1} - 1 ))); do
-    ids=$(awk -v n=${SHARDS:-1} -v i=$i '(NR - 1) % n == i' $OUT/ids)
-    timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -s -p no:cacheprovider $ids > $OUT/gpu_tests_$i.log 2>&1 &
+    mapfile -t ids < <(awk -v n=${SHARDS:-1} -v i=$i '(NR - 1) % n == i' $OUT/ids)  # (one argument an id)
+    timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -s -p no:cacheprovider "${ids[@]}" > $OUT/gpu_tests_$i.log 2>&1 &
   done
   wait
   cat $OUT/gpu_tests_*.log > $OUT/gpu_tests.log && rm $OUT/gpu_tests_*.log $OUT/ids

@@ -119,10 +119,11 @@ def test_gate_floor_in_the_kernels_equals_the_floor_in_xla(rule, monkeypatch):
         monkeypatch.setattr(pallas_chunk, "GATE_MASK", mask)
         o, ht, grads = results[floor, mask] = loss_and_grads(rule, inputs, backend="pallas", chunk_size=32)
         assert np.all(np.asarray(grads["dg"])[below] == 0.0), (floor, mask)
-    for form in forms[1:]:
+    for form in forms[1:]:  # (compiled on a GPU, each form's kernels round alike only to fp32: H100, 1.2e-7 apart)
         for name, got, want in zip(["o", "ht", "grads"], results["kernels", "gram"], results[form]):
-            jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
-                                                                    err_msg=f"{name} {form}"), got, want)
+            check = (lambda a, b: np.testing.assert_array_equal(a, b, err_msg=f"{name} {form}")) if not on_gpu() else (
+                lambda a, b: np.testing.assert_array_less(_rel_rms(a, b), 1e-5, err_msg=f"{name} {form}"))
+            jax.tree.map(lambda a, b: check(np.asarray(a), np.asarray(b)), got, want)
     _compare(rule, inputs, got=results["kernels", "gram"])
     if rule == "kda":
         monkeypatch.setattr(pallas_chunk, "GATE_FLOOR", "kernels")
@@ -131,7 +132,8 @@ def test_gate_floor_in_the_kernels_equals_the_floor_in_xla(rule, monkeypatch):
 
 
 @pytest.mark.parametrize("setting,value,message", [("GATE_FLOOR", "kernel", "'kernels' or 'xla'"),
-                                                   ("GATE_MASK", "kernels", "'gram' or 'xla'")])
+                                                   ("GATE_MASK", "kernels", "'gram' or 'xla'")],
+                         ids=["floor", "mask"])  # (ids without spaces: h200_issue2.sh passes ids to its shards)
 def test_gate_floor_unknown_is_a_value_error(setting, value, message, monkeypatch):
     monkeypatch.setattr(pallas_chunk, setting, value)
     x = make_inputs("kda", B=1, T=16, H=1, K=16, V=16)
