@@ -131,13 +131,13 @@
 #   Session 45 (no GPU): the gate floor moved into the kernels (chunk.GATE_FLOOR "kernels"): every bench call since
 #   run42 ran an XLA pass over the fp32 g before them (and its select over dg in the backward), which the profiles,
 #   calling chunk_pallas directly, never showed. Changed kernels: the Gram, gate-cumsum and scalar Gram kernels (a
-#   `where` on each g tile) and the dg kernel (an int8 mask read). Session 46 (no GPU): the saving forward's Gram
-#   kernel also writes that mask (chunk.GATE_MASK "gram"; "xla": an XLA pass over g forms it, as in session 45), so
-#   KDA's forward+backward reads g in kernels only. Next, in this order: the GPU suite (SHARDS=8 TEST_TIMEOUT=420
-#   SKIP_BENCH=1, ~360 s), then the A/B of the three forms, interleaved (6 programs compiled, then 5 rounds; one
-#   shape: 1 x 32768 moves the same bytes of g; 420 s allowed):
+#   `where` on each g tile) and the dg kernel (an int8 mask read). Session 46 (an H100, run44): the suite passed
+#   (run44a-b, e; 40 tests of run44a did not run: an id with spaces, mended), the floor in the kernels is faster
+#   (forward 1.293 against 1.482 ms), and the mask written by the Gram kernel (chunk.GATE_MASK "gram") slower than
+#   XLA's pass (5.466 against 5.329 ms: the kernel took 0.21 ms more). Next on an H200: the whole suite, then
+#   the A/B of the three forms there (6 programs compiled, then 5 rounds; 420 s allowed):
 #     SKIP_TESTS=1 AB=1 BENCH_TIMEOUT=420 AB_ARGS="--shapes 8x4096 --configs
-#       default;chunk.GATE_MASK=xla;chunk.GATE_FLOOR=xla --rounds 5 --iters 10" bash benchmarks/h200_issue2.sh
+#       default;chunk.GATE_MASK=gram;chunk.GATE_FLOOR=xla --rounds 5 --iters 10" bash benchmarks/h200_issue2.sh
 #   then the profile and the bench below (the profile shows whether the Gram kernel's `where` moved its time).
 #   Next: the committed pair's kernel time as one config (run43c timed each setting in a config of its own), at
 #   both shapes beside jla's: SKIP_TESTS=1 PROFILE=1 PROFILE_ARGS="--impls lineattn,jla" bash benchmarks/h200_issue2.sh

@@ -52,17 +52,19 @@ SAVE_STATES = True
 # the kernels load g (`gates.floor_gate` in `gram`), with no XLA pass over g; under differentiation the forward also
 # keeps where g < floor (int8, one byte per value of g, as autodiff of the `jnp.where` kept; see GATE_MASK) and the dg
 # kernel zeroes dg there. "xla": `pallas.api.run` raises g in XLA first and the custom VJP keeps no mask (the form of
-# sessions 42-44; for A/B timing). A channel gate at (8, 4096) is 268 MB of fp32: that pass read and wrote it (about
-# 0.13 ms of H200 bandwidth in every forward call, plus its transpose over dg in the backward), outside the kernels
-# the profiles timed. Read when a call is traced.
+# sessions 42-44; for A/B timing). A channel gate at (8, 4096) is 268 MB of fp32: that pass read and wrote it in every
+# forward call, plus its transpose over dg in the backward, outside the kernels the profiles timed. H100, KDA 8 x 4096
+# bf16, interleaved wall clocks (run44b): forward 1.293 ms against 1.482, forward+backward 5.329 against 5.628. Read
+# when a call is traced.
 GATE_FLOOR = "kernels"
 # Who forms that mask (GATE_FLOOR "kernels") in the forward that saves its terms ("kernels-saved") for a channel gate:
-# "gram" (the default), the Gram kernel that forms G (`gram.gram_chunks`) writes it from the tiles of g it loads
-# anyway (67 MB more written at (8, 4096)); "xla", a pass of its own over g (`below_floor`: 268 MB read, 67 MB
-# written, about 0.07 ms of H200 bandwidth). A head gate's mask ([B, T, H]) and "kernels-mml2"'s are formed in XLA.
-# Not yet timed on the H200 (the Gram kernel's schedule has moved with the order of its stores: run43b); for the A/B,
-# `ab_pallas_kda.py --configs "default;chunk.GATE_MASK=xla"`. Read when a call is traced.
-GATE_MASK = "gram"
+# "xla" (the default), a pass of its own over g (`below_floor`: 268 MB read, 67 MB written at (8, 4096)); "gram", the
+# Gram kernel that forms G (`gram.gram_chunks(..., below=True)`) writes it from the tiles of g it loads anyway. H100,
+# KDA 8 x 4096 bf16 (run44b-d): the kernel with that int8 store took 0.820 ms against 0.610 without, where the XLA
+# pass took 0.111: forward+backward kernels 4.896 ms against 4.810, wall clock 5.466 against 5.329 (interleaved A/B;
+# its forward alone is the same program either way). A head gate's mask ([B, T, H]) and "kernels-mml2"'s are formed in
+# XLA. Read when a call is traced.
+GATE_MASK = "xla"
 
 
 def _check(backward):
