@@ -104,27 +104,27 @@ def test_gate_floor_in_the_kernels_equals_the_floor_in_xla(rule, monkeypatch):
     # `chunk.GATE_FLOOR`: "kernels" (the default) hands g to the kernels as given; they raise it to the floor as they
     # load it, and dg is zeroed below the floor by the dg kernel (a channel gate) or in XLA (a head gate). "xla"
     # raises g in XLA first, as the API did before. With cuts down to -inf (`_cut`), T = 80 ragged: the same o, final
-    # state and gradients bit for bit, dg exactly 0 below the floor; likewise with the mask of g < floor formed in
-    # XLA (`chunk.GATE_MASK` "xla") rather than by the saving forward's Gram kernel ("gram", for a channel gate); KDA's
-    # "xla" backward (autodiff of the XLA chunk form, which raises g itself) against the oracle too. ("kernels-mml2"
-    # passes the mask to the same dg kernel as "kernels-saved"; `test_pallas_gate_extremes` runs both with these cuts
-    # against the oracle.)
+    # state and gradients bit for bit, dg exactly 0 below the floor; likewise with the mask of g < floor written by
+    # the saving forward's Gram kernel (`chunk.GATE_MASK` "gram", a channel gate's) rather than formed in XLA (the
+    # default); KDA's "xla" backward (autodiff of the XLA chunk form, which raises g itself) against the oracle too.
+    # ("kernels-mml2" passes the mask to the same dg kernel as "kernels-saved"; `test_pallas_gate_extremes` runs both
+    # with these cuts against the oracle.)
     inputs = make_inputs(rule, B=1, T=80, H=2, K=16, V=16, g_low=-1.0, seed=21)
     inputs["g"] = _cut(inputs["g"])
     below = np.asarray(inputs["g"]) < ops.LOG_GATE_FLOOR
     results = {}
-    forms = [("kernels", "gram"), ("xla", "gram")] + [("kernels", "xla")] * (rule == "kda")  # (GDN: a head gate)
+    forms = [("kernels", "xla"), ("xla", "xla")] + [("kernels", "gram")] * (rule == "kda")  # (GDN: a head gate)
     for floor, mask in forms:
         monkeypatch.setattr(pallas_chunk, "GATE_FLOOR", floor)
         monkeypatch.setattr(pallas_chunk, "GATE_MASK", mask)
         o, ht, grads = results[floor, mask] = loss_and_grads(rule, inputs, backend="pallas", chunk_size=32)
         assert np.all(np.asarray(grads["dg"])[below] == 0.0), (floor, mask)
     for form in forms[1:]:  # (compiled on a GPU, each form's kernels round alike only to fp32: H100, 1.2e-7 apart)
-        for name, got, want in zip(["o", "ht", "grads"], results["kernels", "gram"], results[form]):
+        for name, got, want in zip(["o", "ht", "grads"], results[forms[0]], results[form]):
             check = (lambda a, b: np.testing.assert_array_equal(a, b, err_msg=f"{name} {form}")) if not on_gpu() else (
                 lambda a, b: np.testing.assert_array_less(_rel_rms(a, b), 1e-5, err_msg=f"{name} {form}"))
             jax.tree.map(lambda a, b: check(np.asarray(a), np.asarray(b)), got, want)
-    _compare(rule, inputs, got=results["kernels", "gram"])
+    _compare(rule, inputs, got=results[forms[0]])
     if rule == "kda":
         monkeypatch.setattr(pallas_chunk, "GATE_FLOOR", "kernels")
         monkeypatch.setattr(pallas_api, "BACKWARD", "xla")
@@ -162,8 +162,9 @@ def test_pallas_forward_hands_its_inputs_to_the_kernels_untouched(monkeypatch):
     # channel gate is [B, T, H, K] fp32: 268 MB at 8 x 4096 x 16 x 128). So KDA's forward alone (T a multiple of the
     # chunk) reads q, k, v, g and beta in kernels only: with GATE_FLOOR "kernels" the Gram kernel (`gram.gram_chunks`)
     # raises g to the floor as it loads it; with "xla" the floor's own ops read g first (the walk sees them). So does
-    # its forward+backward (the gradients of every input and the initial state): the saving forward's Gram kernel
-    # also writes the mask of g below the floor for the dg kernel (GATE_MASK "gram"); with "xla" an XLA `lt` forms it.
+    # its forward+backward (the gradients of every input and the initial state) where the saving forward's Gram
+    # kernel also writes the mask of g below the floor for the dg kernel (GATE_MASK "gram"); with "xla" (the default,
+    # by measurement: run44) an XLA `lt` forms it.
     x = make_inputs("kda", B=1, T=64, H=2, K=16, V=16)
     names = ("q", "k", "v", "g", "beta")
 
