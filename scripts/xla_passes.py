@@ -62,6 +62,11 @@ def program_ops(jaxpr) -> list[tuple[str, object, int]]:
     return found
 
 
+def passes(found, min_bytes: float) -> list[tuple[object, int]]:
+    """(equation, bytes) for each op of `program_ops`' list, not a kernel and not `free`, over min_bytes."""
+    return [(eqn, size) for kind, eqn, size in found if kind == "op" and size > min_bytes and not free(eqn)]
+
+
 def bench_programs(rule: str, B: int, T: int):
     """{"fwd": jaxpr, "fwdbwd": jaxpr} of the bench's two calls for `rule` ("kda": a channel gate; "gdn": a head
     gate) at [B, T, 16, 128], traced as on an H200 (`common.on_gpu` and `hopper` faked for the trace only)."""
@@ -100,9 +105,8 @@ def main():
             B, T = map(int, shape.split("x"))
             for mode, jaxpr in bench_programs(rule, B, T).items():
                 found = program_ops(jaxpr)
-                passes = [(e, n) for kind, e, n in found if kind == "op" and n > a.min_mb * 1e6 and not free(e)]
                 print(f"== {rule} {mode} {shape}: {sum(kind == 'kernel' for kind, _, _ in found)} kernels, "
-                      f"{len(passes)} other ops over {a.min_mb:g} MB")
+                      f"{len(passes(found, a.min_mb * 1e6))} other ops over {a.min_mb:g} MB")
                 for kind, eqn, size in found:
                     if kind == "kernel" or size > a.min_mb * 1e6:
                         mark = "" if kind == "kernel" else f"   {size / 1e6:.0f} MB" + (" (free)" * free(eqn))

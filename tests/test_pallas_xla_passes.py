@@ -27,8 +27,7 @@ LIMIT = 32e6
 
 def _passes(rule, B, T):
     """{mode: [(op, bytes)]}: the ops outside the kernels, not layout-only, over LIMIT."""
-    return {mode: [(xla_passes.describe(e), n) for kind, e, n in xla_passes.program_ops(jaxpr)
-                   if kind == "op" and n > LIMIT and not xla_passes.free(e)]
+    return {mode: [(xla_passes.describe(e), n) for e, n in xla_passes.passes(xla_passes.program_ops(jaxpr), LIMIT)]
             for mode, jaxpr in xla_passes.bench_programs(rule, B, T).items()}
 
 
