@@ -3,6 +3,7 @@
 # (lineattn-pallas variants beside jax-linear-attention's Mosaic GPU kernels and FLA, same inputs). Run through
 # the device tool with `.whl` carried (see ../shared/BENCHMARKING.md); writes into $OUT.
 #   SKIP_TESTS=1 / SKIP_BENCH=1   one part only        TESTS_K="expr"   a subset of the tests (pytest -k)
+#   IDS_FILE=path   the test ids in that file (one a line, e.g. shards a time limit cut) in place of all
 #   AB=1 AB_ARGS="..."   ab_pallas_kda.py (wall clocks of settings in turn) in place of the bench
 #   BENCH_ARGS="..."   replaces the bench flags below; TEST_TIMEOUT / BENCH_TIMEOUT in seconds. The one long
 #   sequence alone (run6's call ran out of time before it): BENCH_ARGS="--shapes= --decode= --fla= --long 262144"
@@ -133,19 +134,20 @@
 #   calling chunk_pallas directly, never showed. Changed kernels: the Gram, gate-cumsum and scalar Gram kernels (a
 #   `where` on each g tile) and the dg kernel (an int8 mask read). Session 46 (an H100, run44): the suite passed
 #   (run44a-b, e; 40 tests of run44a did not run: an id with spaces, mended), the floor in the kernels is faster
-#   (forward 1.293 against 1.482 ms), and the mask written by the Gram kernel (chunk.GATE_MASK "gram") slower than
-#   XLA's pass (5.466 against 5.329 ms: the kernel took 0.21 ms more). Next on an H200: the whole suite, then
-#   the A/B of the three forms there (6 programs compiled, then 5 rounds; 420 s allowed):
-#     SKIP_TESTS=1 AB=1 BENCH_TIMEOUT=420 AB_ARGS="--shapes 8x4096 --configs
-#       default;chunk.GATE_MASK=gram;chunk.GATE_FLOOR=xla --rounds 5 --iters 10" bash benchmarks/h200_issue2.sh
-#   then the profile and the bench below (the profile shows whether the Gram kernel's `where` moved its time).
-#   Next: the committed pair's kernel time as one config (run43c timed each setting in a config of its own), at
-#   both shapes beside jla's: SKIP_TESTS=1 PROFILE=1 PROFILE_ARGS="--impls lineattn,jla" bash benchmarks/h200_issue2.sh
-#   (and --shape 1x32768 in a second profile with its own --out, as in run34's sweep above).
-#   The bench now times the JAX implementations in turn (--rounds, session 44: run43g's 0.815x came from a call in
-#   which our forward+backward took 0.36 ms longer than in the call before while jla's took 0.13 less); the next one:
-#     SKIP_TESTS=1 BENCH_TIMEOUT=250 BENCH_ARGS="--iters 30 --rounds 5 --shapes 8x4096,1x32768 --fla= --decode=
-#       --skip lineattn-chunk lineattn-pallas-kernels-mml2" bash benchmarks/h200_issue2.sh
+#   (forward 1.293 against 1.482 ms), and the mask written by the Gram kernel slower than XLA's pass (5.466 against
+#   5.329 ms: the kernel took 0.21 ms more). Run45 (session 47, an H200): the whole GPU suite passed (158: SHARDS=8
+#   TEST_TIMEOUT=420 cut 3 shards, whose 60 tests passed in a second call from a file of their ids, IDS_FILE); the A/B
+#   of the three gate forms (run45b): forward 1.124 / 1.124 / 1.228 ms, forward+backward 4.606 / 4.659 / 4.730 (the
+#   Gram kernel's mask removed since); the bench (--rounds, lineattn and jla timed in turn) KDA (8, 4096) forward
+#   1.227 and 1.230 ms in two calls against jla's 1.546 / 1.594, fwd+bwd 0.722x / 0.725x jla's, (1, 32768) 0.743x.
+#   Give the whole suite 8 shards and 500 s (this host compiled more slowly: 346-407 s for the shards that finished):
+#     SHARDS=8 TEST_TIMEOUT=500 SKIP_BENCH=1 bash benchmarks/h200_issue2.sh
+#   The bench (run45c: 8x4096 and 1x32768 in 150 s, then the profile in the same call with its own OUT):
+#     SKIP_TESTS=1 BENCH_TIMEOUT=330 BENCH_ARGS="--iters 30 --rounds 5 --shapes 8x4096,1x32768 --fla= --decode=
+#       --skip lineattn-chunk lineattn-pallas-kernels-mml2" bash benchmarks/h200_issue2.sh; mkdir -p $OUT/prof &&
+#       OUT=$OUT/prof SKIP_TESTS=1 PROFILE=1 PROFILE_ARGS="--impls lineattn,jla" bash benchmarks/h200_issue2.sh
+#   The bench's wall clock of a forward is its kernels (0.850 ms, run45c) plus 0.2-0.4 ms of dispatch and sync that
+#   moves from call to call (rounds of 10 calls: 1.138-1.451 ms in run45e); jla's moves alike (kernels 1.195 ms).
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
 #   --rule gdn for Gated DeltaNet, e.g. PROFILE_ARGS='--rule gdn --check --configs default;api.SCALAR_GATE=1')
@@ -158,7 +160,9 @@ export PYTHONPATH=$PWD/.site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCA
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 if [ -z "${SKIP_TESTS:-}" ]; then  # SHARDS=n: n pytest processes side by side on the GPU (compiling is CPU-bound)
   tests="tests/test_pallas.py tests/test_pallas_gpu.py"
-  python3 -m pytest -q --collect-only -p no:cacheprovider $tests ${TESTS_K:+-k "$TESTS_K"} | grep "::" > $OUT/ids
+  if [ -n "${IDS_FILE:-}" ]; then cp "$IDS_FILE" $OUT/ids  # IDS_FILE: test ids, one a line (e.g. shards cut by time)
+  else python3 -m pytest -q --collect-only -p no:cacheprovider $tests ${TESTS_K:+-k "$TESTS_K"} | grep "::" > $OUT/ids
+  fi
   echo "$(wc -l < $OUT/ids) tests in ${SHARDS:-1} shard(s)"
   for i in $(seq 0 $(( ${SHARDS:-1} - 1 ))); do
     mapfile -t ids < <(awk -v n=${SHARDS:-1} -v i=$i '(NR - 1) % n == i' $OUT/ids)  # (one argument an id)

@@ -45,28 +45,24 @@ PASS_WARPS, PASS_STAGES = 4, 3
 
 
 def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, save=False, scalar=False,
-           row_gate=False, inverse_in_pass=False, save_below=False):
+           row_gate=False, inverse_in_pass=False):
     """The intra-chunk stage's outputs (qin, kg, w, u, m, e^(G_C) as [B, H, K, N]): the gate-cumsum kernel, the Gram
     rows (or `gram_scalar`; with a per-channel gate and the split Gram stage `gram_chunks`, which forms G itself, in
     place of both: `gram.GRAM_FORMS_G`) and the whole-chunk solve. save: also the unscaled key Gram KK and R = (I +
-    A)^-1 (fp32 [B, H, Tp, C]) for the backward (the Gram kernel then writes KK and the solve scales it by beta), G,
-    the chunk flags and (save_below, where `gram_chunks` forms G) the mask of g below the floor (see `forward`'s
-    save). row_gate (a scalar gate, not with save): qin and kg None, and the scalar gate's G [B, Tp, H] last (see
-    ROW_GATE). inverse_in_pass (not with save): R = (I + A)^-1 [B, H, Tp, C] bf16 in w's place and Kin = k e^G [B,
-    H, Tp, K] in u's (None for a scalar gate; see INVERSE_IN_PASS)."""
+    A)^-1 (fp32 [B, H, Tp, C]) for the backward (the Gram kernel then writes KK and the solve scales it by beta), G
+    and the chunk flags (see `forward`'s save). row_gate (a scalar gate, not with save): qin and kg None, and the
+    scalar gate's G [B, Tp, H] last (see ROW_GATE). inverse_in_pass (not with save): R = (I + A)^-1 [B, H, Tp, C] bf16
+    in w's place and Kin = k e^G [B, H, Tp, K] in u's (None for a scalar gate; see INVERSE_IN_PASS)."""
     K = q.shape[-1]
     exact = prec == "ieee"
     split = gram.split_gram(scalar, delta)
     forms_g = split and gram.GRAM_FORMS_G
     gram_prec = prec if exact else gram.GRAM_PREC
     gram_beta = jnp.ones_like(beta) if save else beta
-    below = None  # (the Gram kernel's mask of g below the floor, where it forms G and save_below)
     if forms_g:  # (G kept, in every chunk, where the solve or the backward reads it: all but the inverse's forms)
-        outs = gram_chunks(q, k, g, gram_beta, C=C, scale=scale, store=store, prec=gram_prec, interpret=interpret,
-                           kin=inverse_in_pass, keep_g=not inverse_in_pass, below=save and save_below)
-        if save and save_below:
-            *outs, below = outs
-        m, A, qin, kg, *kin, dend, flags, G = outs
+        m, A, qin, kg, *kin, dend, flags, G = gram_chunks(q, k, g, gram_beta, C=C, scale=scale, store=store,
+                                                          prec=gram_prec, interpret=interpret, kin=inverse_in_pass,
+                                                          keep_g=not inverse_in_pass)
         dend = jnp.swapaxes(dend, -1, -2)  # (the state pass's swap undoes it: XLA drops both)
     else:
         G, dend, *spreads = gate_cumsum(g, C=C, K=K, interpret=interpret, spreads=split)
@@ -86,8 +82,8 @@ def _intra(q, k, v, g, beta, *, C, scale, store, prec, delta, warps, interpret, 
     if split:
         m, A = gram_exact_chunks(flags, q, k, G, gram_beta, m, A, C=C, scale=scale, interpret=interpret,
                                  prec=gram_prec)
-    # saved for the backward: a channel gate's G, chunk flags and mask (a scalar gate's G is K times its g: recomputed)
-    gate = (None, None, None) if scalar else (G, flags if split else None, below)
+    # saved for the backward: a channel gate's G and chunk flags (a scalar gate's G is K times its g: recomputed)
+    gate = (None, None) if scalar else (G, flags if split else None)
     if not delta:
         return (qin, kg, None, None, m, dend) + ((None, None, *gate) if save else ())
     # (A is final here: after the exact fix-up where there is one; with save it is the unscaled KK, kept)
@@ -118,12 +114,6 @@ def saved_gate(saved):
     """(G, chunk flags (`chunk_flags`)) from `forward(..., save=True)`'s saved terms: (None, None) for a scalar
     gate."""
     return saved[8], saved[9]
-
-
-def saved_below(saved):
-    """The int8 mask of g < ops.LOG_GATE_FLOOR [B, Tp, H, K] from `forward(..., save=True, save_below=True)`'s saved
-    terms, or None where the Gram kernel did not write it (a scalar gate, or GRAM_FORMS_G off)."""
-    return saved[10]
 
 
 def _state_pass_kernel(qin_ref, kg_ref, w_ref, u_ref, m_ref, dend_ref, h0_ref, o_ref, ht_ref, *extra_refs, C, N, K,
@@ -421,11 +411,11 @@ def _retrace_on_constants(jitted):
 
 @_retrace_on_constants
 @functools.partial(jax.jit, static_argnames=("scale", "chunk_size", "interpret", "block_v", "warps", "only_intra",
-                                             "export_chunks", "save", "states_dtype", "save_below", "constants"))
+                                             "export_chunks", "save", "states_dtype", "constants"))
 def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpret: bool | None = None,
             block_v: int | None = None, warps: tuple[int, int] | None = None, only_intra: bool = False,
             export_chunks: tuple[int, ...] = (), save: bool = False, states_dtype: str | None = None,
-            save_below: bool = False, constants: tuple = ()):
+            constants: tuple = ()):
     """o [B, T, H, V] (q's dtype) and final state [B, H, K, V] fp32 of the delta rule with a per-channel gate.
 
     q, k [B, T, H, K] and v [B, T, H, V] (bf16 or fp32, one dtype), g [B, T, H, K] log decay per channel or [B, T, H]
@@ -441,14 +431,13 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     kernel 1's WY terms (None for the additive write), from which `lineattn.ops.checkpoints` advances S0
     inside the chunk.
     save: return (o, final state, saved) with saved = (qin, kg, w, u, m [B, H, Tp, .] in the store dtype, e^(G_C) [B,
-    H, K, N], KK, R [B, H, Tp, C] fp32 (the last four None for the additive write), G [B, Tp, H, K] fp32, the chunk
-    flags [B, H, N, C / 16] (`chunk_flags`; None for a scalar gate; flags None where the Gram stage is not split),
-    with save_below the int8 mask of g < ops.LOG_GATE_FLOOR [B, Tp, H, K] from the Gram kernel that forms G (else
-    None: `saved_below`), the segments' transposed maps PT [B, H, nseg, K, K] fp32 (None for an unsegmented pass: see
-    PASS_SEGMENTS)), what `chunk_bwd.backward_fast` would otherwise recompute; with states_dtype (a dtype name, for
-    bf16 inputs; fp32 inputs keep fp32) the state pass also writes every chunk's incoming state S0 [B, H, N K, V] and
-    E = U - W S0 [B, H, Tp, V], appended to saved (the backward then skips its own states pass). constants: set by the
-    wrapper (the module constants' values, a cache key only).
+    H, K, N], KK, R [B, H, Tp, C] fp32 (the last four None for the additive write), G [B, Tp, H, K] fp32 and the chunk
+    flags [B, H, N, C / 16] (`chunk_flags`; None for a scalar gate; flags None where the Gram stage is not split), the
+    segments' transposed maps PT [B, H, nseg, K, K] fp32 (None for an unsegmented pass: see PASS_SEGMENTS)), what
+    `chunk_bwd.backward_fast` would otherwise recompute; with states_dtype (a dtype name, for bf16 inputs; fp32 inputs
+    keep fp32) the state pass also writes every chunk's incoming state S0 [B, H, N K, V] and E = U - W S0 [B, H, Tp,
+    V], appended to saved (the backward then skips its own states pass). constants: set by the wrapper (the module
+    constants' values, a cache key only).
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -483,7 +472,7 @@ def forward(q, k, v, g, beta, h0, *, scale: float, chunk_size: int = 64, interpr
     qin, kg, w, u, m, dend, *extra = _intra(
         q, k, v, g, beta, C=C, scale=scale, store=store, prec="ieee" if exact else "tf32", delta=delta,
         warps=warps[0], interpret=interpret, save=save, scalar=scalar, row_gate=row_gate,
-        inverse_in_pass=inverse_in_pass, save_below=save_below)
+        inverse_in_pass=inverse_in_pass)
     if only_intra:
         return qin, kg, w, u, m, dend
     if not delta:
