@@ -102,46 +102,40 @@ def test_pallas_scalar_gate_kernels(rule, gate, backward, monkeypatch):
 @pytest.mark.parametrize("rule", ["kda", "gdn"])
 def test_gate_floor_in_the_kernels_equals_the_floor_in_xla(rule, monkeypatch):
     # `chunk.GATE_FLOOR`: "kernels" (the default) hands g to the kernels as given; they raise it to the floor as they
-    # load it, and dg is zeroed below the floor by the dg kernel (a channel gate) or in XLA (a head gate). "xla"
-    # raises g in XLA first, as the API did before. With cuts down to -inf (`_cut`), T = 80 ragged: the same o, final
-    # state and gradients bit for bit, dg exactly 0 below the floor; likewise with the mask of g < floor written by
-    # the saving forward's Gram kernel (`chunk.GATE_MASK` "gram", a channel gate's) rather than formed in XLA (the
-    # default); KDA's "xla" backward (autodiff of the XLA chunk form, which raises g itself) against the oracle too.
-    # ("kernels-mml2" passes the mask to the same dg kernel as "kernels-saved"; `test_pallas_gate_extremes` runs both
-    # with these cuts against the oracle.)
+    # load it, and dg is zeroed below the floor by the dg kernel (a channel gate, reading an int8 mask formed in XLA)
+    # or in XLA (a head gate). "xla" raises g in XLA first, as the API did before. With cuts down to -inf (`_cut`),
+    # T = 80 ragged: the same o, final state and gradients bit for bit, dg exactly 0 below the floor; KDA's "xla"
+    # backward (autodiff of the XLA chunk form, which raises g itself) against the oracle too. ("kernels-mml2" passes
+    # the mask to the same dg kernel as "kernels-saved"; `test_pallas_gate_extremes` runs both with these cuts
+    # against the oracle.)
     inputs = make_inputs(rule, B=1, T=80, H=2, K=16, V=16, g_low=-1.0, seed=21)
     inputs["g"] = _cut(inputs["g"])
     below = np.asarray(inputs["g"]) < ops.LOG_GATE_FLOOR
     results = {}
-    forms = [("kernels", "xla"), ("xla", "xla")] + [("kernels", "gram")] * (rule == "kda")  # (GDN: a head gate)
-    for floor, mask in forms:
+    for floor in ("kernels", "xla"):
         monkeypatch.setattr(pallas_chunk, "GATE_FLOOR", floor)
-        monkeypatch.setattr(pallas_chunk, "GATE_MASK", mask)
-        o, ht, grads = results[floor, mask] = loss_and_grads(rule, inputs, backend="pallas", chunk_size=32)
-        assert np.all(np.asarray(grads["dg"])[below] == 0.0), (floor, mask)
+        o, ht, grads = results[floor] = loss_and_grads(rule, inputs, backend="pallas", chunk_size=32)
+        assert np.all(np.asarray(grads["dg"])[below] == 0.0), floor
+
     def same(a, b, msg):  # (compiled on a GPU, each form's kernels round alike only to fp32: H100, 1.2e-7 apart)
         if on_gpu():
             np.testing.assert_array_less(_rel_rms(a, b), 1e-5, err_msg=msg)
         else:
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=msg)
 
-    for form in forms[1:]:
-        for name, got, want in zip(["o", "ht", "grads"], results[forms[0]], results[form]):
-            jax.tree.map(lambda a, b: same(a, b, f"{name} {form}"), got, want)
-    _compare(rule, inputs, got=results[forms[0]])
+    for name, got, want in zip(["o", "ht", "grads"], results["kernels"], results["xla"]):
+        jax.tree.map(lambda a, b: same(a, b, name), got, want)
+    _compare(rule, inputs, got=results["kernels"])
     if rule == "kda":
         monkeypatch.setattr(pallas_chunk, "GATE_FLOOR", "kernels")
         monkeypatch.setattr(pallas_api, "BACKWARD", "xla")
         assert np.all(np.asarray(_compare(rule, inputs, chunk_size=32)[2]["dg"])[below] == 0.0)
 
 
-@pytest.mark.parametrize("setting,value,message", [("GATE_FLOOR", "kernel", "'kernels' or 'xla'"),
-                                                   ("GATE_MASK", "kernels", "'gram' or 'xla'")],
-                         ids=["floor", "mask"])  # (ids without spaces: h200_issue2.sh passes ids to its shards)
-def test_gate_floor_unknown_is_a_value_error(setting, value, message, monkeypatch):
-    monkeypatch.setattr(pallas_chunk, setting, value)
+def test_gate_floor_unknown_is_a_value_error(monkeypatch):
+    monkeypatch.setattr(pallas_chunk, "GATE_FLOOR", "kernel")
     x = make_inputs("kda", B=1, T=16, H=1, K=16, V=16)
-    with pytest.raises(ValueError, match=f"chunk.{setting} must be {message}, got '{value}'"):
+    with pytest.raises(ValueError, match="chunk.GATE_FLOOR must be 'kernels' or 'xla', got 'kernel'"):
         ops.linear_attention("kda", x["q"], x["k"], x["v"], x["g"], x["beta"], backend="pallas")
 
 
@@ -166,9 +160,9 @@ def test_pallas_forward_hands_its_inputs_to_the_kernels_untouched(monkeypatch):
     # channel gate is [B, T, H, K] fp32: 268 MB at 8 x 4096 x 16 x 128). So KDA's forward alone (T a multiple of the
     # chunk) reads q, k, v, g and beta in kernels only: with GATE_FLOOR "kernels" the Gram kernel (`gram.gram_chunks`)
     # raises g to the floor as it loads it; with "xla" the floor's own ops read g first (the walk sees them). So does
-    # its forward+backward (the gradients of every input and the initial state) where the saving forward's Gram
-    # kernel also writes the mask of g below the floor for the dg kernel (GATE_MASK "gram"); with "xla" (the default,
-    # by measurement: run44) an XLA `lt` forms it.
+    # its forward+backward (the gradients of every input and the initial state) but for one XLA `lt` on g, which
+    # forms the mask of g below the floor for the dg kernel (`chunk.below_floor`: by measurement, faster than the
+    # Gram kernel storing it, run44-45).
     x = make_inputs("kda", B=1, T=64, H=2, K=16, V=16)
     names = ("q", "k", "v", "g", "beta")
 
@@ -177,18 +171,17 @@ def test_pallas_forward_hands_its_inputs_to_the_kernels_untouched(monkeypatch):
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
 
     readers = {}
-    for floor, mask in (("kernels", "gram"), ("xla", "gram"), ("kernels", "xla")):
+    for floor in ("kernels", "xla"):
         monkeypatch.setattr(pallas_chunk, "GATE_FLOOR", floor)
-        monkeypatch.setattr(pallas_chunk, "GATE_MASK", mask)
         for mode, fn in (("fwd", lambda *a: ops.linear_attention("kda", *a, backend="pallas")[0]),
                          ("fwdbwd", jax.grad(loss, argnums=(0, 1, 2, 3, 4)))):  # (new functions: make_jaxpr caches)
             closed = jax.make_jaxpr(fn)(*[x[n] for n in names])
-            readers[floor, mask, mode] = {n: _consumers(closed.jaxpr, v) for n, v in zip(names, closed.jaxpr.invars)}
+            readers[floor, mode] = {n: _consumers(closed.jaxpr, v) for n, v in zip(names, closed.jaxpr.invars)}
     for mode in ("fwd", "fwdbwd"):
-        found = readers["kernels", "gram", mode]
-        assert all(r and set(r) == {"pallas_call"} for r in found.values()), (mode, found)
-        assert "pallas_call" not in readers["xla", "gram", mode]["g"], mode  # (raised in XLA, then read by kernels)
-    assert set(readers["kernels", "xla", "fwdbwd"]["g"]) == {"pallas_call", "lt"}, readers
+        found = readers["kernels", mode]
+        assert all(r and set(r) == ({"pallas_call", "lt"} if (n, mode) == ("g", "fwdbwd") else {"pallas_call"})
+                   for n, r in found.items()), (mode, found)
+        assert "pallas_call" not in readers["xla", mode]["g"], mode  # (raised in XLA, then read by kernels)
 
 
 def test_pallas_scalar_gate_bf16_and_varlen(monkeypatch):
@@ -937,13 +930,6 @@ def test_gram_chunks_form_the_gate_cumsum_themselves(dtype, gates):
     for x, y in zip(kept[2:], (*got[2:4], got[5], got_flags)):
         np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
     np.testing.assert_allclose(np.asarray(kept_G), np.asarray(G), rtol=2e-6, atol=1e-5)
-    # below (the saving forward's, `chunk.GATE_MASK` "gram"): the same outputs bit for bit, and last the int8 mask of
-    # g < ops.LOG_GATE_FLOOR (the cut's row 70 holds -1000).
-    *masked, below = gram.gram_chunks(q, k, g, beta, bk=16, kin=False, keep_g=True, below=True, **kw)
-    for x, y in zip(masked, (k_m, k_A, k_qin, k_kg, k_dend, k_flags, kept_G)):
-        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
-    assert below.dtype == jnp.int8 and int(jnp.sum(below)) == (2 * 64 if gates == "cut" else 0)
-    np.testing.assert_array_equal(np.asarray(below), np.asarray(g < ops.LOG_GATE_FLOOR, np.int8))
 
 
 @pytest.mark.parametrize("factors", ["next-middle", "middle-keys"])

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from lineattn.ops.chunk import chunk as xla_chunk
 from lineattn.ops.gates import LOG_GATE_FLOOR, floor_gate
 from lineattn.ops.pallas import chunk_bwd
-from lineattn.ops.pallas.chunk_fwd import forward, saved_below, saved_gate
+from lineattn.ops.pallas.chunk_fwd import forward, saved_gate
 
 f32 = jnp.float32
 
@@ -50,21 +50,15 @@ BACKWARDS = ("kernels-saved", "kernels-mml2", "xla")
 SAVE_STATES = True
 # Where a log gate below ops.LOG_GATE_FLOOR is raised to it on the way into the kernels. "kernels" (the default): as
 # the kernels load g (`gates.floor_gate` in `gram`), with no XLA pass over g; under differentiation the forward also
-# keeps where g < floor (int8, one byte per value of g, as autodiff of the `jnp.where` kept; see GATE_MASK) and the dg
+# keeps where g < floor (int8, one byte per value of g, as autodiff of the `jnp.where` kept; `below_floor`) and the dg
 # kernel zeroes dg there. "xla": `pallas.api.run` raises g in XLA first and the custom VJP keeps no mask (the form of
 # sessions 42-44; for A/B timing). A channel gate at (8, 4096) is 268 MB of fp32: that pass read and wrote it in every
-# forward call, plus its transpose over dg in the backward, outside the kernels the profiles timed. H100, KDA 8 x 4096
-# bf16, interleaved wall clocks (run44b): forward 1.293 ms against 1.482, forward+backward 5.329 against 5.628. Read
-# when a call is traced.
+# forward call, plus its transpose over dg in the backward, outside the kernels the profiles timed. KDA 8 x 4096 bf16,
+# interleaved wall clocks: forward 1.124 ms against 1.228, forward+backward 4.606 against 4.730 (H200, run45b); 1.300
+# against 1.482 and 5.329 against 5.628 (H100, run44b). (The mask written by the Gram kernel from its loads of g, in
+# place of `below_floor`'s XLA pass, was slower on both: 4.659 ms on the H200, 5.466 on the H100; removed.) Read when
+# a call is traced.
 GATE_FLOOR = "kernels"
-# Who forms that mask (GATE_FLOOR "kernels") in the forward that saves its terms ("kernels-saved") for a channel gate:
-# "xla" (the default), a pass of its own over g (`below_floor`: 268 MB read, 67 MB written at (8, 4096)); "gram", the
-# Gram kernel that forms G (`gram.gram_chunks(..., below=True)`) writes it from the tiles of g it loads anyway. H100,
-# KDA 8 x 4096 bf16 (run44b-d): the kernel with that int8 store took 0.820 ms against 0.610 without, where the XLA
-# pass took 0.111: forward+backward kernels 4.896 ms against 4.810, wall clock 5.466 against 5.329 (interleaved A/B;
-# its forward alone is the same program either way). A head gate's mask ([B, T, H]) and "kernels-mml2"'s are formed in
-# XLA. Read when a call is traced.
-GATE_MASK = "xla"
 
 
 def _check(backward):
@@ -72,8 +66,6 @@ def _check(backward):
         raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
     if GATE_FLOOR not in ("kernels", "xla"):
         raise ValueError(f"chunk.GATE_FLOOR must be 'kernels' or 'xla', got {GATE_FLOOR!r}")
-    if GATE_MASK not in ("gram", "xla"):
-        raise ValueError(f"chunk.GATE_MASK must be 'gram' or 'xla', got {GATE_MASK!r}")
 
 
 def below_floor(g):
@@ -96,13 +88,9 @@ def _fwd(q, k, v, g, beta, h0, scale, chunk_size, interpret, backward):
         out = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret)
         return out, ((q, k, v, g, beta, h0), None, None)
     if backward == "kernels-saved":  # the forward's intra-chunk terms are kept for the backward
-        in_gram = GATE_FLOOR == "kernels" and GATE_MASK == "gram"
         o, ht, saved = forward(q, k, v, g, beta, h0, scale=scale, chunk_size=chunk_size, interpret=interpret,
-                               save=True, states_dtype=chunk_bwd.STATES_DTYPE if SAVE_STATES else None,
-                               save_below=in_gram)
-        below = saved_below(saved) if in_gram else None
-        if below is None:  # (the Gram kernel did not write it: a head gate, or GATE_MASK "xla")
-            below = below_floor(g)
+                               save=True, states_dtype=chunk_bwd.STATES_DTYPE if SAVE_STATES else None)
+        below = below_floor(g)
         if saved_gate(saved)[0] is not None:  # G saved in g's place (the backward needs g's rank and dtype only)
             g = jnp.zeros((0,) * g.ndim, g.dtype)
         return (o, ht), ((q, k, v, g, beta, h0), below, saved)

@@ -203,9 +203,8 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     here, and the state passes read the stored (bf16 for bf16 inputs) Qin, Kg, M, W, U; where saved holds the
     gate's cumsum G, g is read for its rank and dtype only (`chunk.chunk_pallas` then keeps an empty stand-in).
     g [B, T, H] (a gate equal across K) takes the scalar Gram kernels (`gram.gram_scalar`,
-    `gram_grads_scalar`) and gets dg [B, T, H]. below: None or int8 in g's shape (T or, from the forward's Gram
-    kernel, Tp tokens), 1 where g was below `ops.LOG_GATE_FLOOR` (the kernels raised it): dg is 0 there
-    (`chunk.below_floor`, `chunk_fwd.saved_below`)."""
+    `gram_grads_scalar`) and gets dg [B, T, H]. below: None or int8 in g's shape, 1 where g was below
+    `ops.LOG_GATE_FLOOR` (the kernels raised it): dg is 0 there (`chunk.below_floor`)."""
 
     C = chunk_size
     B, T, H, K = q.shape
@@ -229,7 +228,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     ch = lambda x: x.reshape(B, H, N, C, x.shape[-1])
     states = maps = None
     if saved is not None:
-        Qin, Kg, W, U, M, dend_KN, KK, R, _, _, _, maps, *states = saved
+        Qin, Kg, W, U, M, dend_KN, KK, R, _, _, maps, *states = saved
         states = tuple(states) or None  # (S0, E) when the forward's state pass kept them
         if not delta:
             U = jnp.moveaxis(vp, 2, 1).astype(f32)
@@ -288,7 +287,7 @@ def backward_fast(q, k, v, g, beta, h0, do, dht, *, scale: float, chunk_size: in
     kchunk = pl.BlockSpec((None, None, C, bk), lambda b, h, n, t: (b, h, n, t))
     kn = pl.BlockSpec((None, None, bk, None), lambda b, h, n, t: (b, h, t, n))
     nr = kg_dkg.shape[2] // N  # rows of Kg * dKg column sums per chunk (the 16-row blocks)
-    masks = [] if below is None else [jnp.pad(below, [(0, 0), (0, Tp - below.shape[1]), (0, 0), (0, 0)])]  # (as dop)
+    masks = [] if below is None else [jnp.pad(below, [(0, 0), (0, Tp - T), (0, 0), (0, 0)])]  # (as dop)
     dg = pallas_call(
         _dg_kernel, grid=(B, H, N, K // bk),
         in_specs=[kchunk, pl.BlockSpec((None, None, nr, bk), lambda b, h, n, t: (b, h, n, t)), kn, kn]

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lineattn.ops.gates import LOG_GATE_FLOOR, floor_gate
+from lineattn.ops.gates import floor_gate
 from lineattn.ops.pallas import common
 from lineattn.ops.pallas.common import SUB, compiler_params, dot, exp, iota, pallas_call
 
@@ -304,14 +304,13 @@ def chunk_cumsum(g):
 
 
 def _gram_chunk_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_ref, *refs, scale, prec, bk, kin,
-                       keep_g, below):
+                       keep_g):
     """One chunk from the raw gate: per K tile, G by `chunk_cumsum`, e^(G_C), Qin, Kg, (with kin) Kin for all its
     rows, and each 16-row block's products through its middle row (the fast path of `_gram_rows_kernel`, the left
     operands of the four blocks formed together and split by rows); then M, A, the chunk's flag (a block beyond LIMIT
     of its middle row: `gram_exact_chunks` rewrites it), and G: with keep_g in every chunk, else only in a flagged
-    chunk (recomputed), for that rewrite. below (with keep_g): also the mask of g < LOG_GATE_FLOOR, from the same
-    loads of g."""
-    kin_ref, dend_ref, flag_ref, G_ref, *below_ref = refs if kin else (None, *refs)
+    chunk (recomputed), for that rewrite."""
+    kin_ref, dend_ref, flag_ref, G_ref = refs if kin else (None, *refs)
     C, K = k_ref.shape
     nb = C // SUB
     rows = iota((C, bk), 0)
@@ -324,11 +323,8 @@ def _gram_chunk_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_
             out = jnp.where(block_of_row == b, values[b], out)
         return out
 
-    def gate(d, mask=False):
-        g = g_ref[:, d].astype(f32)
-        if mask:
-            below_ref[0][:, d] = (g < LOG_GATE_FLOOR).astype(below_ref[0].dtype)
-        G = chunk_cumsum(floor_gate(g))
+    def gate(d):
+        G = chunk_cumsum(floor_gate(g_ref[:, d].astype(f32)))
         return G, jnp.sum(jnp.where(rows == C - 1, G, 0.0), axis=0, keepdims=True)
 
     def toward(Ga, anchors):
@@ -345,7 +341,7 @@ def _gram_chunk_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_
 
     def tile(d, carry):
         spread, acc = carry
-        G, G_C = gate(d, mask=below)
+        G, G_C = gate(d)
         if keep_g:
             G_ref[:, d] = G
         dend_ref[d] = exp(G_C[0])
@@ -397,30 +393,27 @@ def _gram_chunk_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_
         common.over_tiles(K // bk, bk, write, 0)
 
 
-def gram_chunks(q, k, g, beta, *, C, scale, store, prec, interpret, bk=None, kin=True, keep_g=False, below=False):
+def gram_chunks(q, k, g, beta, *, C, scale, store, prec, interpret, bk=None, kin=True, keep_g=False):
     """From the raw per-channel log gate g [B, Tp, H, K] fp32 (no gate-cumsum kernel before it; see GRAM_FORMS_G):
     M, A, Qin, Kg, (with kin) Kin [B, H, Tp, .] (`gram_rows(fast_only=True, kin=kin)`'s), e^(G_C) [B, H, N, K], the
     chunks' flags [B, H, N, C / 16] (1.0 where `gram_exact_chunks` must rewrite the chunk) and G [B, Tp, H, K] fp32,
     written in every chunk with keep_g (for the solve and the backward), else in the flagged chunks only (elsewhere
-    unset); with below (and keep_g), last, the int8 mask [B, Tp, H, K] of g < LOG_GATE_FLOOR (1 there: where the
-    backward's dg is 0; `chunk.GATE_MASK`). q, k [B, Tp, H, K], beta [B, Tp, H]."""
-    if below and not keep_g:
-        raise ValueError("gram_chunks: below needs keep_g (the mask is written in every chunk)")
+    unset). q, k [B, Tp, H, K], beta [B, Tp, H]."""
     B, Tp, H, K = q.shape
     N, nb = Tp // C, C // SUB
     bk = min(bk or GRAM_CHUNK_BK, K)
     tok = lambda D: pl.BlockSpec((None, C, None, D), lambda b, h, n: (b, n, h, 0))
     rows = lambda D: pl.BlockSpec((None, None, C, D), lambda b, h, n: (b, h, n, 0))
     return pallas_call(
-        functools.partial(_gram_chunk_kernel, scale=scale, prec=prec, bk=bk, kin=kin, keep_g=keep_g, below=below),
+        functools.partial(_gram_chunk_kernel, scale=scale, prec=prec, bk=bk, kin=kin, keep_g=keep_g),
         grid=(B, H, N),
         in_specs=[tok(K), tok(K), tok(K), pl.BlockSpec((None, C, None), lambda b, h, n: (b, n, h))],
         out_specs=[rows(C), rows(C), rows(K), rows(K)] + [rows(K)] * kin + [
             pl.BlockSpec((None, None, None, K), lambda b, h, n: (b, h, n, 0)),
-            pl.BlockSpec((None, None, None, nb), lambda b, h, n: (b, h, n, 0)), tok(K)] + [tok(K)] * below,
+            pl.BlockSpec((None, None, None, nb), lambda b, h, n: (b, h, n, 0)), tok(K)],
         out_shape=_gram_outputs(B, H, Tp, C, K, store, f32) + [jax.ShapeDtypeStruct((B, H, Tp, K), store)] * kin + [
             jax.ShapeDtypeStruct((B, H, N, K), f32), jax.ShapeDtypeStruct((B, H, N, nb), f32),
-            jax.ShapeDtypeStruct((B, Tp, H, K), f32)] + [jax.ShapeDtypeStruct((B, Tp, H, K), jnp.int8)] * below,
+            jax.ShapeDtypeStruct((B, Tp, H, K), f32)],
         compiler_params=compiler_params(num_warps=GRAM_CHUNK_WARPS, num_stages=GRAM_CHUNK_STAGES),
         interpret=interpret,
         name="lineattn_chunk_gram_g",
