@@ -43,6 +43,12 @@ def free(eqn) -> bool:
     return eqn.primitive.name == "pad" and all(tuple(c) == (0, 0, 0) for c in eqn.params["padding_config"])
 
 
+def sub_jaxprs(eqn) -> list:
+    """The jaxprs in an equation's parameters (a call's body, a custom VJP's forward, a loop's body, ...)."""
+    return [p.jaxpr if isinstance(p, ClosedJaxpr) else p for p in eqn.params.values()
+            if isinstance(p, (ClosedJaxpr, Jaxpr))]
+
+
 def program_ops(jaxpr) -> list[tuple[str, object, int]]:
     """("kernel" | "op", the equation, its largest operand or result in bytes) for every kernel and every other op of
     `jaxpr` in order, calls (pjit, custom_vjp_call, ...) opened, kernels not."""
@@ -51,8 +57,7 @@ def program_ops(jaxpr) -> list[tuple[str, object, int]]:
         if eqn.primitive.name in KERNELS:
             found.append(("kernel", eqn, 0))
             continue
-        subs = [p.jaxpr if isinstance(p, ClosedJaxpr) else p for p in eqn.params.values()
-                if isinstance(p, (ClosedJaxpr, Jaxpr))]
+        subs = sub_jaxprs(eqn)
         if subs and eqn.primitive.name not in ("cond", "while", "scan"):
             for sub in subs:
                 found += program_ops(sub)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 # Tests run tiny shapes many times: XLA CPU compile time dominates, and skipping LLVM's optimisation cuts it
 # about 4x (same arithmetic, slower code). Set before JAX starts; a caller's own XLA_FLAGS come after and win.
@@ -138,6 +140,14 @@ def assert_close(actual: dict, expected: dict, tol: float, context: str = ""):
         assert np.all(np.isfinite(np.asarray(actual[name]))), f"{context}: {name} has non-finite values"
     bad = {name: err for name, err in errors.items() if not err <= tol}
     assert not bad, f"{context}: relative max error above {tol}: {bad} (all: {errors})"
+
+
+def load_script(name: str):
+    """The module scripts/<name>.py (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture

@@ -14,9 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import ClosedJaxpr, Jaxpr
 
-from conftest import assert_close, grad_jaxpr, loss_and_grads, make_inputs
+from conftest import assert_close, grad_jaxpr, load_script, loss_and_grads, make_inputs
 from lineattn import ops
 from lineattn.ops.pallas import api as pallas_api
 from lineattn.ops.pallas import chunk as pallas_chunk
@@ -24,6 +23,7 @@ from lineattn.ops.pallas.common import on_gpu
 from lineattn.ops.pallas.decode import decode_step
 from lineattn.ops.recurrent import recurrent
 
+xla_passes = load_script("xla_passes")  # (its `sub_jaxprs`)
 TOL = 1e-4
 SMALL = dict(T=80, H=2, K=32, V=32)
 BF16_RMS = {"o": 5e-3, "ht": 5e-3, "dq": 8e-3, "dk": 8e-3, "dv": 8e-3, "dinitial_state": 8e-3, "dg": 2e-2,
@@ -144,9 +144,7 @@ def _consumers(jaxpr, var) -> list[str]:
     taking the equation's operands one for one) but not into a pallas_call (a kernel reads it there)."""
     found = []
     for eqn in jaxpr.eqns:
-        subs = [p.jaxpr if isinstance(p, ClosedJaxpr) else p for p in eqn.params.values()
-                if isinstance(p, (ClosedJaxpr, Jaxpr))]
-        calls = [j for j in subs if len(j.invars) == len(eqn.invars)]
+        calls = [j for j in xla_passes.sub_jaxprs(eqn) if len(j.invars) == len(eqn.invars)]
         for slot in [i for i, x in enumerate(eqn.invars) if x is var]:
             if eqn.primitive.name == "pallas_call" or not calls:
                 found.append(eqn.primitive.name)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from conftest import pallas_value_and_grad
+from conftest import load_script, pallas_value_and_grad
 from lineattn.ops.pallas.chunk import chunk_pallas
 from lineattn.ops.pallas.decode import decode_step
 
@@ -219,14 +219,8 @@ def test_jaxpr_dump_tells_kernel_settings_apart(monkeypatch):
     # scripts/pallas_jaxprs.py compares two trees' kernels without a GPU (a refactor that changes none writes the same
     # file): its text must be the same for the same settings and differ when a kernel's launch setting (a Triton
     # pipeline depth) or a Mosaic GPU kernel's form (its compute warpgroups) differs, on the faked Hopper GPU's paths.
-    import importlib.util
-    from pathlib import Path
-
     from lineattn.ops.pallas import common, tuning
-    path = Path(__file__).resolve().parents[1] / "scripts" / "pallas_jaxprs.py"
-    spec = importlib.util.spec_from_file_location("pallas_jaxprs", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("pallas_jaxprs")
     monkeypatch.setattr(common, "hopper", lambda: True)
     case = dict(B=2, T=100, H=64, dtype=jnp.bfloat16, head_gate=False, backward="kernels-saved", grad=False)
     base = script.case_jaxpr(**case)

@@ -8,17 +8,12 @@ on an H200 (the GPU faked; kernels traced, never compiled) and lists the ops bet
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
+from conftest import load_script
 from lineattn.ops.pallas import chunk as pallas_chunk
 
-_path = Path(__file__).resolve().parents[1] / "scripts" / "xla_passes.py"
-_spec = importlib.util.spec_from_file_location("xla_passes", _path)
-xla_passes = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(xla_passes)
+xla_passes = load_script("xla_passes")
 
 # Larger than the segmented passes' K x K maps at (1, 32768) (16.8 MB: a concatenate and two slices), smaller than
 # any [B, T, H, .] array of the bench's shapes (a channel gate's int8 mask: 67 MB).
