@@ -131,13 +131,17 @@ def bench_shape(op, B, T, a, skip, fla_modes):
             print(f"{name} {op} B={B} T={T}: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
             continue
         errs[name] = dict(max_rel_err=rel_err(o, reference), rel_rms_err=rel_rms(o, reference))
-        timed[(name, "fwd")] = fwd
+        modes = {"fwd": fwd}
         if not (name == "lineattn-chunk" and op == "gdn"):
-            timed[(name, "fwdbwd")] = jax.jit(forward_backward(f, do))
+            modes["fwdbwd"] = jax.jit(forward_backward(f, do))
+        for mode, jitted in modes.items():
+            timed[(name, mode, "jit")] = jitted
+            if a.aot:  # the same program through an ahead-of-time compiled executable
+                timed[(name, mode, "aot")] = jitted.lower(*args).compile()
     failed = lambda key, exc: print(f"{key[0]} {key[1]}: failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-    for (name, mode), (ms, rounds_ms) in time_interleaved(timed, args, a.iters, a.rounds, failed).items():
+    for (name, mode, harness), (ms, rounds_ms) in time_interleaved(timed, args, a.iters, a.rounds, failed).items():
         record(a.out, op=op, impl=name, mode=mode, B=B, T=T, H=H, K=K, V=V, ms=ms, dtype="bfloat16",
-               rounds_ms=[round(t, 3) for t in rounds_ms], **errs[name])
+               rounds_ms=[round(t, 3) for t in rounds_ms], **errs[name], **({"harness": harness} if a.aot else {}))
     fn = fla_fn(op) if fla_modes else None
     if fn is None:
         return
@@ -293,6 +297,9 @@ def main():
                    help="JAX implementations timed in turn in this many rounds of --iters / rounds calls each (the "
                         "median over all calls): drift of the machine then slows all alike; 1: each in one go")
     p.add_argument("--shapes", default="8x4096,1x32768")
+    p.add_argument("--aot", action="store_true",
+                   help="also time each JAX implementation's program through `jax.jit(f).lower(*args).compile()` "
+                        "(as ab_pallas_kda.py does), in turn with the jit calls; records then carry 'harness'")
     p.add_argument("--skip", nargs="*", default=[])
     p.add_argument("--fla", default="fwd,fwdbwd", help="FLA modes to time ('' for none): autotuning is slow")
     p.add_argument("--fla-shapes", default="8x4096,1x32768", help="shapes at which FLA is timed")
@@ -329,12 +336,12 @@ def main():
             bench_shape("gdn", B, T, a, a.skip + ["lineattn-chunk"], fla_gdn)
     if a.long:
         bench_long(a, a.long)
-    ms = {(r["op"], r["impl"], r["mode"], r["B"], r["T"]): r["ms"] for r in RECORDS}
+    ms = {(r["op"], r["impl"], r["mode"], r["B"], r["T"], r.get("harness", "jit")): r["ms"] for r in RECORDS}
     print("\npeer ms / lineattn-pallas ms (same run):")
-    for (op, impl, mode, B, T), t in sorted(ms.items()):
-        ours = ms.get((op, "lineattn-pallas", mode, B, T))
+    for (op, impl, mode, B, T, harness), t in sorted(ms.items()):
+        ours = ms.get((op, "lineattn-pallas", mode, B, T, harness))
         if ours and impl != "lineattn-pallas" and mode != "decode":
-            print(f"  {op} B={B} T={T} {mode:7s} {impl:18s} {t / ours:.2f}x")
+            print(f"  {op} B={B} T={T} {mode:7s} {impl:18s} {t / ours:.2f}x" + (f" ({harness})" if a.aot else ""))
 
 
 if __name__ == "__main__":
