@@ -930,7 +930,7 @@ def test_gram_chunks_form_the_gate_cumsum_themselves(dtype, gates):
     np.testing.assert_allclose(np.asarray(kept_G), np.asarray(G), rtol=2e-6, atol=1e-5)
 
 
-@pytest.mark.parametrize("factors", ["next-middle", "middle-keys"])
+@pytest.mark.parametrize("factors", ["next-middle", "middle-keys", "halves"])
 @pytest.mark.parametrize("dtype,gates", [(jnp.float32, "weak"), (jnp.float32, "lower_bound"), (jnp.float32, "cut"),
                                          (jnp.bfloat16, "weak"), (jnp.bfloat16, "uniform"), (jnp.bfloat16, "zero")])
 def test_gram_factors_through_middle_rows(factors, dtype, gates, monkeypatch):
@@ -941,11 +941,14 @@ def test_gram_factors_through_middle_rows(factors, dtype, gates, monkeypatch):
     # relative RMS in fp32 (CPU: <= 6e-8, the factors' roundings), 3e-4 in bf16 (CPU: <= 1.3e-7; on a GPU a rounding
     # flip of an operand); Qin, Kg, Kin, e^(G_C), the flags and the kept G bit for bit. At the lower bound (-5 a
     # token) the middle rows of blocks two apart lie 160 nats apart: the factors underflow to 0 there, as the one exp
-    # does. The cut (-1000 at row 70) flags the second chunk.
+    # does. The cut (-1000 at row 70) flags the second chunk. "halves" (the forward alone's form only): 32-row halves,
+    # whose rows lie up to 80 nats from their middle row at the lower bound, so the factors' exponents are twice as
+    # large and so are their roundings: within 1e-5 in fp32 (CPU: 3.3e-6 at the lower bound, 6e-8 elsewhere; an fp64
+    # reference is as far from either form).
     from lineattn.ops.pallas import gram
     q, k, g, beta, kw, exact = _gram_chunk_case(dtype, gates)
-    tol = 1e-6 if dtype == jnp.float32 else 3e-4
-    for keep_g in (False, True):
+    tol = (1e-5 if factors == "halves" else 1e-6) if dtype == jnp.float32 else 3e-4
+    for keep_g in (False,) if factors == "halves" else (False, True):
         outs = {}
         for mode in ("per-block", factors):
             monkeypatch.setattr(gram, "GRAM_FACTORS_KEEP_G" if keep_g else "GRAM_FACTORS", mode)
@@ -960,11 +963,13 @@ def test_gram_factors_through_middle_rows(factors, dtype, gates, monkeypatch):
 
 
 def test_gram_factors_unknown_is_a_value_error(monkeypatch):
-    # A misspelt or removed `gram.GRAM_FACTORS` ("middle", removed in session 44) fails when traced, naming the setting.
+    # A misspelt or removed `gram.GRAM_FACTORS` ("middle", removed in session 44) fails when traced, naming the setting;
+    # so does "halves" for GRAM_FACTORS_KEEP_G (the backward's exact rewrite reads flags of 16-row blocks).
     from lineattn.ops.pallas import gram
     q, k, g, beta, kw, _ = _gram_chunk_case(jnp.float32, "uniform")
-    for name, keep_g in (("GRAM_FACTORS", False), ("GRAM_FACTORS_KEEP_G", True)):
-        monkeypatch.setattr(gram, name, "middle")
+    for name, keep_g, value in (("GRAM_FACTORS", False, "middle"), ("GRAM_FACTORS_KEEP_G", True, "middle"),
+                                ("GRAM_FACTORS_KEEP_G", True, "halves")):  # (the backward reads 16-row flags)
+        monkeypatch.setattr(gram, name, value)
         with pytest.raises(ValueError, match=f"gram.{name} must be"):
             gram.gram_chunks(q, k, g, beta, bk=16, kin=not keep_g, keep_g=keep_g, **kw)
 

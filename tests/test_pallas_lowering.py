@@ -215,6 +215,20 @@ def test_forward_alone_forms_lower_for_sm90(fake_h200, monkeypatch, warpgroups):
         assert ("setmaxnreg" in text) == (warpgroups == 2)
 
 
+def test_gram_halves_lower_for_sm90(fake_h200, monkeypatch):
+    # `gram.GRAM_FACTORS = "halves"`: the forward alone's Gram kernel on 32-row halves (six [32, 32] products a K
+    # tile, M and A stored by quarters) lowers, with its eight outputs, before the inverse and the Mosaic pass.
+    from lineattn.ops.pallas import chunk_fwd, common, gram, state_mgpu
+    monkeypatch.setattr(common, "hopper", lambda: True)
+    monkeypatch.setattr(state_mgpu, "PASS_MIN_CTAS", 1)  # (B H = 2 here)
+    monkeypatch.setattr(chunk_fwd, "PASS_MIN_PROGRAMS", 1)
+    monkeypatch.setattr(gram, "GRAM_FACTORS", "halves")
+    B, T, H, K = 1, 100, 2, 128
+    args = (S((B, T, H, K), jnp.bfloat16),) * 3 + (S((B, T, H, K), jnp.float32), S((B, T, H), jnp.bfloat16),
+                                                   S((B, H, K, K), jnp.float32))
+    text, n = _gram_outputs_of_forward(args, "lineattn_chunk_gram_g")
+    assert n == 8 and "lineattn_inverse_mosaic" in text
+
 def test_jaxpr_dump_tells_kernel_settings_apart(monkeypatch):
     # scripts/pallas_jaxprs.py compares two trees' kernels without a GPU (a refactor that changes none writes the same
     # file): its text must be the same for the same settings and differ when a kernel's launch setting (a Triton

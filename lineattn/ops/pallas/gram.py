@@ -289,7 +289,62 @@ GRAM_CHUNK_BK, GRAM_CHUNK_WARPS, GRAM_CHUNK_STAGES = 16, 2, 3
 # "middle", the rows e^G and e^(G_C - G) also through the middle rows (two exps in all, the flagged chunks' rows
 # rewritten after): 0.585 / 0.597 (removed; history e79f86b). With the rows' stores after the middle rows' exps (the
 # kernel's order changed, nothing else) per-block took 0.618 ms against 0.500 (run43b).
+#   - "halves" (GRAM_FACTORS only): two 32-row halves in place of the four 16-row blocks. Each half's diagonal
+#     block through its middle row, whose rows all lie within HALF_LIMIT nats of it (16 tokens: gates >= -5 a token
+#     stay on the fast path); the lower-left block (second half's rows, first half's keys) through the second half's
+#     first row, where both factors are <= 1. Six [32, 32] products a tile in place of four [16, 64]; four exps a
+#     tile element and a half. The flags then mean a half beyond HALF_LIMIT; the backward's exact rewrite reads
+#     16-row flags, so GRAM_FACTORS_KEEP_G takes no "halves".
 GRAM_FACTORS, GRAM_FACTORS_KEEP_G = "next-middle", "middle-keys"
+# HALF_LIMIT: "halves"' bound on |G_i - G_r| over a half (r its middle row; gates at -5 give 80): no factor then
+# exceeds e^84 (fp32 holds e^88) and none underflows. The masked entries above a half's diagonal may overflow to inf
+# or NaN in the products; the stores select them away.
+HALF_LIMIT = 84.0
+
+
+def _halves_tile(rows_out, d, carry, *, scale, prec):
+    """GRAM_FACTORS "halves": one K tile's share of the six [C/2, C/2] products (M and A of the first half's
+    diagonal block, the lower-left block and the second half's diagonal block), `rows_out` storing the rows'
+    outputs; carry = (the largest |G_i - G_r| so far, the six accumulators)."""
+    spread, (m00, a00, m10, a10, m11, a11) = carry
+    G, q, k = rows_out(d)
+    C = G.shape[0]
+    h = C // 2
+    rows = iota(G.shape, 0)
+    pick = lambda r: jnp.sum(jnp.where(rows == r, G, 0.0), axis=0, keepdims=True)  # row r of G, [1, bk]
+    mid0, first1, mid1 = pick(h // 2), pick(h), pick(h + h // 2)
+    G_mid = jnp.where(rows < h, mid0, mid1)
+    spread = jnp.maximum(spread, jnp.max(jnp.abs(G - G_mid)))
+    x = exp(G - G_mid)  # each row toward its half's middle row: within e^(+-HALF_LIMIT) on the fast path
+    q0, q1 = jnp.split(q * (scale * x), 2, axis=0)
+    k0, k1 = jnp.split(k * x, 2, axis=0)
+    own0, own1 = jnp.split(k * exp(G_mid - G), 2, axis=0)  # the keys toward their own half's middle row
+    to_first = exp(mid1 - first1)  # [1, bk], <= 1: the second half's rows toward its first row
+    G0 = jnp.split(G, 2, axis=0)[0]
+    lower_left = jnp.split(k, 2, axis=0)[0] * exp(first1 - G0)  # the first half's keys toward it, <= 1
+    a_prec = _a_prec(prec)
+    return spread, (m00 + dot(q0, own0, prec, trans_b=True), a00 + dot(k0, own0, a_prec, trans_b=True),
+                    m10 + dot(q1 * to_first, lower_left, prec, trans_b=True),
+                    a10 + dot(k1 * to_first, lower_left, a_prec, trans_b=True),
+                    m11 + dot(q1, own1, prec, trans_b=True), a11 + dot(k1, own1, a_prec, trans_b=True))
+
+
+def _store_halves(m_ref, a_ref, beta_ref, m00, a00, m10, a10, m11, a11):
+    """M (j <= i) and A (j < i, times beta_i) of one chunk from "halves"' six [C/2, C/2] products; the block above the
+    diagonal is zero. The masked entries of the diagonal blocks are selected away (they may hold inf or NaN)."""
+    h = m00.shape[0]
+    rows, cols = iota((h, h), 0), iota((h, h), 1)
+    upper, below = cols > rows, cols < rows
+    first, second = pl.ds(0, h), pl.ds(h, h)
+    beta0, beta1 = (beta_ref[half].astype(f32)[:, None] for half in (first, second))
+    m_ref[first, first] = jnp.where(upper, 0.0, m00).astype(m_ref.dtype)
+    m_ref[first, second] = jnp.zeros((h, h), m_ref.dtype)
+    m_ref[second, first] = m10.astype(m_ref.dtype)
+    m_ref[second, second] = jnp.where(upper, 0.0, m11).astype(m_ref.dtype)
+    a_ref[first, first] = jnp.where(below, beta0 * a00, 0.0)
+    a_ref[first, second] = jnp.zeros((h, h), f32)
+    a_ref[second, first] = beta1 * a10
+    a_ref[second, second] = jnp.where(below, beta1 * a11, 0.0)
 
 
 def chunk_cumsum(g):
@@ -307,9 +362,10 @@ def _gram_chunk_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_
                        keep_g):
     """One chunk from the raw gate: per K tile, G by `chunk_cumsum`, e^(G_C), Qin, Kg, (with kin) Kin for all its
     rows, and each 16-row block's products through its middle row (the fast path of `_gram_rows_kernel`, the left
-    operands of the four blocks formed together and split by rows); then M, A, the chunk's flag (a block beyond LIMIT
-    of its middle row: `gram_exact_chunks` rewrites it), and G: with keep_g in every chunk, else only in a flagged
-    chunk (recomputed), for that rewrite."""
+    operands of the four blocks formed together and split by rows; or the two halves' products, GRAM_FACTORS
+    "halves"); then M, A, the chunk's flag (a block beyond LIMIT of its middle row, a half beyond HALF_LIMIT:
+    `gram_exact_chunks` rewrites it), and G: with keep_g in every chunk, else only in a flagged chunk (recomputed), for
+    that rewrite."""
     kin_ref, dend_ref, flag_ref, G_ref = refs if kin else (None, *refs)
     C, K = k_ref.shape
     nb = C // SUB
@@ -335,12 +391,12 @@ def _gram_chunk_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_
         return step
 
     factors = GRAM_FACTORS_KEEP_G if keep_g else GRAM_FACTORS
-    if factors not in ("per-block", "next-middle", "middle-keys"):
-        raise ValueError(f"gram.GRAM_FACTORS{'_KEEP_G' if keep_g else ''} must be 'per-block', 'next-middle' or "
-                         f"'middle-keys', got {factors!r}")
+    allowed = ("per-block", "next-middle", "middle-keys") + (() if keep_g else ("halves",))
+    if factors not in allowed:
+        raise ValueError(f"gram.GRAM_FACTORS{'_KEEP_G' if keep_g else ''} must be one of {allowed}, got {factors!r}")
 
-    def tile(d, carry):
-        spread, acc = carry
+    def rows_out(d):
+        """G, q, k of tile d (fp32), the tile's Qin, Kg, (with kin) Kin, e^(G_C) and (with keep_g) G stored."""
         G, G_C = gate(d)
         if keep_g:
             G_ref[:, d] = G
@@ -351,6 +407,11 @@ def _gram_chunk_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_
         if kin:
             kin_ref[:, d] = (k * eG).astype(kin_ref.dtype)
         kg_ref[:, d] = (k * exp(G_C - G)).astype(kg_ref.dtype)
+        return G, q, k
+
+    def tile(d, carry):
+        spread, acc = carry
+        G, q, k = rows_out(d)
         mids = middle_rows(G)
         G_mid = by_block(mids)
         spread = jnp.maximum(spread, jnp.max(jnp.abs(G - G_mid)))
@@ -374,11 +435,18 @@ def _gram_chunk_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_
                         acc[a][1] + dot(left_k[a], kc, _a_prec(prec), trans_b=True)))
         return spread, new
 
-    zeros = jnp.zeros((SUB, C), f32)
-    spread, acc = common.over_tiles(K // bk, bk, tile, (jnp.float32(0.0), [(zeros, zeros)] * nb), GRAM_TILE_LOOP)
-    for a, (Mx, Ax) in enumerate(acc):
-        _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, a * SUB, True, o0=a * SUB)
-    flagged = spread > LIMIT
+    if factors == "halves":
+        spread, acc = common.over_tiles(K // bk, bk, functools.partial(_halves_tile, rows_out, scale=scale, prec=prec),
+                                        (jnp.float32(0.0), (jnp.zeros((C // 2, C // 2), f32),) * 6), GRAM_TILE_LOOP)
+        _store_halves(m_ref, a_ref, beta_ref, *acc)
+        limit = HALF_LIMIT
+    else:
+        zeros = jnp.zeros((SUB, C), f32)
+        spread, acc = common.over_tiles(K // bk, bk, tile, (jnp.float32(0.0), [(zeros, zeros)] * nb), GRAM_TILE_LOOP)
+        for a, (Mx, Ax) in enumerate(acc):
+            _store_gram(m_ref, a_ref, beta_ref, Mx, Ax, a * SUB, True, o0=a * SUB)
+        limit = LIMIT
+    flagged = spread > limit
     flag_ref[...] = jnp.broadcast_to(jnp.where(flagged, 1.0, 0.0), flag_ref.shape)
 
     if keep_g:
