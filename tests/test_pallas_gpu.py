@@ -174,27 +174,31 @@ def test_forward_alone_mosaic_pass_forms_head_dim_128(rule):
     assert all(_rel_rms(got[True, True][i], one_warpgroup[i]) <= 1e-6 for i in range(2))
 
 
-@pytest.mark.parametrize("gates", ["lower_bound", "cuts"])
-def test_forward_alone_extreme_gates_head_dim_128(gates):
+@pytest.mark.parametrize("factors", ["default", "halves"])
+@pytest.mark.parametrize("gates", ["lower_bound", "cuts", "uniform"])
+def test_forward_alone_extreme_gates_head_dim_128(gates, factors):
     # KDA's forward alone with the defaults (its Gram kernel forming the gate's cumsum G itself,
     # `gram.GRAM_FORMS_G`; the inverse applied in the Mosaic pass) under extreme gates: every log gate at the
     # lower bound -5 (a 16-row block then spans 75 nats, inside the fast path's limit), or uniform in (-5, 0) with a
     # -1000 cut every 300 tokens (their chunks are flagged for the exact rewrite, which reads the G the Gram kernel
-    # writes for them) and runs of gates at 0. B = 4, T = 1021 (ragged), H = 32, K = V = 128, bf16: o and the final
-    # state within FLA's bounds of the XLA chunk form in fp32.
+    # writes for them) and runs of gates at 0; and gates uniform in (-5, 0). With `gram.GRAM_FACTORS = "halves"`
+    # too (32-row halves: at the lower bound a half's rows lie up to 80 nats from its middle row, inside HALF_LIMIT).
+    # B = 4, T = 1021 (ragged), H = 32, K = V = 128, bf16: o and the final state within FLA's bounds of the XLA
+    # chunk form in fp32.
     x = make_inputs("kda", B=4, T=1024 - 3, H=32, K=128, V=128, seed=16)
     g = np.array(x["g"])
     if gates == "lower_bound":
         g[:] = -5.0
-    else:
+    elif gates == "cuts":
         g[:, 150::300] = -1000.0
         g[:, 400:480] = 0.0
     bf16, rounded = _bf16_and_rounded(dict(x, g=jnp.asarray(g)))
     fwd, want = _forward_alone("kda", rounded)
-    assert "lineattn_chunk_gram_g" in str(jax.make_jaxpr(fwd)(bf16))
-    got = fwd(bf16)
+    with tuning.override({} if factors == "default" else {"gram.GRAM_FACTORS": factors}):
+        assert "lineattn_chunk_gram_g" in str(jax.make_jaxpr(fwd)(bf16))
+        got = fwd(bf16)
     errors = {n: _rel_rms(got[i], want[i]) for i, n in enumerate(("o", "ht"))}
-    print("kda forward alone, gates", gates, {n: f"{e:.1e}" for n, e in errors.items()})
+    print("kda forward alone, gates", gates, factors, {n: f"{e:.1e}" for n, e in errors.items()})
     assert all(e <= RMS[n] for n, e in errors.items()), errors
 
 
