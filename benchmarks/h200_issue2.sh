@@ -148,6 +148,21 @@
 #       OUT=$OUT/prof SKIP_TESTS=1 PROFILE=1 PROFILE_ARGS="--impls lineattn,jla" bash benchmarks/h200_issue2.sh
 #   The bench's wall clock of a forward is its kernels (0.850 ms, run45c) plus 0.2-0.4 ms of dispatch and sync that
 #   moves from call to call (rounds of 10 calls: 1.138-1.451 ms in run45e); jla's moves alike (kernels 1.195 ms).
+#   Session 48 (no device could be started): queued, in one call of about 500 s, each part with its own OUT:
+#   the Gram kernel on 32-row halves (gram.GRAM_FACTORS "halves", opt-in) against the default, kernel time with the
+#   errors (profile --check) and wall clock (A/B); its GPU tests (TESTS_K=extreme_gates: both forms, gates at -5,
+#   cuts and uniform); and the bench with --aot (each JAX program also through jax.jit(f).lower(*args).compile(), as
+#   ab_pallas_kda.py times it: run45's A/B read the same forward 0.1 ms faster than the bench):
+#     F='grep -v ^WARNING:.Target'; mkdir -p $OUT/prof $OUT/ab $OUT/t $OUT/bench; OUT=$OUT/prof SKIP_TESTS=1 PROFILE=1
+#       BENCH_TIMEOUT=200 PROFILE_ARGS="--impls lineattn --check --configs default;gram.GRAM_FACTORS=halves;
+#       gram.GRAM_FACTORS=halves+gram.GRAM_CHUNK_WARPS=4;gram.GRAM_FACTORS=halves+gram.GRAM_CHUNK_BK=32" bash
+#       benchmarks/h200_issue2.sh 2>&1 | $F | tail -60; OUT=$OUT/ab SKIP_TESTS=1 AB=1 BENCH_TIMEOUT=140
+#       AB_ARGS="--shapes 8x4096 --configs default;gram.GRAM_FACTORS=halves --rounds 5 --iters 10" bash
+#       benchmarks/h200_issue2.sh 2>&1 | $F | tail -6; OUT=$OUT/t SKIP_BENCH=1 SHARDS=2 TEST_TIMEOUT=130
+#       TESTS_K=extreme_gates bash benchmarks/h200_issue2.sh 2>&1 | $F | tail -12; OUT=$OUT/bench SKIP_TESTS=1
+#       BENCH_TIMEOUT=150 BENCH_ARGS="--iters 60 --rounds 10 --aot --shapes 8x4096 --fla= --decode= --skip
+#       lineattn-chunk lineattn-pallas-kernels-mml2" bash benchmarks/h200_issue2.sh 2>&1 | $F | tail -14
+#   (The --configs value holds no spaces: join those lines without them.)
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
 #   --rule gdn for Gated DeltaNet, e.g. PROFILE_ARGS='--rule gdn --check --configs default;api.SCALAR_GATE=1')
