@@ -149,10 +149,10 @@
 #   The bench's wall clock of a forward is its kernels (0.850 ms, run45c) plus 0.2-0.4 ms of dispatch and sync that
 #   moves from call to call (rounds of 10 calls: 1.138-1.451 ms in run45e); jla's moves alike (kernels 1.195 ms).
 #   Run46 (session 48, an H200 after nine refused starts; 316 s, the results README has it): the call below. The Gram
-#   kernel on halves 0.466 ms against 0.486, forward 1.068 against 1.094 interleaved (the default since); its 6 GPU
-#   tests passed; the bench: forward 1.080 ms (jit) / 1.053 (AOT) against jla's 1.431. Still to run: the whole GPU
-#   suite with halves (SHARDS=8 TEST_TIMEOUT=500), FLA's chunk rows beside ours (BENCH_ARGS with --fla fwd,fwdbwd,
-#   one shape a call: FLA autotunes for minutes). The call, each part with its own OUT:
+#   kernel on halves 0.466 ms against 0.486, forward 1.068 against 1.094 interleaved (kept opt-in: o 3.7e-3 against
+#   3.6e-3); its 6 GPU tests passed; the bench: forward 1.080 ms (jit) / 1.053 (AOT) against jla's 1.431. Still to
+#   run: FLA's chunk rows beside ours (BENCH_ARGS with --fla fwd,fwdbwd, one shape a call: FLA autotunes for
+#   minutes). The call, each part with its own OUT:
 #   the Gram kernel on 32-row halves (gram.GRAM_FACTORS "halves", opt-in) against the default, kernel time with the
 #   errors (profile --check) and wall clock (A/B); its GPU tests (TESTS_K=extreme_gates: both forms, gates at -5,
 #   cuts and uniform); and the bench with --aot (each JAX program also through jax.jit(f).lower(*args).compile(), as

@@ -297,8 +297,10 @@ GRAM_CHUNK_BK, GRAM_CHUNK_WARPS, GRAM_CHUNK_STAGES = 16, 2, 3
 #     16-row flags, so GRAM_FACTORS_KEEP_G takes no "halves". H200, KDA 8 x 4096 bf16 (run46a, one profile): the
 #     kernel 0.466 ms against 0.486 next-middle (0.864 on 4 warps, 0.607 with K tiles of 32), forward kernels 0.834
 #     against 0.854, o's error against the fp32 XLA chunk form 3.7e-3 against 3.6e-3; wall clock 1.068 ms against
-#     1.094 (run46b, 5 interleaved rounds of 10 calls). The default for a forward alone since.
-GRAM_FACTORS, GRAM_FACTORS_KEEP_G = "halves", "middle-keys"
+#     1.094 (run46b, 5 interleaved rounds of 10 calls). Not the default: its bf16 operands round other factors than
+#     the 16-row forms' (M and A differ from theirs by 3.6e-3 / 3.3e-3 relative RMS on the CPU, where "next-middle"
+#     and "per-block" agree exactly), o's error grows a little (above), and only its forward's GPU tests ran.
+GRAM_FACTORS, GRAM_FACTORS_KEEP_G = "next-middle", "middle-keys"
 # HALF_LIMIT: "halves"' bound on |G_i - G_r| over a half (r its middle row; gates at -5 give 80): no factor then
 # exceeds e^84 (fp32 holds e^88) and none underflows. The masked entries above a half's diagonal may overflow to inf
 # or NaN in the products; the stores select them away.
