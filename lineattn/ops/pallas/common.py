@@ -112,6 +112,12 @@ def iota(shape, dim):
     return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
+def row_of(x, r, rows):
+    """Row r of a 2-D value x as [1, n], by a masked sum over `rows` = iota(x.shape, 0) (a kernel's values take no
+    dynamic row index)."""
+    return jnp.sum(jnp.where(rows == r, x, 0.0), axis=0, keepdims=True)
+
+
 def over_tiles(count: int, width: int, tile, carry, loop: bool = False):
     """carry after tile(d, carry) for the column tiles d = pl.ds(t * width, width), t < count: unrolled, or (loop) as
     a `fori_loop`, where one tile's values are live at a time and Triton can pipeline the next tile's loads

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 
 from lineattn.ops.gates import floor_gate
 from lineattn.ops.pallas import common
-from lineattn.ops.pallas.common import SUB, compiler_params, dot, exp, iota, pallas_call
+from lineattn.ops.pallas.common import SUB, compiler_params, dot, exp, iota, pallas_call, row_of
 
 f32 = jnp.float32
 
@@ -68,8 +68,7 @@ def _gram_block_spread(G_ref, r0, K, bk):
 def middle_rows(G):
     """Each 16-row block's middle row of G [C, n] (its reference row), [1, n] each, picked out by masked sums."""
     rows = iota(G.shape, 0)
-    return [jnp.sum(jnp.where(rows == a * SUB + SUB // 2, G, 0.0), axis=0, keepdims=True)
-            for a in range(G.shape[0] // SUB)]
+    return [row_of(G, a * SUB + SUB // 2, rows) for a in range(G.shape[0] // SUB)]
 
 
 def keys_toward(k, G, Gr, limit=LIMIT):
@@ -316,8 +315,7 @@ def _halves_tile(rows_out, d, carry, *, scale, prec):
     C = G.shape[0]
     h = C // 2
     rows = iota(G.shape, 0)
-    pick = lambda r: jnp.sum(jnp.where(rows == r, G, 0.0), axis=0, keepdims=True)  # row r of G, [1, bk]
-    mid0, first1, mid1 = pick(h // 2), pick(h), pick(h + h // 2)
+    mid0, first1, mid1 = (row_of(G, r, rows) for r in (h // 2, h, h + h // 2))
     G_mid = jnp.where(rows < h, mid0, mid1)
     spread = jnp.maximum(spread, jnp.max(jnp.abs(G - G_mid)))
     x = exp(G - G_mid)  # each row toward its half's middle row: within e^(+-HALF_LIMIT) on the fast path
@@ -386,7 +384,7 @@ def _gram_chunk_kernel(q_ref, k_ref, g_ref, beta_ref, m_ref, a_ref, qin_ref, kg_
 
     def gate(d):
         G = chunk_cumsum(floor_gate(g_ref[:, d].astype(f32)))
-        return G, jnp.sum(jnp.where(rows == C - 1, G, 0.0), axis=0, keepdims=True)
+        return G, row_of(G, C - 1, rows)
 
     def toward(Ga, anchors):
         """[C, bk]: e^(Ga - anchors[b]) in the rows of each block b < len(anchors), 1 elsewhere (Ga [1, bk])."""

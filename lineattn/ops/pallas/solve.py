@@ -30,7 +30,7 @@ def unit_lower_inverse_exact(L):
     rows, cols = iota((n, n), 0), iota((n, n), 1)
     X = jnp.where(rows == cols, 1.0, 0.0)
     for c in range(n - 1):  # (a Python loop: Triton's lowering refuses `fori_loop(..., unroll=True)`)
-        x_c = jnp.sum(jnp.where(rows == c, X, 0.0), axis=0, keepdims=True)  # [1, n]
+        x_c = common.row_of(X, c, rows)  # [1, n]
         l_c = jnp.sum(jnp.where(cols == c, L, 0.0), axis=1, keepdims=True)  # [n, 1], zero at rows <= c
         X = X - l_c * x_c
     return X
