@@ -167,6 +167,12 @@
 #       BENCH_TIMEOUT=150 BENCH_ARGS="--iters 60 --rounds 10 --aot --shapes 8x4096 --fla= --decode= --skip
 #       lineattn-chunk lineattn-pallas-kernels-mml2" bash benchmarks/h200_issue2.sh 2>&1 | $F | tail -14
 #   (The --configs value holds no spaces: join those lines without them.)
+#   Run47 (session 49, an H100 though an H200 was asked for): the whole table with FLA's chunk rows, two calls back
+#   to back (399 s and 271 s): SKIP_TESTS=1 BENCH_TIMEOUT=570 BENCH_ARGS="--iters 60 --rounds 10 --shapes 8x4096 --gdn
+#   --fla fwd,fwdbwd --fla-shapes 8x4096 --skip lineattn-chunk lineattn-pallas-kernels-mml2", then the same with
+#   "--shapes 1x32768 --fla-shapes 1x32768 --decode= --long 262144". Still to run: those two calls on an H200 (FLA's
+#   chunk rows there are run37b-c's); a guard first, so that another card costs only its start:
+#     nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || exit 3; ...
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
 #   --rule gdn for Gated DeltaNet, e.g. PROFILE_ARGS='--rule gdn --check --configs default;api.SCALAR_GATE=1')
