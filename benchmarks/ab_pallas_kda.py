@@ -7,9 +7,10 @@ The same timing as bench_pallas_kda.py (calls each followed by `block_until_read
 included), but every configuration (module constants of `lineattn.ops.pallas`, as profile_pallas_kda.py's --configs)
 is compiled ahead of time and the configurations are timed in turn for --rounds rounds of --iters calls
 (`bench_kda.time_interleaved`), so that a difference between them is not drift of the machine. Writes
-<out>/<date>-h200-<rule>-ab.json: a list of {"shape", "config", "mode", "ms" (the median over all calls; before
-session 44 the median of the rounds' medians), "rounds_ms" (each round's median)}.
-GDN (--rule gdn) takes the same inputs with the gate's first channel as its head gate, as bench_pallas_kda.py.
+<out>/<date>-<device>-<rule>-ab.json (<device> by `bench_kda.device_tag`: h200, h100, ...; before session 49 always
+h200): a list of {"shape", "config", "mode", "ms" (the median over all calls; before session 44 the median of the
+rounds' medians), "rounds_ms" (each round's median)}. GDN (--rule gdn) takes the same inputs with the gate's first
+channel as its head gate, as bench_pallas_kda.py.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_kda import forward_backward, make_inputs, time_interleaved, versions  # noqa: E402
+from bench_kda import device_tag, forward_backward, make_inputs, time_interleaved, versions  # noqa: E402
 
 from lineattn import ops  # noqa: E402
 from lineattn.ops.pallas import tuning  # noqa: E402
@@ -70,7 +71,7 @@ def main():
             print(f"  {shape:8s} {mode:7s} {ms:7.3f} ms  {config}  (rounds: " + ", ".join(f"{t:.3f}" for t in ts)
                   + ")", flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
-    out = a.out / f"{datetime.date.today()}-h200-{a.rule}-ab.json"
+    out = a.out / f"{datetime.date.today()}-{device_tag()}-{a.rule}-ab.json"
     out.write_text(json.dumps({"device": jax.devices()[0].device_kind, "versions": versions(),
                                "records": records}, indent=1))
 

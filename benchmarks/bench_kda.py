@@ -18,6 +18,7 @@ import datetime
 import glob
 import importlib.metadata
 import json
+import re
 import time
 from pathlib import Path
 
@@ -218,6 +219,14 @@ def write_results(out: Path, name: str, records) -> Path:
     path.write_text(json.dumps(records, indent=1, default=str))
     print(f"wrote {path}")
     return path
+
+
+def device_tag(kind: str | None = None) -> str:
+    """The device's model for result file names ("h200" for "NVIDIA H200", "h100" for "NVIDIA H100 80GB HBM3",
+    "cpu"), from `kind` or the first JAX device's `device_kind`: a GPU run names the card it really ran on."""
+    kind = (jax.devices()[0].device_kind if kind is None else kind).lower().replace("nvidia", "")
+    model = re.search(r"\b[a-z]+\d+[a-z]*\b", kind)  # (a letter first: "80gb" is a memory size, not a model)
+    return model.group(0) if model else re.sub(r"[^a-z0-9]+", "-", kind).strip("-") or "device"
 
 
 def versions():

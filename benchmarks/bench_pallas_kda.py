@@ -11,10 +11,10 @@ timed (JAX: jit, warm-up, median of --iters calls ended by block_until_ready, th
 (`bench_kda.time_interleaved`; --rounds 1, the default, times each implementation's calls at once, as every run before
 run 44); FLA: triton do_bench median). Then GDN, the decode step (B = 256 requests, one token, fp32 state [B, 16, 128,
 128] updated in place: TB/s of state read + write, from the wall clock of 50 steps in one jitted loop, and from the
-kernel's device time in a profiler trace of that loop), and one long sequence. Writes <out>/<date>-h200-kda.json: a
-list of {"op", "impl", "mode", "B", "T", "H", "K", "V", "ms", "device", "versions", ...} records ("rounds_ms": each
-round's median), rewritten after every record so a cut-short run keeps what it measured (the JAX rows of a shape are
-written together, once all are timed).
+kernel's device time in a profiler trace of that loop), and one long sequence. Writes <out>/<date>-<device>-kda.json
+(`bench_kda.device_tag`: h200, h100, ...; before session 49 always h200): a list of {"op", "impl", "mode", "B", "T",
+"H", "K", "V", "ms", "device", "versions", ...} records ("rounds_ms": each round's median), rewritten after every
+record so a cut-short run keeps what it measured (the JAX rows of a shape are written together, once all are timed).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_kda import (forward_backward, kernel_times, make_inputs, rel_err, time_interleaved, time_jax,  # noqa: E402
-                       versions)
+from bench_kda import (device_tag, forward_backward, kernel_times, make_inputs, rel_err, time_interleaved,  # noqa: E402
+                       time_jax, versions)
 
 from lineattn import ops  # noqa: E402
 from lineattn.ops.pallas.common import compiler_params, interpret_mode  # noqa: E402
@@ -59,7 +59,7 @@ def record(out, **rec):
           f"{rec['ms']:9.3f} ms  {extra}", flush=True)
     if out:
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"{datetime.date.today().isoformat()}-h200-kda.json").write_text(json.dumps(RECORDS, indent=1))
+        (out / f"{datetime.date.today().isoformat()}-{device_tag()}-kda.json").write_text(json.dumps(RECORDS, indent=1))
 
 
 def pallas_variant(rule, backward, scalar_gate=None):

@@ -14,11 +14,11 @@ the gaps inside a call and, before its first kernel, the latency between calls; 
 latency alone. --rule gdn profiles Gated DeltaNet instead (the same inputs with a head gate, g[..., 0]; jla's
 gated_deltanet).
 Kernels named by lineattn (`name=` of its `pallas_call`s: `lineattn_chunk_gram`, ...) and XLA fusions (pads,
-transposes, sums) appear under their own names. Writes
-<out>/<date>-h200-kda-profile.json: {impl: {mode: {"per_call_ms": {kernel: ms}, "total_ms": ..., "wall_ms": ...,
-"idle_before_ms": {kernel: ms the stream stood idle just before it, per call}, "idle_ms": ...,
-and with --host "host_ms": {"thread: event": ms per call, the 40 longest host events}, "timeline": [the last call's
-events from its start, host and device: (ms after, ms long, name)]}}}.
+transposes, sums) appear under their own names. Writes <out>/<date>-<device>-<rule>-profile.json (<device> by
+`bench_kda.device_tag`: h200, h100, ...; before session 49 always h200): {impl: {mode: {"per_call_ms": {kernel:
+ms}, "total_ms": ..., "wall_ms": ..., "idle_before_ms": {kernel: ms the stream stood idle just before it, per
+call}, "idle_ms": ..., and with --host "host_ms": {"thread: event": ms per call, the 40 longest host events},
+"timeline": [the last call's events from its start, host and device: (ms after, ms long, name)]}}}.
 --ncu runs each implementation's forward and forward+backward once (each of --configs for lineattn; and with --decode
 B one decode step of B requests: lineattn's kernel with each --readouts and FLA's `fused_recurrent_kda`), with no
 trace and no JSON, for Nsight Compute to read the kernels' counters: `NCU=1 bash benchmarks/h200_issue2.sh` wraps it
@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_kda import (call_timeline, forward_backward, host_times, kernel_gaps, kernel_times,  # noqa: E402
-                       make_inputs, versions)
+from bench_kda import (call_timeline, device_tag, forward_backward, host_times, kernel_gaps,  # noqa: E402
+                       kernel_times, make_inputs, versions)
 
 import numpy as np  # noqa: E402
 
@@ -140,7 +140,7 @@ def main():
     print(f"{device}; {versions()}; {a.rule} B={B} T={T} H={H} K=V={K}", flush=True)
     result = {"device": device, "versions": versions(), "rule": a.rule, "B": B, "T": T, "H": H, "K": K, "V": K}
     a.out.mkdir(parents=True, exist_ok=True)
-    path = a.out / f"{datetime.date.today()}-h200-{a.rule}-profile.json"
+    path = a.out / f"{datetime.date.today()}-{device_tag()}-{a.rule}-profile.json"
     ref = None
     if a.check:
         def xla_loss(*xs):

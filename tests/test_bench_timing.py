@@ -1,4 +1,4 @@
-"""The benchmarks' wall-clock helpers (benchmarks/bench_kda.py): interleaved rounds, medians, failures."""
+"""The benchmarks' helpers (benchmarks/bench_kda.py): interleaved rounds, medians, failures, result file names."""
 
 import sys
 from pathlib import Path
@@ -56,3 +56,16 @@ def test_time_interleaved_needs_rounds_dividing_iters():
         bench_kda.time_interleaved({"f": lambda: 0.0}, (), iters=10, rounds=3)
     with pytest.raises(ValueError, match="rounds must be"):
         bench_kda.time_interleaved({"f": lambda: 0.0}, (), iters=10, rounds=0)
+
+
+@pytest.mark.parametrize("kind, tag", [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
+                                       ("NVIDIA A100-SXM4-80GB", "a100"), ("cpu", "cpu"), ("TPU v5 lite", "v5")])
+def test_device_tag_names_the_card_a_run_used(kind, tag):
+    # Result files carry the device's model, so an H100 given for an H200 does not write "...-h200-kda.json"
+    # (the memory size "80GB" is not a model: a model starts with a letter).
+    assert bench_kda.device_tag(kind) == tag
+
+
+def test_device_tag_defaults_to_the_first_jax_device():
+    tag = bench_kda.device_tag()
+    assert tag == bench_kda.device_tag(bench_kda.jax.devices()[0].device_kind) and tag.isalnum() and tag.islower()
