@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_kda import make_inputs, rel_err, time_jax, versions, write_results
+from bench_kda import device_tag, make_inputs, rel_err, time_jax, versions, write_results
 from lineattn import ops
 
 H, K, V = 2, 64, 64
@@ -43,7 +43,7 @@ def main():
     p.add_argument("--out", type=Path)
     a = p.parse_args()
     device = str(jax.devices()[0].device_kind)
-    tag = "h200" if "H200" in device else jax.devices()[0].platform
+    tag = device_tag(device)
     print(f"per-element rules, H={H} K={K} V={V} fp32 on {device}", flush=True)
     records = []
     for shape in a.shapes.split(","):

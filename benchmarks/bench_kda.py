@@ -6,8 +6,8 @@
 Inputs (../shared/BENCHMARKING.md): q, k L2-normalised and v in --dtype; log gate g in (-5, 0) fp32; beta in (0, 1).
 Before timing, every implementation's output is compared with lineattn's chunk output (max relative error).
 JAX: jit, one warm-up, median of --iters calls ended by block_until_ready. FLA (GPU only): triton do_bench median.
-Writes <out>/<date>-<device>-kda.json: a list of {"op", "impl", "mode", "B", "T", "H", "K", "V", "ms", "device",
-"versions", "max_rel_err"} records.
+Writes <out>/<date>-<device>-kda-B<B>-T<T>.json (<device> by `device_tag`: cpu, h200, h100, ...): a list of {"op",
+"impl", "mode", "B", "T", "H", "K", "V", "ms", "device", "versions", "max_rel_err"} records.
 """
 
 from __future__ import annotations
@@ -289,7 +289,7 @@ def main():
                 print(f"  vs {peer:14s} {mode:7s} {ms[(peer, mode)] / ms[('lineattn-chunk', mode)]:.2f}x")
 
     if a.out:
-        tag = "h200" if "H200" in device else a.device
+        tag = device_tag(device)  # (before session 49 "h200" on an H200, else --device: "gpu" on an H100)
         records = [dict(op="kda", impl=n, mode=m, B=a.B, T=a.T, H=a.H, K=a.K, V=a.V, dtype=a.dtype, ms=t,
                         max_rel_err=e, device=device, versions=versions()) for n, m, t, e in rows]
         write_results(a.out, f"{tag}-kda-B{a.B}-T{a.T}", records)
