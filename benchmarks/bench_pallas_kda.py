@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import re
 import sys
 import tempfile
 import time
@@ -183,15 +182,6 @@ def copy_state(state, block_v, warps):
                           interpret=interpret_mode(None))(state)
 
 
-def decode_config(text: str) -> tuple[int, int, str, int]:
-    """--decode's "64x4fp2" -> (block_v 64, num_warps 4, flags "f", pieces 2); a ValueError names a malformed one."""
-    match = re.fullmatch(r"(\d+)x(\d+)([fuc]*)(?:p(\d+))?", text)
-    if not match:
-        raise ValueError(f"--decode: {text!r} is not <block_v>x<warps>[f][u][c][p<pieces>], e.g. 64x4fp2")
-    bv, warps, flags, pieces = match.groups()
-    return int(bv), int(warps), flags, int(pieces or 1)
-
-
 def bench_decode(a, B=256, tokens=1):
     x, _ = make_inputs(B, tokens, H, K, V, "bfloat16", seed=3)
     bf = lambda n: jnp.asarray(x[n], jnp.bfloat16)
@@ -203,9 +193,9 @@ def bench_decode(a, B=256, tokens=1):
     ref_o, ref_s = ops.chunk_kda(q, k, v, g, beta, initial_state=jnp.asarray(s0), output_final_state=True,
                                  backend="recurrent")
     steps = 50
-    for block_v, warps, flags, pieces in a.decode_configs:
+    for block_v, warps, flags in a.decode_configs:
         opts = dict(block_v=block_v, num_warps=warps, v_fastest="f" in flags,
-                    readout="updated" if "u" in flags else "decayed", pieces=pieces)
+                    readout="updated" if "u" in flags else "decayed")
         if "c" in flags:  # the copy ceiling of this tiling: the same grid, the state read and written, no math
             step = lambda q, k, v, g, b, s, opts=opts: (None, copy_state(s, opts["block_v"], opts["num_warps"]))
         else:
@@ -232,7 +222,7 @@ def bench_decode(a, B=256, tokens=1):
             times_ns = kernel_times(tmp)
             kernel_ms = times_ns.get("lineattn_decode_step", times_ns.get("copy_state", float("nan"))) / steps / 1e6
         name = (f"lineattn-pallas-decode-bv{block_v}-w{warps}" + ("-vfirst" if opts["v_fastest"] else "")
-                + ("-updated" if "u" in flags else "") + (f"-pieces{pieces}" if pieces > 1 else "")
+                + ("-updated" if "u" in flags else "")
                 + ("-copy" if "c" in flags else ""))
         record(a.out, op="kda", impl=name, mode="decode", B=B, T=tokens, H=H, K=K, V=V, ms=ms,
                state_TBps=2 * state_bytes / (ms * 1e-3) / 1e12, kernel_ms=kernel_ms,
@@ -318,14 +308,14 @@ def main():
     p.add_argument("--no-kda", action="store_true", help="time GDN (--gdn) at --shapes without KDA there")
     p.add_argument("--decode", default="64x4f,64x4fu,64x8f,32x4f,64x4fc",
                    help="decode block_v x num_warps configs, then letters: f the V tiles first in the launch order, "
-                        "u o read from the updated state (readout='updated'), c a plain copy of the state, pN the tile "
-                        "in N column pieces (decode_step's pieces), e.g. 64x4fp2")
+                        "u o read from the updated state (readout='updated'), c a plain copy of the state")
     p.add_argument("--long", type=int, default=0, help="also time one sequence of this length (0: no)")
     p.add_argument("--tune", action="store_true", help="time the forward's kernels apart and launch settings")
     p.add_argument("--warps", default="4x4,8x4,4x8,8x8")
     p.add_argument("--block-vs", default="0,16,32,64", help="V tiles of the state pass (0: the default rule)")
     a = p.parse_args()
-    a.decode_configs = [decode_config(c) for c in a.decode.split(",") if c]
+    a.decode_configs = [(int(bv), int(rest.rstrip("fuc")), rest.lstrip("0123456789"))
+                        for bv, rest in (c.split("x") for c in a.decode.split(",") if c)]
     fla_modes = [m for m in a.fla.split(",") if m]
     a.warps = [tuple(map(int, w.split("x"))) for w in a.warps.split(",") if w]
     a.block_vs = [int(b) or None for b in a.block_vs.split(",") if b]

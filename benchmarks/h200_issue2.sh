@@ -173,9 +173,6 @@
 #   "--shapes 1x32768 --fla-shapes 1x32768 --decode= --long 262144". Still to run: those two calls on an H200 (FLA's
 #   chunk rows there are run37b-c's); a guard first, so that another card costs only its start:
 #     nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || exit 3; ...
-#   Also still to run: the decode step in column pieces (decode_step's pieces, not yet timed) beside the default
-#   and the copy, with its GPU test: TESTS_K=decode_step_head_dim_128 SHARDS=1 TEST_TIMEOUT=150 and
-#   BENCH_ARGS="--shapes= --fla= --decode 64x4f,64x4fp2,64x4fp4,64x8fp2,64x4fc".
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
 #   --rule gdn for Gated DeltaNet, e.g. PROFILE_ARGS='--rule gdn --check --configs default;api.SCALAR_GATE=1')

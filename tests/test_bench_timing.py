@@ -69,13 +69,3 @@ def test_device_tag_names_the_card_a_run_used(kind, tag):
 def test_device_tag_defaults_to_the_first_jax_device():
     tag = bench_kda.device_tag()
     assert tag == bench_kda.device_tag(bench_kda.jax.devices()[0].device_kind) and tag.isalnum() and tag.islower()
-
-
-def test_decode_configs_parse_and_name_a_malformed_one():
-    import bench_pallas_kda
-    parse = bench_pallas_kda.decode_config
-    assert parse("64x4f") == (64, 4, "f", 1) and parse("32x8fuc") == (32, 8, "fuc", 1)
-    assert parse("64x4fp2") == (64, 4, "f", 2) and parse("64x4p4") == (64, 4, "", 4)
-    for bad in ("64", "64x4q", "64x4fp", "x4f"):
-        with pytest.raises(ValueError, match=f"--decode: '{bad}' is not"):
-            parse(bad)

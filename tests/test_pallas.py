@@ -1078,16 +1078,8 @@ def test_decode_step_matches_oracle(rule):
     assert_close({"o": o2, "s": s2}, {"o": o_ref[:, :1], "s": states[:, 0]}, TOL, rule)
     o3, s3 = decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), x["initial_state"], readout="updated")
     assert_close({"o": o3, "s": s3}, {"o": o_ref, "s": ht_ref}, TOL, rule)
-    # Each program's V tile of 64 in four column pieces of 16 (loads first, then each piece's tokens and store),
-    # with the states after each token.
-    o4, s4, states4 = decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), x["initial_state"], block_v=64,
-                                  pieces=4, output_states=True)
-    assert_close({"o": o4, "s": s4, "states": states4}, {"o": o_ref, "s": ht_ref, "states": states}, TOL, rule)
     with pytest.raises(ValueError, match="readout"):
         decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), x["initial_state"], readout="after")
-    for pieces in (3, 0, 128):  # (not a power of two; none; more pieces than the V tile of 64 has columns)
-        with pytest.raises(ValueError, match="pieces must be a power of two dividing the V tile 64"):
-            decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), x["initial_state"], block_v=64, pieces=pieces)
 
 
 def test_decode_step_rejects_inputs_of_other_shapes():

@@ -10,9 +10,7 @@ K = V = 128), 92 % of a plain copy on the same grid (4.10-4.11 TB/s). Each progr
 (128 a thread at V tiles of 64), which bounds the state in flight. Every form tried that holds more of it or overlaps
 more was slower: other V tiles and warp counts, a persistent or a streaming (TMA) kernel, two passes over slabs of
 rows, SMEM tiles computed in column pieces. The kernel notes (`README.md` here, "Speed") list each with its run and
-the commit that holds it. Not yet timed: `pieces`, the register tile in column pieces with every piece's load issued
-before the first piece's math (on an H100 the step already runs at 99 % of the copy; the H200's 92 % suggests it
-needs more traffic overlapped).
+the commit that holds it.
 """
 
 from __future__ import annotations
@@ -29,36 +27,29 @@ f32 = jnp.float32
 
 
 def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *states_ref, T, scale, delta,
-                   readout, pieces):
-    """The program's [K, BV] state in `pieces` column pieces (each column's update reads only that column): every
-    piece's load is issued first, then each piece's tokens and store in turn, so the first stores can start while
-    later pieces' loads are still in flight."""
-    width = s_ref.shape[-1] // pieces
-    cols = [pl.ds(p * width, width) for p in range(pieces)] if pieces > 1 else [slice(None)]
-    tile = lambda c: (slice(None), c) if pieces > 1 else ...  # (one piece: the whole block, as before pieces)
-    loaded = [s_ref[tile(c)].astype(f32) for c in cols]
-    for c, S in zip(cols, loaded):
-        for t in range(T):  # T is small (1 token, or a few draft tokens)
-            q_t = q_ref[t, :].astype(f32)[:, None]
-            k_t = k_ref[t, :].astype(f32)[:, None]
-            v_t = v_ref[t, c].astype(f32)[None, :]
-            S = S * jnp.exp(g_ref[t, :].astype(f32))[:, None]
-            if readout == "decayed":  # o = q^T (S + k r^T) = q^T S + (q . k) r: both reductions on the decayed S
-                qS = jnp.sum(S * q_t, axis=0, keepdims=True)
-            if delta:
-                residual = v_t - jnp.sum(S * k_t, axis=0, keepdims=True)
-                write = beta_ref[pl.ds(t, 1)].astype(f32)[:, None] * residual
-            else:
-                write = v_t
-            S = S + k_t * write
-            if readout == "decayed":
-                o = qS + jnp.sum(q_t * k_t) * write
-            else:
-                o = jnp.sum(S * q_t, axis=0, keepdims=True)
-            o_ref[pl.ds(t, 1), c] = (scale * o).astype(o_ref.dtype)
-            if states_ref:
-                states_ref[0][t, :, c] = S
-        s_out_ref[tile(c)] = S
+                   readout):
+    S = s_ref[...].astype(f32)
+    for t in range(T):  # T is small (1 token, or a few draft tokens)
+        q_t = q_ref[t, :].astype(f32)[:, None]
+        k_t = k_ref[t, :].astype(f32)[:, None]
+        v_t = v_ref[t, :].astype(f32)[None, :]
+        S = S * jnp.exp(g_ref[t, :].astype(f32))[:, None]
+        if readout == "decayed":  # o = q^T (S + k r^T) = q^T S + (q . k) r: both reductions on the decayed S
+            qS = jnp.sum(S * q_t, axis=0, keepdims=True)
+        if delta:
+            residual = v_t - jnp.sum(S * k_t, axis=0, keepdims=True)
+            write = beta_ref[pl.ds(t, 1)].astype(f32)[:, None] * residual
+        else:
+            write = v_t
+        S = S + k_t * write
+        if readout == "decayed":
+            o = qS + jnp.sum(q_t * k_t) * write
+        else:
+            o = jnp.sum(S * q_t, axis=0, keepdims=True)
+        o_ref[pl.ds(t, 1), :] = (scale * o).astype(o_ref.dtype)
+        if states_ref:
+            states_ref[0][t, :, :] = S
+    s_out_ref[...] = S
 
 
 def _check_inputs(q, k, v, g, beta):
@@ -81,10 +72,10 @@ def _check_inputs(q, k, v, g, beta):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_states", "interpret", "block_v", "num_warps",
-                                             "v_fastest", "readout", "pieces"))
+                                             "v_fastest", "readout"))
 def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_states: bool = False,
                 interpret: bool | None = None, block_v: int | None = None, num_warps: int = 4,
-                v_fastest: bool = True, readout: str = "decayed", pieces: int = 1):
+                v_fastest: bool = True, readout: str = "decayed"):
     """T new tokens per request through the recurrence, from `state`.
 
     Args:
@@ -100,8 +91,6 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
       readout: "decayed" (default) takes both reductions on the decayed state S' before the write,
         o = q^T S' + (q . k) r with r the written row; "updated" reads o from the updated state, q^T S_t (the
         same value; one more dependent pass before the state's store: 3.68-3.72 TB/s against 3.72-3.76, run13b-c).
-      pieces: the program's V tile in this many column pieces (a power of two dividing it; for tuning): all their
-        loads first, then each piece's math and store, so stores begin while loads are in flight (not yet timed).
 
     Returns:
       (o [B, T, H, V] in q's dtype, new state [B, H, K, V] fp32[, states [B, T, H, K, V]]).
@@ -125,8 +114,6 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
     if block_v is None:
         block_v = 64 if B * H * max(V // 64, 1) >= 128 else 32
     BV = min(block_v, V)
-    if not (isinstance(pieces, int) and is_pow2(pieces) and BV % pieces == 0):
-        raise ValueError(f"decode_step's pieces must be a power of two dividing the V tile {BV}, got {pieces!r}")
     grid = (B, H, V // BV)
     if v_fastest:  # the grid's first axis varies fastest in the launch order
         grid, at = grid[::-1], lambda f: lambda j, h, b: f(b, h, j)
@@ -142,8 +129,7 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
         out_specs.append(pl.BlockSpec((None, None, T, K, BV), at(lambda b, h, j: (b, h, 0, 0, j))))
         out_shape.append(jax.ShapeDtypeStruct((B, H, T, K, V), f32))
     outs = pl.pallas_call(
-        functools.partial(_decode_kernel, T=T, scale=float(scale), delta=delta, readout=readout,
-                          pieces=pieces),
+        functools.partial(_decode_kernel, T=T, scale=float(scale), delta=delta, readout=readout),
         grid=grid,
         in_specs=[tok(K), tok(K), vtok, tok(K), pl.BlockSpec((None, T, None), at(lambda b, h, j: (b, 0, h))), st],
         out_specs=out_specs,
