@@ -5,7 +5,7 @@
 For each model and context C the state is built at slot C (its contents do not change the cost), then one jitted
 `lineattn.decode.step` is timed (median of --iters calls). The KV cache is allocated at C + 1 slots: the attention
 step reads every allocated slot, so its cost follows the context. Prints the table and the state bytes per layer,
-and writes <out>/<date>-<device>-decode.json.
+and writes <out>/<date>-<device>-decode.json (`bench_kda.device_tag`: cpu, h200, h100, ...).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from bench_kda import time_jax, versions, write_results
+from bench_kda import device_tag, time_jax, versions, write_results
 from lineattn import decode
 from lineattn.models import HybridLM, ModelConfig, count_params
 
@@ -71,7 +71,7 @@ def main():
                                   for x in r["state_bytes_per_layer"])
             print(f"  {r['impl']:>30} C={r['T']:>6}: {per_layer}")
     if args.out:
-        write_results(args.out, f"{device}-decode", records)
+        write_results(args.out, f"{device_tag()}-decode", records)
 
 
 if __name__ == "__main__":
