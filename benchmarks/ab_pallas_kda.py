@@ -51,7 +51,8 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     a = p.parse_args()
-    print(f"{jax.devices()[0].device_kind}; {versions()}", flush=True)
+    device = jax.devices()[0].device_kind
+    print(f"{device}; {versions()}", flush=True)
     records = []
     for shape in a.shapes.split(","):
         B, T = map(int, shape.split("x"))
@@ -71,8 +72,8 @@ def main():
             print(f"  {shape:8s} {mode:7s} {ms:7.3f} ms  {config}  (rounds: " + ", ".join(f"{t:.3f}" for t in ts)
                   + ")", flush=True)
     a.out.mkdir(parents=True, exist_ok=True)
-    out = a.out / f"{datetime.date.today()}-{device_tag()}-{a.rule}-ab.json"
-    out.write_text(json.dumps({"device": jax.devices()[0].device_kind, "versions": versions(),
+    out = a.out / f"{datetime.date.today()}-{device_tag(device)}-{a.rule}-ab.json"
+    out.write_text(json.dumps({"device": device, "versions": versions(),
                                "records": records}, indent=1))
 
 

@@ -59,7 +59,8 @@ def record(out, **rec):
           f"{rec['ms']:9.3f} ms  {extra}", flush=True)
     if out:
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"{datetime.date.today().isoformat()}-{device_tag()}-kda.json").write_text(json.dumps(RECORDS, indent=1))
+        path = out / f"{datetime.date.today().isoformat()}-{device_tag(rec['device'])}-kda.json"
+        path.write_text(json.dumps(RECORDS, indent=1))
 
 
 def pallas_variant(rule, backward, scalar_gate=None):

@@ -140,7 +140,7 @@ def main():
     print(f"{device}; {versions()}; {a.rule} B={B} T={T} H={H} K=V={K}", flush=True)
     result = {"device": device, "versions": versions(), "rule": a.rule, "B": B, "T": T, "H": H, "K": K, "V": K}
     a.out.mkdir(parents=True, exist_ok=True)
-    path = a.out / f"{datetime.date.today()}-{device_tag()}-{a.rule}-profile.json"
+    path = a.out / f"{datetime.date.today()}-{device_tag(device)}-{a.rule}-profile.json"
     ref = None
     if a.check:
         def xla_loss(*xs):
