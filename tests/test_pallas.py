@@ -1078,10 +1078,6 @@ def test_decode_step_matches_oracle(rule):
     assert_close({"o": o2, "s": s2}, {"o": o_ref[:, :1], "s": states[:, 0]}, TOL, rule)
     o3, s3 = decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), x["initial_state"], readout="updated")
     assert_close({"o": o3, "s": s3}, {"o": o_ref, "s": ht_ref}, TOL, rule)
-    # The two reductions over K joined in one (three tokens, the states after each).
-    o4, s4, states4 = decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), x["initial_state"], joined=True,
-                                  output_states=True)
-    assert_close({"o": o4, "s": s4, "states": states4}, {"o": o_ref, "s": ht_ref, "states": states}, TOL, rule)
     with pytest.raises(ValueError, match="readout"):
         decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), x["initial_state"], readout="after")
 

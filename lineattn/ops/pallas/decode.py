@@ -27,21 +27,17 @@ f32 = jnp.float32
 
 
 def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *states_ref, T, scale, delta,
-                   readout, joined):
+                   readout):
     S = s_ref[...].astype(f32)
     for t in range(T):  # T is small (1 token, or a few draft tokens)
         q_t = q_ref[t, :].astype(f32)[:, None]
         k_t = k_ref[t, :].astype(f32)[:, None]
         v_t = v_ref[t, :].astype(f32)[None, :]
         S = S * jnp.exp(g_ref[t, :].astype(f32))[:, None]
-        if readout == "decayed" and delta and joined:  # both reductions over K as one, [BV, 2] (see `joined`)
-            qS, kS = (x.reshape(1, -1) for x in jnp.split(jnp.sum(jnp.stack([S * q_t, S * k_t], -1), 0), 2, -1))
-        elif readout == "decayed":  # o = q^T (S + k r^T) = q^T S + (q . k) r: both reductions on the decayed S
+        if readout == "decayed":  # o = q^T (S + k r^T) = q^T S + (q . k) r: both reductions on the decayed S
             qS = jnp.sum(S * q_t, axis=0, keepdims=True)
         if delta:
-            if not (readout == "decayed" and joined):
-                kS = jnp.sum(S * k_t, axis=0, keepdims=True)
-            residual = v_t - kS
+            residual = v_t - jnp.sum(S * k_t, axis=0, keepdims=True)
             write = beta_ref[pl.ds(t, 1)].astype(f32)[:, None] * residual
         else:
             write = v_t
@@ -76,10 +72,10 @@ def _check_inputs(q, k, v, g, beta):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_states", "interpret", "block_v", "num_warps",
-                                             "v_fastest", "readout", "joined"))
+                                             "v_fastest", "readout"))
 def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_states: bool = False,
                 interpret: bool | None = None, block_v: int | None = None, num_warps: int = 4,
-                v_fastest: bool = True, readout: str = "decayed", joined: bool = False):
+                v_fastest: bool = True, readout: str = "decayed"):
     """T new tokens per request through the recurrence, from `state`.
 
     Args:
@@ -95,8 +91,6 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
       readout: "decayed" (default) takes both reductions on the decayed state S' before the write,
         o = q^T S' + (q . k) r with r the written row; "updated" reads o from the updated state, q^T S_t (the
         same value; one more dependent pass before the state's store: 3.68-3.72 TB/s against 3.72-3.76, run13b-c).
-      joined: with readout "decayed" and the delta write, the two reductions over K (q^T S' and k^T S') as one
-        reduction of the two products stacked, [K, BV, 2] -> [BV, 2]: one exchange between warps, not two.
 
     Returns:
       (o [B, T, H, V] in q's dtype, new state [B, H, K, V] fp32[, states [B, T, H, K, V]]).
@@ -135,8 +129,7 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
         out_specs.append(pl.BlockSpec((None, None, T, K, BV), at(lambda b, h, j: (b, h, 0, 0, j))))
         out_shape.append(jax.ShapeDtypeStruct((B, H, T, K, V), f32))
     outs = pl.pallas_call(
-        functools.partial(_decode_kernel, T=T, scale=float(scale), delta=delta, readout=readout,
-                          joined=joined),
+        functools.partial(_decode_kernel, T=T, scale=float(scale), delta=delta, readout=readout),
         grid=grid,
         in_specs=[tok(K), tok(K), vtok, tok(K), pl.BlockSpec((None, T, None), at(lambda b, h, j: (b, 0, h))), st],
         out_specs=out_specs,
