@@ -173,7 +173,7 @@
 #   "--shapes 1x32768 --fla-shapes 1x32768 --decode= --long 262144". Still to run: those two calls on an H200 (FLA's
 #   chunk rows there are run37b-c's); a guard first, so that another card costs only its start:
 #     nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200 || exit 3; ...
-#   Run48 (session 50: six starts refused, nine H100s, no H200): on an H100 the decode step's two reductions joined
+#   Run48 (session 50: six starts refused, ten H100s, no H200): on an H100 the decode step's two reductions joined
 #   (c6c9c81, removed) were slower, 2.81 against 2.89 TB/s. The two FLA calls above are still to run on an H200.
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
