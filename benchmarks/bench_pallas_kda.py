@@ -172,11 +172,17 @@ def _copy_kernel(s_ref, out_ref):
     out_ref[...] = s_ref[...]
 
 
-def copy_state(state, block_v, warps):
-    """The decode step's memory traffic alone: every [K, block_v] tile of the state [B, H, K, V] read and written
-    back in place, on the decode kernel's grid with the V tiles first (the bandwidth ceiling of that tiling)."""
-    B, H, K, V = state.shape
-    spec = pl.BlockSpec((None, None, K, block_v), lambda j, h, b: (b, h, 0, j))
+def copy_state(state, block_v, warps, state_layout="kv"):
+    """The decode step's memory traffic alone: every [K, block_v] tile of the state [B, H, K, V] (every [block_v, K]
+    tile of [B, H, V, K] with state_layout "vk") read and written back in place, on the decode kernel's grid with
+    the V tiles first (the bandwidth ceiling of that tiling)."""
+    B, H = state.shape[:2]
+    if state_layout == "kv":
+        K, V = state.shape[2:]
+        spec = pl.BlockSpec((None, None, K, block_v), lambda j, h, b: (b, h, 0, j))
+    else:
+        V, K = state.shape[2:]
+        spec = pl.BlockSpec((None, None, block_v, K), lambda j, h, b: (b, h, j, 0))
     return pl.pallas_call(_copy_kernel, grid=(V // block_v, H, B), in_specs=[spec], out_specs=spec,
                           out_shape=jax.ShapeDtypeStruct(state.shape, state.dtype), input_output_aliases={0: 0},
                           compiler_params=compiler_params(num_warps=warps, num_stages=1), name="copy_state",
@@ -196,14 +202,17 @@ def bench_decode(a, B=256, tokens=1):
     steps = 50
     for block_v, warps, flags in a.decode_configs:
         opts = dict(block_v=block_v, num_warps=warps, v_fastest="f" in flags,
-                    readout="updated" if "u" in flags else "decayed")
+                    readout="updated" if "u" in flags else "decayed", state_layout="vk" if "t" in flags else "kv")
+        # (the state stored transposed, [B, H, V, K], with "t": the same values, swapped in and out)
+        layout = (lambda s: jnp.swapaxes(s, -1, -2)) if "t" in flags else (lambda s: s)
         if "c" in flags:  # the copy ceiling of this tiling: the same grid, the state read and written, no math
-            step = lambda q, k, v, g, b, s, opts=opts: (None, copy_state(s, opts["block_v"], opts["num_warps"]))
+            step = lambda q, k, v, g, b, s, opts=opts: (None, copy_state(s, opts["block_v"], opts["num_warps"],
+                                                                         opts["state_layout"]))
         else:
             step = lambda q, k, v, g, b, s, opts=opts: decode_step(q, k, v, g, b, s, **opts)
-        o, s1 = jax.jit(step)(q, k, v, g, beta, jnp.asarray(s0))
+        o, s1 = jax.jit(step)(q, k, v, g, beta, layout(jnp.asarray(s0)))
         errs = {} if o is None else dict(max_rel_err_o=rel_err(o.astype(jnp.float32), ref_o),
-                                         max_rel_err_state=rel_err(s1, ref_s))
+                                         max_rel_err_state=rel_err(layout(s1), ref_s))
         # `steps` decode steps inside one jit, the state carried (and updated in place) through a fori_loop: the
         # time per step is device time, without the host round trip of one call per token.
         many = jax.jit(lambda s, step=step: jax.lax.fori_loop(0, steps, lambda i, s: step(q, k, v, g, beta, s)[1],
@@ -223,7 +232,7 @@ def bench_decode(a, B=256, tokens=1):
             times_ns = kernel_times(tmp)
             kernel_ms = times_ns.get("lineattn_decode_step", times_ns.get("copy_state", float("nan"))) / steps / 1e6
         name = (f"lineattn-pallas-decode-bv{block_v}-w{warps}" + ("-vfirst" if opts["v_fastest"] else "")
-                + ("-updated" if "u" in flags else "")
+                + ("-updated" if "u" in flags else "") + ("-vk" if "t" in flags else "")
                 + ("-copy" if "c" in flags else ""))
         record(a.out, op="kda", impl=name, mode="decode", B=B, T=tokens, H=H, K=K, V=V, ms=ms,
                state_TBps=2 * state_bytes / (ms * 1e-3) / 1e12, kernel_ms=kernel_ms,
@@ -309,13 +318,14 @@ def main():
     p.add_argument("--no-kda", action="store_true", help="time GDN (--gdn) at --shapes without KDA there")
     p.add_argument("--decode", default="64x4f,64x4fu,64x8f,32x4f,64x4fc",
                    help="decode block_v x num_warps configs, then letters: f the V tiles first in the launch order, "
-                        "u o read from the updated state (readout='updated'), c a plain copy of the state")
+                        "u o read from the updated state (readout='updated'), t the state stored transposed "
+                        "(state_layout='vk'), c a plain copy of the state")
     p.add_argument("--long", type=int, default=0, help="also time one sequence of this length (0: no)")
     p.add_argument("--tune", action="store_true", help="time the forward's kernels apart and launch settings")
     p.add_argument("--warps", default="4x4,8x4,4x8,8x8")
     p.add_argument("--block-vs", default="0,16,32,64", help="V tiles of the state pass (0: the default rule)")
     a = p.parse_args()
-    a.decode_configs = [(int(bv), int(rest.rstrip("fuc")), rest.lstrip("0123456789"))
+    a.decode_configs = [(int(bv), int(rest.rstrip("fuct")), rest.lstrip("0123456789"))
                         for bv, rest in (c.split("x") for c in a.decode.split(",") if c)]
     fla_modes = [m for m in a.fla.split(",") if m]
     a.warps = [tuple(map(int, w.split("x"))) for w in a.warps.split(",") if w]

@@ -111,11 +111,12 @@ def test_forward_alone_forms_in_segments_lower_for_sm90(fake_h200, monkeypatch, 
             jax.jit(lambda *a: chunk_pallas(*a, K**-0.5, 64, False, "kernels-saved")).trace(*shapes)
 
 
-@pytest.mark.parametrize("v_fastest,variant", [(False, {}), (True, {}), (True, dict(readout="updated"))])
+@pytest.mark.parametrize("v_fastest,variant", [(False, {}), (True, {}), (True, dict(readout="updated")),
+                                               (True, dict(state_layout="vk"))])
 def test_decode_kernel_lowers_for_sm90(fake_h200, v_fastest, variant):
     B, T, H, K, V = 4, 2, 2, 128, 128
     args = (S((B, T, H, K), jnp.bfloat16), S((B, T, H, K), jnp.bfloat16), S((B, T, H, V), jnp.bfloat16),
-            S((B, T, H, K), jnp.float32), S((B, T, H), jnp.bfloat16), S((B, H, K, V), jnp.float32))
+            S((B, T, H, K), jnp.float32), S((B, T, H), jnp.bfloat16), S((B, H, K, V), jnp.float32))  # (K = V)
     step = lambda *a: decode_step(*a, output_states=True, interpret=False, v_fastest=v_fastest,
                                    **variant)
     assert "__gpu$xla.gpu.triton" in jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -27,17 +27,21 @@ f32 = jnp.float32
 
 
 def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref, *states_ref, T, scale, delta,
-                   readout):
+                   readout, k_axis):
+    # The state tile is [K, BV] (k_axis 0, state_layout "kv") or [BV, K] (k_axis 1, "vk"); every reduction runs
+    # over K and keeps its axis, so a row of V values is [1, BV] or [BV, 1].
     S = s_ref[...].astype(f32)
+    along_k = (lambda x: x[:, None]) if k_axis == 0 else (lambda x: x[None, :])  # a [K] vector against S
+    along_v = (lambda x: x[None, :]) if k_axis == 0 else (lambda x: x[:, None])  # a [BV] vector against S
     for t in range(T):  # T is small (1 token, or a few draft tokens)
-        q_t = q_ref[t, :].astype(f32)[:, None]
-        k_t = k_ref[t, :].astype(f32)[:, None]
-        v_t = v_ref[t, :].astype(f32)[None, :]
-        S = S * jnp.exp(g_ref[t, :].astype(f32))[:, None]
+        q_t = along_k(q_ref[t, :].astype(f32))
+        k_t = along_k(k_ref[t, :].astype(f32))
+        v_t = along_v(v_ref[t, :].astype(f32))
+        S = S * along_k(jnp.exp(g_ref[t, :].astype(f32)))
         if readout == "decayed":  # o = q^T (S + k r^T) = q^T S + (q . k) r: both reductions on the decayed S
-            qS = jnp.sum(S * q_t, axis=0, keepdims=True)
+            qS = jnp.sum(S * q_t, axis=k_axis, keepdims=True)
         if delta:
-            residual = v_t - jnp.sum(S * k_t, axis=0, keepdims=True)
+            residual = v_t - jnp.sum(S * k_t, axis=k_axis, keepdims=True)
             write = beta_ref[pl.ds(t, 1)].astype(f32)[:, None] * residual
         else:
             write = v_t
@@ -45,8 +49,8 @@ def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref
         if readout == "decayed":
             o = qS + jnp.sum(q_t * k_t) * write
         else:
-            o = jnp.sum(S * q_t, axis=0, keepdims=True)
-        o_ref[pl.ds(t, 1), :] = (scale * o).astype(o_ref.dtype)
+            o = jnp.sum(S * q_t, axis=k_axis, keepdims=True)
+        o_ref[pl.ds(t, 1), :] = (scale * o).astype(o_ref.dtype).reshape(1, o.size)
         if states_ref:
             states_ref[0][t, :, :] = S
     s_out_ref[...] = S
@@ -72,17 +76,17 @@ def _check_inputs(q, k, v, g, beta):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_states", "interpret", "block_v", "num_warps",
-                                             "v_fastest", "readout"))
+                                             "v_fastest", "readout", "state_layout"))
 def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_states: bool = False,
                 interpret: bool | None = None, block_v: int | None = None, num_warps: int = 4,
-                v_fastest: bool = True, readout: str = "decayed"):
+                v_fastest: bool = True, readout: str = "decayed", state_layout: str = "kv"):
     """T new tokens per request through the recurrence, from `state`.
 
     Args:
       q, k: [B, T, H, K]; v: [B, T, H, V]; g: log decay [B, T, H, K] (channel), [B, T, H] (head) or None;
       beta: [B, T, H] for the delta write, None for the additive write; state: [B, H, K, V] fp32 (donate it
-      under jit to update it in place).
-      output_states: also return the state after every token, [B, T, H, K, V] fp32.
+      under jit to update it in place), or [B, H, V, K] with state_layout "vk".
+      output_states: also return the state after every token, [B, T, H, K, V] fp32 ([B, T, H, V, K] with "vk").
       block_v, num_warps: the V tile of a program and its warps (for tuning). block_v None: 64 when that still
         gives 128 programs or more (large batches; H200 run7b, B = 256: 3.25 TB/s with 64 x 4 warps, the best of the
         tiles of 32-128 on 4-8 warps), else 32 (small batches are latency-bound and were not timed).
@@ -91,18 +95,27 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
       readout: "decayed" (default) takes both reductions on the decayed state S' before the write,
         o = q^T S' + (q . k) r with r the written row; "updated" reads o from the updated state, q^T S_t (the
         same value; one more dependent pass before the state's store: 3.68-3.72 TB/s against 3.72-3.76, run13b-c).
+      state_layout: "kv" (default; the layout of every other op's states) or "vk", the state stored transposed
+        ([B, H, V, K], K contiguous): a program's tile is then [BV, K], each row of K = 128 fp32 values one warp's
+        128-bit loads, so Triton can keep the reductions over K inside a warp (no exchange between warps before
+        the state's store). Not yet timed on a GPU.
 
     Returns:
-      (o [B, T, H, V] in q's dtype, new state [B, H, K, V] fp32[, states [B, T, H, K, V]]).
+      (o [B, T, H, V] in q's dtype, new state fp32 in state's layout[, states [B, T, H, K, V] or [B, T, H, V, K]]).
     """
     _check_inputs(q, k, v, g, beta)
     B, T, H, K = q.shape
     V = v.shape[-1]
     if readout not in ("updated", "decayed"):
         raise ValueError(f"decode_step's readout must be 'updated' or 'decayed', got {readout!r}")
-    if not (is_pow2(K) and is_pow2(V)) or state.shape != (B, H, K, V) or state.dtype != f32:
-        raise ValueError(f"decode_step needs K, V powers of two and an fp32 state [B, H, K, V] = "
-                         f"[{B}, {H}, {K}, {V}], got K={K}, V={V}, state {state.dtype} {tuple(state.shape)}")
+    if state_layout not in ("kv", "vk"):
+        raise ValueError(f"decode_step's state_layout must be 'kv' or 'vk', got {state_layout!r}")
+    k_axis = 0 if state_layout == "kv" else 1
+    tile = lambda a, b: (a, b) if k_axis == 0 else (b, a)  # a [K, V]-ordered pair in the state's layout
+    if not (is_pow2(K) and is_pow2(V)) or state.shape != (B, H, *tile(K, V)) or state.dtype != f32:
+        names = "[B, H, K, V]" if k_axis == 0 else "[B, H, V, K]"
+        raise ValueError(f"decode_step needs K, V powers of two and an fp32 state {names} = "
+                         f"{[B, H, *tile(K, V)]}, got K={K}, V={V}, state {state.dtype} {tuple(state.shape)}")
     scale = K**-0.5 if scale is None else scale
     if g is None:
         g = jnp.zeros((B, T, H, K), f32)
@@ -122,14 +135,14 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
 
     tok = lambda D: pl.BlockSpec((None, T, None, D), at(lambda b, h, j: (b, 0, h, 0)))
     vtok = pl.BlockSpec((None, T, None, BV), at(lambda b, h, j: (b, 0, h, j)))
-    st = pl.BlockSpec((None, None, K, BV), at(lambda b, h, j: (b, h, 0, j)))
+    st = pl.BlockSpec((None, None, *tile(K, BV)), at(lambda b, h, j: (b, h, *tile(0, j))))
     out_specs = [vtok, st]
-    out_shape = [jax.ShapeDtypeStruct((B, T, H, V), q.dtype), jax.ShapeDtypeStruct((B, H, K, V), f32)]
+    out_shape = [jax.ShapeDtypeStruct((B, T, H, V), q.dtype), jax.ShapeDtypeStruct(state.shape, f32)]
     if output_states:
-        out_specs.append(pl.BlockSpec((None, None, T, K, BV), at(lambda b, h, j: (b, h, 0, 0, j))))
-        out_shape.append(jax.ShapeDtypeStruct((B, H, T, K, V), f32))
+        out_specs.append(pl.BlockSpec((None, None, T, *tile(K, BV)), at(lambda b, h, j: (b, h, 0, *tile(0, j)))))
+        out_shape.append(jax.ShapeDtypeStruct((B, H, T, *tile(K, V)), f32))
     outs = pl.pallas_call(
-        functools.partial(_decode_kernel, T=T, scale=float(scale), delta=delta, readout=readout),
+        functools.partial(_decode_kernel, T=T, scale=float(scale), delta=delta, readout=readout, k_axis=k_axis),
         grid=grid,
         in_specs=[tok(K), tok(K), vtok, tok(K), pl.BlockSpec((None, T, None), at(lambda b, h, j: (b, 0, h))), st],
         out_specs=out_specs,
