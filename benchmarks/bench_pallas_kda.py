@@ -202,7 +202,8 @@ def bench_decode(a, B=256, tokens=1):
     steps = 50
     for block_v, warps, flags in a.decode_configs:
         opts = dict(block_v=block_v, num_warps=warps, v_fastest="f" in flags,
-                    readout="updated" if "u" in flags else "decayed", state_layout="vk" if "t" in flags else "kv")
+                    readout="updated" if "u" in flags else "stored" if "s" in flags else "decayed",
+                    state_layout="vk" if "t" in flags else "kv")
         # (the state stored transposed, [B, H, V, K], with "t": the same values, swapped in and out)
         layout = (lambda s: jnp.swapaxes(s, -1, -2)) if "t" in flags else (lambda s: s)
         if "c" in flags:  # the copy ceiling of this tiling: the same grid, the state read and written, no math
@@ -232,7 +233,8 @@ def bench_decode(a, B=256, tokens=1):
             times_ns = kernel_times(tmp)
             kernel_ms = times_ns.get("lineattn_decode_step", times_ns.get("copy_state", float("nan"))) / steps / 1e6
         name = (f"lineattn-pallas-decode-bv{block_v}-w{warps}" + ("-vfirst" if opts["v_fastest"] else "")
-                + ("-updated" if "u" in flags else "") + ("-vk" if "t" in flags else "")
+                + ("-updated" if "u" in flags else "") + ("-stored" if "s" in flags else "")
+                + ("-vk" if "t" in flags else "")
                 + ("-copy" if "c" in flags else ""))
         record(a.out, op="kda", impl=name, mode="decode", B=B, T=tokens, H=H, K=K, V=V, ms=ms,
                state_TBps=2 * state_bytes / (ms * 1e-3) / 1e12, kernel_ms=kernel_ms,
@@ -318,14 +320,15 @@ def main():
     p.add_argument("--no-kda", action="store_true", help="time GDN (--gdn) at --shapes without KDA there")
     p.add_argument("--decode", default="64x4f,64x4fu,64x8f,32x4f,64x4fc",
                    help="decode block_v x num_warps configs, then letters: f the V tiles first in the launch order, "
-                        "u o read from the updated state (readout='updated'), t the state stored transposed "
+                        "u o read from the updated state (readout='updated'), s o read after the state's stores "
+                        "(readout='stored'), t the state stored transposed "
                         "(state_layout='vk'), c a plain copy of the state")
     p.add_argument("--long", type=int, default=0, help="also time one sequence of this length (0: no)")
     p.add_argument("--tune", action="store_true", help="time the forward's kernels apart and launch settings")
     p.add_argument("--warps", default="4x4,8x4,4x8,8x8")
     p.add_argument("--block-vs", default="0,16,32,64", help="V tiles of the state pass (0: the default rule)")
     a = p.parse_args()
-    a.decode_configs = [(int(bv), int(rest.rstrip("fuct")), rest.lstrip("0123456789"))
+    a.decode_configs = [(int(bv), int(rest.rstrip("fucst")), rest.lstrip("0123456789"))
                         for bv, rest in (c.split("x") for c in a.decode.split(",") if c)]
     fla_modes = [m for m in a.fla.split(",") if m]
     a.warps = [tuple(map(int, w.split("x"))) for w in a.warps.split(",") if w]

@@ -1078,13 +1078,18 @@ def test_decode_step_matches_oracle(rule):
     assert_close({"o": o2, "s": s2}, {"o": o_ref[:, :1], "s": states[:, 0]}, TOL, rule)
     o3, s3 = decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), x["initial_state"], readout="updated")
     assert_close({"o": o3, "s": s3}, {"o": o_ref, "s": ht_ref}, TOL, rule)
-    # The state stored transposed, [B, H, V, K] (three tokens, the states after each, V tiles of 32 and of 16).
+    # The state stored transposed, [B, H, V, K], and o read after the state's stores (three tokens, the states
+    # after each, V tiles of 32 and of 16; "stored" also without the states, where only the last token stores).
     vk = lambda s: jnp.swapaxes(s, -1, -2)
-    for block_v in (32, 16):
-        o4, s4, states4 = decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), vk(x["initial_state"]),
-                                      output_states=True, state_layout="vk", block_v=block_v)
-        assert_close({"o": o4, "s": vk(s4), "states": vk(states4)}, {"o": o_ref, "s": ht_ref, "states": states},
+    for layout, readout, block_v in [("vk", "decayed", 32), ("vk", "stored", 16), ("kv", "stored", 32)]:
+        to = vk if layout == "vk" else (lambda s: s)
+        o4, s4, states4 = decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), to(x["initial_state"]),
+                                      output_states=True, state_layout=layout, readout=readout, block_v=block_v)
+        assert_close({"o": o4, "s": to(s4), "states": to(states4)}, {"o": o_ref, "s": ht_ref, "states": states},
                      TOL, rule)
+        o5, s5 = decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), to(x["initial_state"]),
+                             state_layout=layout, readout=readout, block_v=block_v)
+        assert_close({"o": o5, "s": to(s5)}, {"o": o_ref, "s": ht_ref}, TOL, rule)
     with pytest.raises(ValueError, match="readout"):
         decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), x["initial_state"], readout="after")
     with pytest.raises(ValueError, match="state_layout"):

@@ -46,14 +46,24 @@ def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref
         else:
             write = v_t
         S = S + k_t * write
+        stored_first = readout == "stored"  # the state's stores before o's reduction, off the state's path
+        if stored_first:
+            _store_states(S, t, T, s_out_ref, states_ref)
         if readout == "decayed":
             o = qS + jnp.sum(q_t * k_t) * write
         else:
             o = jnp.sum(S * q_t, axis=k_axis, keepdims=True)
         o_ref[pl.ds(t, 1), :] = (scale * o).astype(o_ref.dtype).reshape(1, o.size)
-        if states_ref:
-            states_ref[0][t, :, :] = S
-    s_out_ref[...] = S
+        if not stored_first:
+            _store_states(S, t, T, s_out_ref, states_ref)
+
+
+def _store_states(S, t, T, s_out_ref, states_ref):
+    """Token t's state into the emitted states (with output_states), the last token's into the final state."""
+    if states_ref:
+        states_ref[0][t, :, :] = S
+    if t == T - 1:
+        s_out_ref[...] = S
 
 
 def _check_inputs(q, k, v, g, beta):
@@ -94,7 +104,9 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
         instead of the requests (default; H200 run8c, B = 256: 3.35 TB/s against 3.13, as FLA orders its grid).
       readout: "decayed" (default) takes both reductions on the decayed state S' before the write,
         o = q^T S' + (q . k) r with r the written row; "updated" reads o from the updated state, q^T S_t (the
-        same value; one more dependent pass before the state's store: 3.68-3.72 TB/s against 3.72-3.76, run13b-c).
+        same value; one more dependent pass before the state's store: 3.68-3.72 TB/s against 3.72-3.76, run13b-c);
+        "stored" reads o from the updated state after storing it, so that o's reduction over K (and, with "kv",
+        its exchanges between warps) no longer precedes the state's store (not yet timed on a GPU).
       state_layout: "kv" (default; the layout of every other op's states) or "vk", the state stored transposed
         ([B, H, V, K], K contiguous): a program's tile is then [BV, K], each row of K = 128 fp32 values one warp's
         128-bit loads, so Triton can keep the reductions over K inside a warp (no exchange between warps before
@@ -106,8 +118,8 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
     _check_inputs(q, k, v, g, beta)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    if readout not in ("updated", "decayed"):
-        raise ValueError(f"decode_step's readout must be 'updated' or 'decayed', got {readout!r}")
+    if readout not in ("updated", "decayed", "stored"):
+        raise ValueError(f"decode_step's readout must be 'decayed', 'updated' or 'stored', got {readout!r}")
     if state_layout not in ("kv", "vk"):
         raise ValueError(f"decode_step's state_layout must be 'kv' or 'vk', got {state_layout!r}")
     k_axis = 0 if state_layout == "kv" else 1
