@@ -245,3 +245,23 @@ def test_jaxpr_dump_tells_kernel_settings_apart(monkeypatch):
     for setting in ({"gram.GRAM_CHUNK_STAGES": 2}, {"state_mgpu.PASS_WARPGROUPS": 1}):
         with tuning.override(setting):
             assert script.case_jaxpr(**case) != base, setting
+
+
+def test_triton_sass_pairs_each_kernel_with_its_settings_and_ir():
+    # scripts/triton_sass.py's first step (no Triton needed): each Triton kernel of a program lowered as for an
+    # H200, in program order, with the warps and stages its pallas_call set and its own Triton IR (the second step
+    # compiles that IR with upstream Triton, out of CI: it is no dependency). The hooks it sets are restored.
+    from lineattn.ops.pallas import common, gram, solve
+    script = load_script("triton_sass")
+    hopper = common.hopper
+    [(name, warps, stages, ir)] = script._lower("decode:32x2fts")
+    assert (name, warps, stages) == ("lineattn_decode_step", 2, 1)
+    assert "module @lineattn_decode_step" in ir and "tensor<32x128xf32" in ir  # (the [BV, K] tile of the vk layout)
+    kernels = script._lower("kda-fwd")
+    assert [k[:3] for k in kernels] == [("lineattn_chunk_gram_g", gram.GRAM_CHUNK_WARPS, gram.GRAM_CHUNK_STAGES),
+                                        ("lineattn_chunk_gram_exact", gram.GRAM_WARPS, 1),
+                                        ("lineattn_invert_diagonal_blocks", solve.DIAG_INVERSE_WARPS, 1)]
+    assert all(f"module @{name} " in ir for name, _, _, ir in kernels)
+    assert common.hopper is hopper
+    with pytest.raises(ValueError, match="decode case"):
+        script._lower("decode:64")
