@@ -189,6 +189,14 @@ def copy_state(state, block_v, warps, state_layout="kv"):
                           interpret=interpret_mode(None))(state)
 
 
+def decode_options(block_v: int, warps: int, letters: str) -> dict:
+    """decode_step's launch options for a --decode config's letters (f the V tiles first, u readout "updated", s
+    "stored", t state_layout "vk"; c, a copy in place of the step, is the caller's)."""
+    return dict(block_v=block_v, num_warps=warps, v_fastest="f" in letters,
+                readout="updated" if "u" in letters else "stored" if "s" in letters else "decayed",
+                state_layout="vk" if "t" in letters else "kv")
+
+
 def bench_decode(a, B=256, tokens=1):
     x, _ = make_inputs(B, tokens, H, K, V, "bfloat16", seed=3)
     bf = lambda n: jnp.asarray(x[n], jnp.bfloat16)
@@ -201,9 +209,7 @@ def bench_decode(a, B=256, tokens=1):
                                  backend="recurrent")
     steps = 50
     for block_v, warps, flags in a.decode_configs:
-        opts = dict(block_v=block_v, num_warps=warps, v_fastest="f" in flags,
-                    readout="updated" if "u" in flags else "stored" if "s" in flags else "decayed",
-                    state_layout="vk" if "t" in flags else "kv")
+        opts = decode_options(block_v, warps, flags)
         # (the state stored transposed, [B, H, V, K], with "t": the same values, swapped in and out)
         layout = (lambda s: jnp.swapaxes(s, -1, -2)) if "t" in flags else (lambda s: s)
         if "c" in flags:  # the copy ceiling of this tiling: the same grid, the state read and written, no math

@@ -102,14 +102,11 @@ def _program(case: str, jax, jnp):
         m = re.fullmatch(r"decode:(\d+)x(\d+)([futs]*)", case)
         if not m:
             raise ValueError(f"a decode case is decode:<block_v>x<warps>[f][u|s][t], got {case!r}")
-        block_v, warps, letters = int(m.group(1)), int(m.group(2)), m.group(3)
-        readout = "updated" if "u" in letters else "stored" if "s" in letters else "decayed"
-        layout = "vk" if "t" in letters else "kv"
+        options = _bench_module().decode_options(int(m.group(1)), int(m.group(2)), m.group(3))
         B, T = 256, 1
         args = (S((B, T, H, K), jnp.bfloat16), S((B, T, H, K), jnp.bfloat16), S((B, T, H, V), jnp.bfloat16),
                 S((B, T, H, K), jnp.float32), S((B, T, H), jnp.bfloat16), S((B, H, K, V), jnp.float32))
-        return (lambda *a: decode_step(*a, interpret=False, block_v=block_v, num_warps=warps, v_fastest="f" in letters,
-                                       readout=readout, state_layout=layout)), args
+        return (lambda *a: decode_step(*a, interpret=False, **options)), args
     rule, _, mode = case.partition("-")
     if rule not in ("kda", "gdn") or mode not in ("fwd", "fwdbwd"):
         raise ValueError(f"a case is decode:..., kda-fwd, kda-fwdbwd, gdn-fwd or gdn-fwdbwd, got {case!r}")
@@ -123,6 +120,16 @@ def _program(case: str, jax, jnp):
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(ht)
 
     return (jax.value_and_grad(loss, argnums=tuple(range(6))) if mode == "fwdbwd" else loss), args
+
+
+def _bench_module():
+    """benchmarks/bench_pallas_kda.py (its decode_options reads the --decode letters; benchmarks/ is no package)."""
+    import importlib.util
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "bench_pallas_kda.py")
+    spec = importlib.util.spec_from_file_location("bench_pallas_kda", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # ---- step 2, in Triton's Python: compile each kernel for sm_90a and read what ptxas made of it ----
