@@ -1,5 +1,7 @@
 """What Triton makes of lineattn's Pallas Triton kernels for an H200, without a GPU: each kernel's registers, spills
-and shared memory, and the order of its global loads and stores, barriers and shuffles in the machine code.
+and shared memory, its counts of global loads and stores, barriers and shuffles, how many of its 128-bit loads come
+before its first shuffle or barrier (all of them, for a kernel that loads, reduces and stores in one trip to memory),
+and with --sequence their order in the machine code.
 
     python3.12 -m venv .venv-triton && .venv-triton/bin/pip install triton==3.6.0   # once (about 650 MB)
     PYTHONPATH=. .venv/bin/python scripts/triton_sass.py decode:64x4f decode:64x4fts --sequence
@@ -60,7 +62,8 @@ def _lower(case: str):
         fn, args = _program(case, jax, jnp)
         hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     finally:  # (the hooks restored: a test may call this in a process that goes on)
-        registration.gpu_info_lib.get_gpu_info, common.hopper, registration.lowering.lower_jaxpr_to_triton_module = saved
+        (registration.gpu_info_lib.get_gpu_info, common.hopper,
+         registration.lowering.lower_jaxpr_to_triton_module) = saved
     kernels = []
     for call in hlo.split("custom_call @__gpu$xla.gpu.triton(")[1:]:
         ir_text, rest = _string_at(call, call.index('ir = "') + len("ir = "))
@@ -165,8 +168,13 @@ def _compile(folder: str, sequence: bool):
         ops = [m.group(0) for m in re.finditer(SASS_OPS, sass)]
         counts = " ".join(f"{op} {sum(o.startswith(op) for o in ops)}" for op in ("LDG", "STG", "BAR", "SHFL", "LDS",
                                                                                     "STS"))
+        # (the 128-bit global loads, a tile's, issued before the first exchange between threads: a kernel that
+        # loads, reduces and stores wants them all there, one trip to memory a program)
+        first_exchange = next((i for i, op in enumerate(ops) if op.startswith(("SHFL", "BAR"))), len(ops))
+        wide = [i for i, op in enumerate(ops) if op == "LDG.E.128"]
         print(f"{entry['name']:<40s} warps {entry['num_warps']} stages {entry['num_stages']}: {registers} registers, "
-              f"spills {spill_stores} / {spill_loads} bytes, shared {metadata.get('shared', 0)} bytes; {counts}")
+              f"spills {spill_stores} / {spill_loads} bytes, shared {metadata.get('shared', 0)} bytes; {counts}; "
+              f"128-bit LDG before the first SHFL or BAR {sum(i < first_exchange for i in wide)} of {len(wide)}")
         if sequence:  # runs of the same instruction, in program order
             runs = [[op, 1] for op in ops[:1]]
             for op in ops[1:]:
