@@ -22,6 +22,7 @@ the forward or forward+backward; the Mosaic GPU kernels are not Triton's and are
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import re
@@ -52,7 +53,7 @@ def _lower(case: str):
     def capture(*args, **kwargs):
         result = lower_module(*args, **kwargs)
         op = result.module.operation
-        buf = __import__("io").BytesIO()
+        buf = io.BytesIO()
         op.write_bytecode(buf)
         texts[buf.getvalue()] = op.get_asm(enable_debug_info=False)
         return result
