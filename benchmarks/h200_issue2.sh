@@ -180,6 +180,9 @@
 #   (s: o after the state's stores) beside the default and the copies on both grids: TESTS_K=decode_step_head_dim_128
 #   BENCH_ARGS="--shapes= --fla= --decode=64x4f,64x4fs,64x4ft,64x4fts,64x8fts,128x8fts,32x4fts,64x4fc,64x4ftc,
 #   64x8ftc,64x8fts,64x4f" bash benchmarks/h200_issue2.sh   (the --decode list is one string)
+#   Run49 (session 52, an H100 though an H200 was asked for): that decode list ran; on the H100 "vk" + "stored" on 8
+#   warps was 1 % faster than the default, on 4 warps 4 % slower. Still to run on an H200: it (add 128x16fts and
+#   64x8ft), then the two FLA calls above.
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
 #   --rule gdn for Gated DeltaNet, e.g. PROFILE_ARGS='--rule gdn --check --configs default;api.SCALAR_GATE=1')
