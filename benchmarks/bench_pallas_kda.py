@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import sys
 import tempfile
 import time
@@ -189,6 +190,14 @@ def copy_state(state, block_v, warps, state_layout="kv"):
                           interpret=interpret_mode(None))(state)
 
 
+def parse_decode_config(config: str) -> tuple[int, int, str]:
+    """A --decode config, <block_v>x<warps>[letters] (e.g. "64x8fts"), as (block_v, warps, letters)."""
+    m = re.fullmatch(r"(\d+)x(\d+)([fucst]*)", config)
+    if not m:
+        raise ValueError(f"a --decode config is <block_v>x<warps> then letters from 'fucst', got {config!r}")
+    return int(m.group(1)), int(m.group(2)), m.group(3)
+
+
 def decode_options(block_v: int, warps: int, letters: str) -> dict:
     """decode_step's launch options for a --decode config's letters (f the V tiles first, u readout "updated", s
     "stored", t state_layout "vk"; c, a copy in place of the step, is the caller's)."""
@@ -334,8 +343,7 @@ def main():
     p.add_argument("--warps", default="4x4,8x4,4x8,8x8")
     p.add_argument("--block-vs", default="0,16,32,64", help="V tiles of the state pass (0: the default rule)")
     a = p.parse_args()
-    a.decode_configs = [(int(bv), int(rest.rstrip("fucst")), rest.lstrip("0123456789"))
-                        for bv, rest in (c.split("x") for c in a.decode.split(",") if c)]
+    a.decode_configs = [parse_decode_config(c) for c in a.decode.split(",") if c]
     fla_modes = [m for m in a.fla.split(",") if m]
     a.warps = [tuple(map(int, w.split("x"))) for w in a.warps.split(",") if w]
     a.block_vs = [int(b) or None for b in a.block_vs.split(",") if b]

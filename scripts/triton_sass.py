@@ -103,13 +103,15 @@ def _program(case: str, jax, jnp):
     B, T, H, K, V = 8, 4096, 16, 128, 128
     if case.startswith("decode:"):
         from lineattn.ops.pallas.decode import decode_step
-        m = re.fullmatch(r"decode:(\d+)x(\d+)([futs]*)", case)
-        if not m:
-            raise ValueError(f"a decode case is decode:<block_v>x<warps>[f][u|s][t], got {case!r}")
-        options = _bench_module().decode_options(int(m.group(1)), int(m.group(2)), m.group(3))
+        bench = _bench_module()
+        block_v, warps, letters = bench.parse_decode_config(case.removeprefix("decode:"))
+        if "c" in letters:
+            raise ValueError(f"a decode case reads the decode step, not the copy ('c'), got {case!r}")
+        options = bench.decode_options(block_v, warps, letters)
         B, T = 256, 1
         args = (S((B, T, H, K), jnp.bfloat16), S((B, T, H, K), jnp.bfloat16), S((B, T, H, V), jnp.bfloat16),
-                S((B, T, H, K), jnp.float32), S((B, T, H), jnp.bfloat16), S((B, H, K, V), jnp.float32))
+                S((B, T, H, K), jnp.float32), S((B, T, H), jnp.bfloat16),
+                S((B, H, V, K) if options["state_layout"] == "vk" else (B, H, K, V), jnp.float32))
         return (lambda *a: decode_step(*a, interpret=False, **options)), args
     rule, _, mode = case.partition("-")
     if rule not in ("kda", "gdn") or mode not in ("fwd", "fwdbwd"):

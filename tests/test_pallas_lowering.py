@@ -263,5 +263,7 @@ def test_triton_sass_pairs_each_kernel_with_its_settings_and_ir():
                                         ("lineattn_invert_diagonal_blocks", solve.DIAG_INVERSE_WARPS, 1)]
     assert all(f"module @{name} " in ir for name, _, _, ir in kernels)
     assert common.hopper is hopper
-    with pytest.raises(ValueError, match="decode case"):
+    with pytest.raises(ValueError, match="decode config"):
         script._lower("decode:64")
+    with pytest.raises(ValueError, match="not the copy"):
+        script._lower("decode:64x4c")
