@@ -1090,6 +1090,12 @@ def test_decode_step_matches_oracle(rule):
         o5, s5 = decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), to(x["initial_state"]),
                              state_layout=layout, readout=readout, block_v=block_v)
         assert_close({"o": o5, "s": to(s5)}, {"o": o_ref, "s": ht_ref}, TOL, rule)
+    # Without a readout, each layout takes its fastest: "stored" with "vk", "decayed" with "kv".
+    for layout, readout in (("vk", "stored"), ("kv", "decayed")):
+        to = vk if layout == "vk" else (lambda s: s)
+        step = lambda **kw: decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), to(x["initial_state"]),
+                                        state_layout=layout, **kw)
+        np.testing.assert_array_equal(np.asarray(step()[0]), np.asarray(step(readout=readout)[0]))
     with pytest.raises(ValueError, match="readout"):
         decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), x["initial_state"], readout="after")
     with pytest.raises(ValueError, match="state_layout"):

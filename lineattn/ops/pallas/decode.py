@@ -6,7 +6,8 @@ One program per (request, head, V tile) reads its `[K, BV]` slice of the state o
 also writes the state after every token, `[B, T, H, K, V]` (for speculative decoding: roll back to any token).
 
 Why this form: memory bound, it moves the state at 3.72-3.77 TB/s of read + write on the H200 (B = 256, H = 16,
-K = V = 128), 92 % of a plain copy on the same grid (4.10-4.11 TB/s). Each program holds its whole tile in registers
+K = V = 128), 92 % of a plain copy on the same grid (4.10-4.11 TB/s); with the state stored transposed
+(`state_layout="vk"`) 3.87-3.89, 98 % of that layout's copy (3.93-3.97). Each program holds its whole tile in registers
 (128 a thread at V tiles of 64), which bounds the state in flight. Every form tried that holds more of it or overlaps
 more was slower: other V tiles and warp counts, a persistent or a streaming (TMA) kernel, two passes over slabs of
 rows, SMEM tiles computed in column pieces. The kernel notes (`README.md` here, "Speed") list each with its run and
@@ -88,8 +89,8 @@ def _check_inputs(q, k, v, g, beta):
 @functools.partial(jax.jit, static_argnames=("scale", "output_states", "interpret", "block_v", "num_warps",
                                              "v_fastest", "readout", "state_layout"))
 def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_states: bool = False,
-                interpret: bool | None = None, block_v: int | None = None, num_warps: int = 4,
-                v_fastest: bool = True, readout: str = "decayed", state_layout: str = "kv"):
+                interpret: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
+                v_fastest: bool = True, readout: str | None = None, state_layout: str = "kv"):
     """T new tokens per request through the recurrence, from `state`.
 
     Args:
@@ -99,20 +100,23 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
       output_states: also return the state after every token, [B, T, H, K, V] fp32 ([B, T, H, V, K] with "vk").
       block_v, num_warps: the V tile of a program and its warps (for tuning). block_v None: 64 when that still
         gives 128 programs or more (large batches; H200 run7b, B = 256: 3.25 TB/s with 64 x 4 warps, the best of the
-        tiles of 32-128 on 4-8 warps), else 32 (small batches are latency-bound and were not timed).
+        tiles of 32-128 on 4-8 warps), else 32 (small batches are latency-bound and were not timed). num_warps
+        None: 4 with "kv", 8 with "vk" (each layout's fastest, below).
       v_fastest: launch the V tiles of one state next to each other (the grid's first axis varies fastest)
         instead of the requests (default; H200 run8c, B = 256: 3.35 TB/s against 3.13, as FLA orders its grid).
-      readout: "decayed" (default) takes both reductions on the decayed state S' before the write,
-        o = q^T S' + (q . k) r with r the written row; "updated" reads o from the updated state, q^T S_t (the
-        same value; one more dependent pass before the state's store: 3.68-3.72 TB/s against 3.72-3.76, run13b-c);
-        "stored" reads o from the updated state after storing it, so that o's reduction over K (and, with "kv",
-        its exchanges between warps) no longer precedes the state's store (H100 run49a, B = 256: 2.88 TB/s of
-        kernel time against the default's 2.91; not yet timed on an H200).
+      readout: None picks "decayed" with "kv" and "stored" with "vk". "decayed" takes both reductions on the
+        decayed state S' before the write, o = q^T S' + (q . k) r with r the written row; "updated" reads o from
+        the updated state, q^T S_t (the same value; one more dependent pass before the state's store: 3.68-3.72
+        TB/s against 3.72-3.76, run13b-c); "stored" reads o from the updated state after storing it, so that o's
+        reduction over K (and, with "kv", its exchanges between warps) no longer precedes the state's store (H200
+        run50a, B = 256, "kv": 3.69 TB/s of kernel time against "decayed"'s 3.76).
       state_layout: "kv" (default; the layout of every other op's states) or "vk", the state stored transposed
         ([B, H, V, K], K contiguous): a program's tile is then [BV, K], each row of K = 128 fp32 values one warp's
         128-bit loads, so Triton can keep the reductions over K inside a warp (no exchange between warps before
-        the state's store). H100 run49a, B = 256, with "stored": 2.94 TB/s on 8 warps, 2.79 on 4, against the
-        default's 2.91; not yet timed on an H200.
+        the state's store). B = 256, V tiles of 64, TB/s of state read + write by kernel time: H200 run50, "vk"
+        with "stored" 3.87 on 8 warps (3.89 on 16, 3.56 on 4) against "kv"'s 3.76 and FLA's fused_recurrent_kda
+        3.84; a plain copy on the "vk" grid reaches only 3.93-3.97 (4.11 on "kv"'s), so neither meets 4.0. H100
+        run49a: 2.94 on 8 warps, 2.79 on 4, against "kv"'s 2.91.
 
     Returns:
       (o [B, T, H, V] in q's dtype, new state fp32 in state's layout[, states [B, T, H, K, V] or [B, T, H, V, K]]).
@@ -120,10 +124,14 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
     _check_inputs(q, k, v, g, beta)
     B, T, H, K = q.shape
     V = v.shape[-1]
-    if readout not in ("updated", "decayed", "stored"):
-        raise ValueError(f"decode_step's readout must be 'decayed', 'updated' or 'stored', got {readout!r}")
     if state_layout not in ("kv", "vk"):
         raise ValueError(f"decode_step's state_layout must be 'kv' or 'vk', got {state_layout!r}")
+    if readout is None:  # each layout's fastest form (H200 run50, B = 256)
+        readout = "decayed" if state_layout == "kv" else "stored"
+    if num_warps is None:
+        num_warps = 4 if state_layout == "kv" else 8
+    if readout not in ("updated", "decayed", "stored"):
+        raise ValueError(f"decode_step's readout must be 'decayed', 'updated' or 'stored', got {readout!r}")
     k_axis = 0 if state_layout == "kv" else 1
     tile = lambda a, b: (a, b) if k_axis == 0 else (b, a)  # a [K, V]-ordered pair in the state's layout
     if not (is_pow2(K) and is_pow2(V)) or state.shape != (B, H, *tile(K, V)) or state.dtype != f32:
