@@ -183,6 +183,12 @@
 #   Run49 (session 52, an H100 though an H200 was asked for): that decode list ran; on the H100 "vk" + "stored" on 8
 #   warps was 1 % faster than the default, on 4 warps 4 % slower. Still to run on an H200: it (add 128x16fts and
 #   64x8ft), then the two FLA calls above.
+#   Run50 (session 54, an H200 after four refused starts; six calls on one machine): that decode list (58 s), the two
+#   FLA calls (315 s and 220 s), three more decode lists (25-29 s each) and every test of test_pallas_gpu.py (49
+#   passed; SHARDS=8 TEST_TIMEOUT=280 TESTS_K="head_dim_128 or fp64", 211 s). "vk" + "stored" on 8-16 warps: 3.87-3.89
+#   TB/s against the default's 3.76 and FLA's 3.84, but a copy on the "vk" grid reaches only 3.93-3.97 (4.11 on "kv"),
+#   so "vk" became that layout's opt-in defaults, not the step's. KDA fwd+bwd 0.739x / 0.756x jla's, 0.507x / 0.430x
+#   FLA's; forward 1.320 ms on this host (jla 1.683 there, 1.431 in run46d).
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
 #   --rule gdn for Gated DeltaNet, e.g. PROFILE_ARGS='--rule gdn --check --configs default;api.SCALAR_GATE=1')
