@@ -173,37 +173,43 @@ def _copy_kernel(s_ref, out_ref):
     out_ref[...] = s_ref[...]
 
 
-def copy_state(state, block_v, warps, state_layout="kv"):
+def copy_state(state, block_v, warps, state_layout="kv", v_tiles="blocks"):
     """The decode step's memory traffic alone: every [K, block_v] tile of the state [B, H, K, V] (every [block_v, K]
-    tile of [B, H, V, K] with state_layout "vk") read and written back in place, on the decode kernel's grid with
-    the V tiles first (the bandwidth ceiling of that tiling)."""
+    tile of [B, H, V, K] with state_layout "vk"; with v_tiles "strided", V rows j, j + V / block_v, ...) read and
+    written back in place, on the decode kernel's grid with the V tiles first (the bandwidth ceiling of that
+    tiling)."""
     B, H = state.shape[:2]
     if state_layout == "kv":
         K, V = state.shape[2:]
         spec = pl.BlockSpec((None, None, K, block_v), lambda j, h, b: (b, h, 0, j))
-    else:
+    elif v_tiles == "blocks":
         V, K = state.shape[2:]
         spec = pl.BlockSpec((None, None, block_v, K), lambda j, h, b: (b, h, j, 0))
-    return pl.pallas_call(_copy_kernel, grid=(V // block_v, H, B), in_specs=[spec], out_specs=spec,
-                          out_shape=jax.ShapeDtypeStruct(state.shape, state.dtype), input_output_aliases={0: 0},
-                          compiler_params=compiler_params(num_warps=warps, num_stages=1), name="copy_state",
-                          interpret=interpret_mode(None))(state)
+    else:  # V viewed as [block_v, V / block_v], as decode_step does
+        V, K = state.shape[2:]
+        spec = pl.BlockSpec((None, None, block_v, None, K), lambda j, h, b: (b, h, 0, j, 0))
+    view = state.reshape(B, H, block_v, V // block_v, K) if v_tiles == "strided" else state
+    copied = pl.pallas_call(_copy_kernel, grid=(V // block_v, H, B), in_specs=[spec], out_specs=spec,
+                            out_shape=jax.ShapeDtypeStruct(view.shape, state.dtype), input_output_aliases={0: 0},
+                            compiler_params=compiler_params(num_warps=warps, num_stages=1), name="copy_state",
+                            interpret=interpret_mode(None))(view)
+    return copied.reshape(state.shape)
 
 
 def parse_decode_config(config: str) -> tuple[int, int, str]:
     """A --decode config, <block_v>x<warps>[letters] (e.g. "64x8fts"), as (block_v, warps, letters)."""
-    m = re.fullmatch(r"(\d+)x(\d+)([fucst]*)", config)
+    m = re.fullmatch(r"(\d+)x(\d+)([fucsti]*)", config)
     if not m:
-        raise ValueError(f"a --decode config is <block_v>x<warps> then letters from 'fucst', got {config!r}")
+        raise ValueError(f"a --decode config is <block_v>x<warps> then letters from 'fucsti', got {config!r}")
     return int(m.group(1)), int(m.group(2)), m.group(3)
 
 
 def decode_options(block_v: int, warps: int, letters: str) -> dict:
     """decode_step's launch options for a --decode config's letters (f the V tiles first, u readout "updated", s
-    "stored", t state_layout "vk"; c, a copy in place of the step, is the caller's)."""
+    "stored", t state_layout "vk", i v_tiles "strided"; c, a copy in place of the step, is the caller's)."""
     return dict(block_v=block_v, num_warps=warps, v_fastest="f" in letters,
                 readout="updated" if "u" in letters else "stored" if "s" in letters else "decayed",
-                state_layout="vk" if "t" in letters else "kv")
+                state_layout="vk" if "t" in letters else "kv", v_tiles="strided" if "i" in letters else "blocks")
 
 
 def bench_decode(a, B=256, tokens=1):
@@ -223,7 +229,7 @@ def bench_decode(a, B=256, tokens=1):
         layout = (lambda s: jnp.swapaxes(s, -1, -2)) if "t" in flags else (lambda s: s)
         if "c" in flags:  # the copy ceiling of this tiling: the same grid, the state read and written, no math
             step = lambda q, k, v, g, b, s, opts=opts: (None, copy_state(s, opts["block_v"], opts["num_warps"],
-                                                                         opts["state_layout"]))
+                                                                         opts["state_layout"], opts["v_tiles"]))
         else:
             step = lambda q, k, v, g, b, s, opts=opts: decode_step(q, k, v, g, b, s, **opts)
         o, s1 = jax.jit(step)(q, k, v, g, beta, layout(jnp.asarray(s0)))
@@ -249,7 +255,7 @@ def bench_decode(a, B=256, tokens=1):
             kernel_ms = times_ns.get("lineattn_decode_step", times_ns.get("copy_state", float("nan"))) / steps / 1e6
         name = (f"lineattn-pallas-decode-bv{block_v}-w{warps}" + ("-vfirst" if opts["v_fastest"] else "")
                 + ("-updated" if "u" in flags else "") + ("-stored" if "s" in flags else "")
-                + ("-vk" if "t" in flags else "")
+                + ("-vk" if "t" in flags else "") + ("-strided" if "i" in flags else "")
                 + ("-copy" if "c" in flags else ""))
         record(a.out, op="kda", impl=name, mode="decode", B=B, T=tokens, H=H, K=K, V=V, ms=ms,
                state_TBps=2 * state_bytes / (ms * 1e-3) / 1e12, kernel_ms=kernel_ms,
@@ -337,7 +343,7 @@ def main():
                    help="decode block_v x num_warps configs, then letters: f the V tiles first in the launch order, "
                         "u o read from the updated state (readout='updated'), s o read after the state's stores "
                         "(readout='stored'), t the state stored transposed "
-                        "(state_layout='vk'), c a plain copy of the state")
+                        "(state_layout='vk'), i its V rows strided (v_tiles='strided'), c a plain copy of the state")
     p.add_argument("--long", type=int, default=0, help="also time one sequence of this length (0: no)")
     p.add_argument("--tune", action="store_true", help="time the forward's kernels apart and launch settings")
     p.add_argument("--warps", default="4x4,8x4,4x8,8x8")

@@ -15,7 +15,7 @@ it bundles, so the figures are a close proxy, not the binary that runs: the deco
 72 registers here, as Nsight Compute read on the H200 (run39e), and 126 with tiles of 64 (128 there).
 
 Cases: `decode:<block_v>x<warps><letters>` (the bench's --decode form: f the V tiles first, u readout "updated",
-s readout "stored", t state_layout "vk"), `kda-fwd`, `kda-fwdbwd`, `gdn-fwd`, `gdn-fwdbwd` (every Triton kernel of
+s readout "stored", t state_layout "vk", i v_tiles "strided"), `kda-fwd`, `kda-fwdbwd`, `gdn-fwd`, `gdn-fwdbwd` (every Triton kernel of
 the forward or forward+backward; the Mosaic GPU kernels are not Triton's and are skipped).
 """
 

@@ -69,3 +69,19 @@ def test_device_tag_names_the_card_a_run_used(kind, tag):
 def test_device_tag_defaults_to_the_first_jax_device():
     tag = bench_kda.device_tag()
     assert tag == bench_kda.device_tag(bench_kda.jax.devices()[0].device_kind) and tag.isalnum() and tag.islower()
+
+
+def test_decode_copy_ceiling_returns_the_state_in_every_tiling():
+    # bench_pallas_kda's copy ('c' in a --decode config) reads and writes every tile of the state in place on the
+    # decode step's grid: in each layout and V tiling (interpreted on the CPU) it must give the state back as it was.
+    import jax.numpy as jnp
+    import numpy as np
+
+    import bench_pallas_kda
+    state = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 32, 64)), jnp.float32)  # [B, H, ., .]
+    for letters in ("fc", "ftc", "ftic"):
+        block_v, warps, letters = bench_pallas_kda.parse_decode_config(f"16x4{letters}")
+        opts = bench_pallas_kda.decode_options(block_v, warps, letters)
+        copied = bench_pallas_kda.copy_state(state, block_v, warps, opts["state_layout"], opts["v_tiles"])
+        np.testing.assert_array_equal(np.asarray(copied), np.asarray(state))
+    assert bench_pallas_kda.decode_options(16, 4, "fti")["v_tiles"] == "strided"

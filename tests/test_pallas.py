@@ -1079,17 +1079,22 @@ def test_decode_step_matches_oracle(rule):
     o3, s3 = decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), x["initial_state"], readout="updated")
     assert_close({"o": o3, "s": s3}, {"o": o_ref, "s": ht_ref}, TOL, rule)
     # The state stored transposed, [B, H, V, K], and o read after the state's stores (three tokens, the states
-    # after each, V tiles of 32 and of 16; "stored" also without the states, where only the last token stores).
+    # after each, V tiles of 32 and of 16; "stored" also without the states, where only the last token stores);
+    # "vk" with each program's V rows strided (V = 64 in tiles of 16: rows j, j + 4, ...).
     vk = lambda s: jnp.swapaxes(s, -1, -2)
-    for layout, readout, block_v in [("vk", "decayed", 32), ("vk", "stored", 16), ("kv", "stored", 32)]:
+    for layout, readout, block_v, v_tiles in [("vk", "decayed", 32, "blocks"), ("vk", "stored", 16, "blocks"),
+                                              ("kv", "stored", 32, "blocks"), ("vk", "stored", 16, "strided"),
+                                              ("vk", "decayed", 32, "strided")]:
         to = vk if layout == "vk" else (lambda s: s)
+        opts = dict(state_layout=layout, readout=readout, block_v=block_v, v_tiles=v_tiles)
         o4, s4, states4 = decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), to(x["initial_state"]),
-                                      output_states=True, state_layout=layout, readout=readout, block_v=block_v)
+                                      output_states=True, **opts)
         assert_close({"o": o4, "s": to(s4), "states": to(states4)}, {"o": o_ref, "s": ht_ref, "states": states},
                      TOL, rule)
-        o5, s5 = decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), to(x["initial_state"]),
-                             state_layout=layout, readout=readout, block_v=block_v)
+        o5, s5 = decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), to(x["initial_state"]), **opts)
         assert_close({"o": o5, "s": to(s5)}, {"o": o_ref, "s": ht_ref}, TOL, rule)
+    with pytest.raises(ValueError, match="v_tiles must be 'blocks', or 'strided' with state_layout 'vk'"):
+        decode_step(*(x[n] for n in ("q", "k", "v", "g", "beta")), x["initial_state"], v_tiles="strided")
     # Without a readout, each layout takes its fastest: "stored" with "vk", "decayed" with "kv".
     for layout, readout in (("vk", "stored"), ("kv", "decayed")):
         to = vk if layout == "vk" else (lambda s: s)

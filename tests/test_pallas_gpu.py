@@ -233,11 +233,13 @@ def test_forward_alone_in_segments_head_dim_128(rule, forms):
                                                  (64, True, dict(state_layout="vk")),
                                                  (64, True, dict(readout="stored")),
                                                  (64, True, dict(state_layout="vk", readout="stored", num_warps=4)),
-                                                 (64, True, dict(state_layout="vk", readout="decayed", num_warps=4))])
+                                                 (64, True, dict(state_layout="vk", readout="decayed", num_warps=4)),
+                                                 (64, True, dict(state_layout="vk", v_tiles="strided"))])
 def test_decode_step_head_dim_128(B, v_fastest, variant):
     # B = 8: 64 programs, V tile 32; B = 64: V tile 64 (the large-batch default), also with the V tiles first, with
     # o read from the updated state (before or after the state's stores), and with the state stored transposed
-    # ([B, H, V, K]; by default on 8 warps with o read after the stores, also on 4 warps with either readout).
+    # ([B, H, V, K]; by default on 8 warps with o read after the stores, also on 4 warps with either readout, and
+    # with each program's V rows strided).
     x = make_inputs("kda", B=B, T=4, H=4, K=128, V=128, seed=12)
     o_ref, ht_ref = ops.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
                                   output_final_state=True, backend="recurrent")

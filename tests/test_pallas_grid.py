@@ -145,11 +145,13 @@ def test_checkpoint_kernels_write_each_output_block_once():
 @pytest.mark.parametrize("output_states", [False, True])
 def test_decode_kernel_updates_each_state_tile_in_its_own_program(output_states):
     # The decode step updates the state in place: each (request, head, V tile) program reads and writes its own
-    # tile. B = 3 requests, 2 tokens, H = 2, K = V = 128, V tiles of 32 and 64, either launch order and state layout.
+    # tile. B = 3 requests, 2 tokens, H = 2, K = V = 128, V tiles of 32 and 64, either launch order and state layout,
+    # and "vk"'s strided V rows.
     B, T, H, K, V = 3, 2, 2, 128, 128
     args = (S((B, T, H, K), jnp.bfloat16), S((B, T, H, K), jnp.bfloat16), S((B, T, H, V), jnp.bfloat16),
             S((B, T, H, K), jnp.float32), S((B, T, H), jnp.bfloat16), S((B, H, K, V), jnp.float32))
-    for block_v, v_fastest, layout in itertools.product((32, 64), (True, False), ("kv", "vk")):
+    forms = [("kv", "blocks"), ("vk", "blocks"), ("vk", "strided")]
+    for block_v, v_fastest, (layout, v_tiles) in itertools.product((32, 64), (True, False), forms):
         step = lambda *a: decode_step(*a, output_states=output_states, interpret=False, block_v=block_v,
-                                      v_fastest=v_fastest, state_layout=layout)
+                                      v_fastest=v_fastest, state_layout=layout, v_tiles=v_tiles)
         assert _check_program(step, *args) == {"lineattn_decode_step"}

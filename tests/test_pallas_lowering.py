@@ -113,7 +113,8 @@ def test_forward_alone_forms_in_segments_lower_for_sm90(fake_h200, monkeypatch, 
 
 @pytest.mark.parametrize("v_fastest,variant", [(False, {}), (True, {}), (True, dict(readout="updated")),
                                                (True, dict(state_layout="vk")), (True, dict(readout="stored")),
-                                               (True, dict(state_layout="vk", readout="stored"))])
+                                               (True, dict(state_layout="vk", readout="stored")),
+                                               (True, dict(state_layout="vk", v_tiles="strided"))])
 def test_decode_kernel_lowers_for_sm90(fake_h200, v_fastest, variant):
     B, T, H, K, V = 4, 2, 2, 128, 128
     args = (S((B, T, H, K), jnp.bfloat16), S((B, T, H, K), jnp.bfloat16), S((B, T, H, V), jnp.bfloat16),

@@ -87,10 +87,11 @@ def _check_inputs(q, k, v, g, beta):
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_states", "interpret", "block_v", "num_warps",
-                                             "v_fastest", "readout", "state_layout"))
+                                             "v_fastest", "readout", "state_layout", "v_tiles"))
 def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_states: bool = False,
                 interpret: bool | None = None, block_v: int | None = None, num_warps: int | None = None,
-                v_fastest: bool = True, readout: str | None = None, state_layout: str = "kv"):
+                v_fastest: bool = True, readout: str | None = None, state_layout: str = "kv",
+                v_tiles: str = "blocks"):
     """T new tokens per request through the recurrence, from `state`.
 
     Args:
@@ -117,6 +118,10 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
         with "stored" 3.87 on 8 warps (3.89 on 16, 3.56 on 4) against "kv"'s 3.76 and FLA's fused_recurrent_kda
         3.84; a plain copy on the "vk" grid reaches only 3.93-3.97 (4.11 on "kv"'s), so neither meets 4.0. H100
         run49a: 2.94 on 8 warps, 2.79 on 4, against "kv"'s 2.91.
+      v_tiles: which V rows a program takes: "blocks" (default), V / BV consecutive rows; "strided" (with "vk"
+        only), rows j, j + V / BV, j + 2 V / BV, ..., so that the tiles of one state interleave in memory as the
+        "kv" layout's do (an experiment: run50's plain copy moved the "vk" layout's contiguous tiles at 3.93-3.97
+        TB/s, "kv"'s interleaved ones at 4.11; not yet timed).
 
     Returns:
       (o [B, T, H, V] in q's dtype, new state fp32 in state's layout[, states [B, T, H, K, V] or [B, T, H, V, K]]).
@@ -132,6 +137,9 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
         num_warps = 4 if state_layout == "kv" else 8
     if readout not in ("updated", "decayed", "stored"):
         raise ValueError(f"decode_step's readout must be 'decayed', 'updated' or 'stored', got {readout!r}")
+    if v_tiles not in ("blocks", "strided") or (v_tiles == "strided" and state_layout != "vk"):
+        raise ValueError(f"decode_step's v_tiles must be 'blocks', or 'strided' with state_layout 'vk' (the 'kv' "
+                         f"layout's strided rows would not coalesce), got {v_tiles!r} with {state_layout!r}")
     k_axis = 0 if state_layout == "kv" else 1
     tile = lambda a, b: (a, b) if k_axis == 0 else (b, a)  # a [K, V]-ordered pair in the state's layout
     if not (is_pow2(K) and is_pow2(V)) or state.shape != (B, H, *tile(K, V)) or state.dtype != f32:
@@ -149,20 +157,29 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
     if block_v is None:
         block_v = 64 if B * H * max(V // 64, 1) >= 128 else 32
     BV = min(block_v, V)
-    grid = (B, H, V // BV)
+    NV = V // BV
+    grid = (B, H, NV)
     if v_fastest:  # the grid's first axis varies fastest in the launch order
         grid, at = grid[::-1], lambda f: lambda j, h, b: f(b, h, j)
     else:
         at = lambda f: f
+    # Every V axis as the programs split it: "blocks" keeps [V] and gives program j the block j of BV rows;
+    # "strided" views it as [BV, NV] (row n NV + j at (n, j), a free reshape) and gives program j the column j.
+    strided = v_tiles == "strided"
+    v_view, v_block = ((BV, NV), (BV, None)) if strided else ((V,), (BV,))
+    v_at = (lambda j: (0, j)) if strided else (lambda j: (j,))
+    pair = lambda k_part, v_part: (*k_part, *v_part) if k_axis == 0 else (*v_part, *k_part)  # in the state's order
 
     tok = lambda D: pl.BlockSpec((None, T, None, D), at(lambda b, h, j: (b, 0, h, 0)))
-    vtok = pl.BlockSpec((None, T, None, BV), at(lambda b, h, j: (b, 0, h, j)))
-    st = pl.BlockSpec((None, None, *tile(K, BV)), at(lambda b, h, j: (b, h, *tile(0, j))))
+    vtok = pl.BlockSpec((None, T, None, *v_block), at(lambda b, h, j: (b, 0, h, *v_at(j))))
+    st = pl.BlockSpec((None, None, *pair((K,), v_block)), at(lambda b, h, j: (b, h, *pair((0,), v_at(j)))))
     out_specs = [vtok, st]
-    out_shape = [jax.ShapeDtypeStruct((B, T, H, V), q.dtype), jax.ShapeDtypeStruct(state.shape, f32)]
+    out_shape = [jax.ShapeDtypeStruct((B, T, H, *v_view), q.dtype),
+                 jax.ShapeDtypeStruct((B, H, *pair((K,), v_view)), f32)]
     if output_states:
-        out_specs.append(pl.BlockSpec((None, None, T, *tile(K, BV)), at(lambda b, h, j: (b, h, 0, *tile(0, j)))))
-        out_shape.append(jax.ShapeDtypeStruct((B, H, T, *tile(K, V)), f32))
+        out_specs.append(pl.BlockSpec((None, None, T, *pair((K,), v_block)),
+                                      at(lambda b, h, j: (b, h, 0, *pair((0,), v_at(j))))))
+        out_shape.append(jax.ShapeDtypeStruct((B, H, T, *pair((K,), v_view)), f32))
     outs = pl.pallas_call(
         functools.partial(_decode_kernel, T=T, scale=float(scale), delta=delta, readout=readout, k_axis=k_axis),
         grid=grid,
@@ -173,7 +190,8 @@ def decode_step(q, k, v, g, beta, state, *, scale: float | None = None, output_s
         compiler_params=compiler_params(num_warps=num_warps, num_stages=1),
         interpret=interpret_mode(interpret),
         name="lineattn_decode_step",
-    )(q, k, v, g, beta, state)
+    )(q, k, v.reshape(B, T, H, *v_view), g, beta, state.reshape(B, H, *pair((K,), v_view)))
+    o, new_state = outs[0].reshape(B, T, H, V), outs[1].reshape(state.shape)
     if output_states:
-        return outs[0], outs[1], jnp.moveaxis(outs[2], 2, 1)
-    return outs[0], outs[1]
+        return o, new_state, jnp.moveaxis(outs[2].reshape(B, H, T, *tile(K, V)), 2, 1)
+    return o, new_state
