@@ -188,7 +188,10 @@
 #   passed; SHARDS=8 TEST_TIMEOUT=280 TESTS_K="head_dim_128 or fp64", 211 s). "vk" + "stored" on 8-16 warps: 3.87-3.89
 #   TB/s against the default's 3.76 and FLA's 3.84, but a copy on the "vk" grid reaches only 3.93-3.97 (4.11 on "kv"),
 #   so "vk" became that layout's opt-in defaults, not the step's. KDA fwd+bwd 0.739x / 0.756x jla's, 0.507x / 0.430x
-#   FLA's; forward 1.320 ms on this host (jla 1.683 there, 1.431 in run46d).
+#   FLA's; forward 1.320 ms on this host (jla 1.683 there, 1.431 in run46d). Next: decode_step(v_tiles="strided")
+#   (letter i: "vk" with each program's V rows strided, one state's tiles interleaved as "kv"'s are), its copies
+#   and a "kv" copy of whole rows: TESTS_K=decode_step_head_dim_128 BENCH_ARGS="--shapes= --fla= --decode=64x8fts,
+#   64x8ftsi,64x16ftsi,32x8ftsi,64x4ftsi,64x8ftc,64x8ftic,32x8ftic,128x8fc,64x4fc,64x4f" bash benchmarks/h200_issue2.sh
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
 #   --rule gdn for Gated DeltaNet, e.g. PROFILE_ARGS='--rule gdn --check --configs default;api.SCALAR_GATE=1')
