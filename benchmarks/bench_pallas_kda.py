@@ -179,15 +179,15 @@ def copy_state(state, block_v, warps, state_layout="kv", v_tiles="blocks"):
     written back in place, on the decode kernel's grid with the V tiles first (the bandwidth ceiling of that
     tiling)."""
     B, H = state.shape[:2]
+    if state_layout == "kv" and v_tiles != "blocks":
+        raise ValueError(f"copy_state: v_tiles {v_tiles!r} needs state_layout 'vk' (as decode_step does)")
     if state_layout == "kv":
         K, V = state.shape[2:]
         spec = pl.BlockSpec((None, None, K, block_v), lambda j, h, b: (b, h, 0, j))
-    elif v_tiles == "blocks":
+    else:
         V, K = state.shape[2:]
-        spec = pl.BlockSpec((None, None, block_v, K), lambda j, h, b: (b, h, j, 0))
-    else:  # V viewed as [block_v, V / block_v], as decode_step does
-        V, K = state.shape[2:]
-        spec = pl.BlockSpec((None, None, block_v, None, K), lambda j, h, b: (b, h, 0, j, 0))
+        spec = (pl.BlockSpec((None, None, block_v, K), lambda j, h, b: (b, h, j, 0)) if v_tiles == "blocks" else
+                pl.BlockSpec((None, None, block_v, None, K), lambda j, h, b: (b, h, 0, j, 0)))  # (decode_step's view)
     view = state.reshape(B, H, block_v, V // block_v, K) if v_tiles == "strided" else state
     copied = pl.pallas_call(_copy_kernel, grid=(V // block_v, H, B), in_specs=[spec], out_specs=spec,
                             out_shape=jax.ShapeDtypeStruct(view.shape, state.dtype), input_output_aliases={0: 0},

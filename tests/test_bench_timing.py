@@ -85,3 +85,5 @@ def test_decode_copy_ceiling_returns_the_state_in_every_tiling():
         copied = bench_pallas_kda.copy_state(state, block_v, warps, opts["state_layout"], opts["v_tiles"])
         np.testing.assert_array_equal(np.asarray(copied), np.asarray(state))
     assert bench_pallas_kda.decode_options(16, 4, "fti")["v_tiles"] == "strided"
+    with pytest.raises(ValueError, match="needs state_layout 'vk'"):
+        bench_pallas_kda.copy_state(state, 16, 4, "kv", "strided")
