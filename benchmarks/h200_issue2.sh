@@ -192,6 +192,10 @@
 #   (letter i: "vk" with each program's V rows strided, one state's tiles interleaved as "kv"'s are), its copies
 #   and a "kv" copy of whole rows: TESTS_K=decode_step_head_dim_128 BENCH_ARGS="--shapes= --fla= --decode=64x8fts,
 #   64x8ftsi,64x16ftsi,32x8ftsi,64x4ftsi,64x8ftc,64x8ftic,32x8ftic,128x8fc,64x4fc,64x4f" bash benchmarks/h200_issue2.sh
+#   Run51 (session 56, H100s only): that list's strided forms passed their GPU tests and ran at 99.5 % of their copy,
+#   but every copy on the H100 runs at 2.97-2.98 TB/s whatever the tiling. Still to run on an H200: TESTS_K=
+#   decode_step_head_dim_128 BENCH_ARGS="--shapes= --fla= --decode=64x8fts,64x8ftsi,64x16ftsi,32x8ftsi,128x8ftsi,
+#   32x16ftsi,64x8ftc,64x8ftic,32x8ftic,128x8ftic,64x16ftic,128x8fc,64x4fc,64x4f" bash benchmarks/h200_issue2.sh
 #   PROFILE=1 [PROFILE_ARGS="..."]   profile_pallas_kda.py instead (per-kernel device time of one call, lineattn
 #   and jla; --configs sets module constants such as chunk_bwd.WY_WARPS=4 or chunk_fwd.PASS_STAGES=1 for sweeps;
 #   --rule gdn for Gated DeltaNet, e.g. PROFILE_ARGS='--rule gdn --check --configs default;api.SCALAR_GATE=1')
